@@ -1,0 +1,36 @@
+"""elbowroom: train PyTorch models bigger than your GPU at nearly full speed.
+
+Importing elbowroom never initialises CUDA; the public verbs are re-exported lazily so that
+``import elbowroom`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "checkpoint": "elbowroom.activations.checkpoint",
+    "gradient_checkpointing_enable": "elbowroom.activations.checkpoint",
+    "offload": "elbowroom.activations.offload",
+    "CPUOffloadOptimizer": "elbowroom.optim.offload",
+    "ModelConfig": "elbowroom.train.models",
+    "build_model": "elbowroom.train.models",
+    "train": "elbowroom.train.trainer",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elbowroom' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,1 @@
+"""elbowroom.export"""

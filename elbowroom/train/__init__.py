@@ -1,0 +1,1 @@
+"""The trainer: reference models, data, the training loop, checkpoints and metrics."""
