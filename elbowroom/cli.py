@@ -1,0 +1,138 @@
+"""The ``elbowroom`` command: ``train`` and ``prepare`` (``plan``, ``report`` and ``bench`` come with the planner).
+
+Bad input (an unknown key, a wrong type, a missing data file, a checkpoint of another model) prints one
+line naming the problem and the fix and exits with code 2, without a traceback and without writing
+anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+USAGE = """usage: elbowroom COMMAND [options]
+
+commands:
+  train     train the reference LM (default: the tiny model on Python's own stdlib source, CPU-friendly)
+  prepare   turn a text file or folder into a token file (.bin) for --data.path
+
+`elbowroom COMMAND --help` shows a command's options.
+"""
+
+TRAIN_USAGE = """usage: elbowroom train [--config FILE.toml] [--section.key VALUE ...]
+
+Train a reference decoder LM. Values come from the defaults, then the TOML file, then the command line.
+Shortcuts: --out DIR, --steps N, --resume, --log-every N, --seed N, --device DEV.
+Writes OUT/metrics.jsonl (one JSON object per logged step), OUT/checkpoints/ and OUT/config.toml.
+"""
+
+EXIT_BAD_INPUT = 2
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(levelname).1s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"elbowroom {command}: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def cmd_train(argv: list[str]) -> int:
+    from elbowroom import config as C
+
+    if "-h" in argv or "--help" in argv:
+        print(TRAIN_USAGE + C.help_text())
+        return 0
+    config_file = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            if i + 1 >= len(argv):
+                return _fail("train", "--config needs a FILE.toml")
+            config_file = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--config="):
+            config_file = argv[i].split("=", 1)[1]
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    try:
+        cfg = C.resolve(config_file, rest)
+    except C.ConfigError as e:
+        return _fail("train", str(e))
+
+    from elbowroom.train.checkpoint import CheckpointError
+    from elbowroom.train.data import DataError
+    from elbowroom.train.trainer import train
+
+    _setup_logging()
+    try:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        with logging_redirect_tqdm():
+            result = train(cfg)
+    except (C.ConfigError, DataError, CheckpointError) as e:
+        return _fail("train", str(e))
+    if result.interrupted:
+        logging.getLogger("elbowroom").warning(
+            "interrupted at step %d; checkpoint saved in %s; continue with --resume", result.step, cfg.out
+        )
+    return 0
+
+
+def cmd_prepare(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="elbowroom prepare",
+        description="Turn a text file (or a folder of .txt files) into a memory-mapped token file for --data.path.",
+    )
+    p.add_argument("input", help="a UTF-8 text file, or a folder whose .txt files are read in sorted order")
+    p.add_argument("output", help="the token file to write (.bin); a .json sidecar describes it")
+    p.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer.json (default: bytes)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+
+    from elbowroom.train.data import DataError, prepare
+
+    _setup_logging()
+    try:
+        meta = prepare(args.input, args.output, tokenizer=args.tokenizer, progress=not args.no_progress)
+    except (DataError, ImportError) as e:
+        return _fail("prepare", str(e))
+    logging.getLogger("elbowroom").info(
+        "wrote %s: %s tokens (%s, vocab %s)", args.output, f"{meta['num_tokens']:,}", meta["dtype"], meta["vocab_size"]
+    )
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else EXIT_BAD_INPUT
+    if argv[0] in ("-V", "--version"):
+        from elbowroom import __version__
+
+        print(f"elbowroom {__version__}")
+        return 0
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        return _fail(argv[0], f"unknown command; choose one of {', '.join(COMMANDS)}")
+    return command(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

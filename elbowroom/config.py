@@ -1,0 +1,560 @@
+"""Config as a tree of dataclasses: loaded from TOML, overridden from the command line.
+
+Every field is typed and carries a one-line docstring (the string literal under it), which
+``elbowroom train --help`` shows. Values are checked in ``__post_init__`` with a message that names the
+field and the fix. Overrides are ``--section.key VALUE`` (``--section.key`` alone sets a bool to true).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from functools import cache
+from typing import Any, Literal, Union, get_args, get_origin
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config value, key or file is wrong; the message says which and how to fix it."""
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    """Named shape: tiny (CPU default), w1, w2, 7b; the fields below override it."""
+    arch: Literal["llama", "gpt2"] = "llama"
+    """Block family: llama (RMSNorm, RoPE, SwiGLU) or gpt2 (LayerNorm, learned positions, GELU)."""
+    dim: int | None = None
+    """Model width (None: the preset's)."""
+    n_layers: int | None = None
+    """Number of blocks (None: the preset's)."""
+    n_heads: int | None = None
+    """Attention heads (None: the preset's)."""
+    ffn_dim: int | None = None
+    """MLP hidden width (None: the preset's)."""
+    vocab_size: int | None = None
+    """Vocabulary size (None: the data's vocabulary for tiny, else the preset's)."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention and MLP outputs."""
+    fused_qkv: bool = True
+    """Compute q, k and v with one matmul."""
+
+    def __post_init__(self) -> None:
+        from elbowroom.train.models import PRESETS
+
+        if self.preset not in PRESETS:
+            raise ConfigError(f"model.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        for name in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {v}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class DataSection:
+    path: str | None = None
+    """Token file (.bin from `elbowroom prepare`); unset: the embedded byte-level corpus of Python's stdlib."""
+    seq_len: int = 128
+    """Tokens per sample."""
+    batch_size: int = 16
+    """Samples per micro-batch."""
+    variable_length: bool = False
+    """Train on whole documents of varying length, padded per batch with a loss mask."""
+    val_fraction: float = 0.05
+    """Share of the tokens (the last ones) held out for validation."""
+    num_workers: int = 1
+    """DataLoader worker processes (0: load in the main process)."""
+    pin_memory: bool = True
+    """Pin host batches for asynchronous copies (only where CUDA is used)."""
+    cache_dir: str | None = None
+    """Where the embedded corpus is cached (default ~/.cache/elbowroom, or $ELBOWROOM_CACHE)."""
+
+    def __post_init__(self) -> None:
+        if self.seq_len <= 0:
+            raise ConfigError(f"data.seq_len must be positive, got {self.seq_len}")
+        if self.batch_size <= 0:
+            raise ConfigError(f"data.batch_size must be positive, got {self.batch_size}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class TrainSection:
+    steps: int = 200
+    """Optimizer steps to run (the total, counting steps done before a resume)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; the loss is normalised by the target tokens of the whole step."""
+    seed: int = 1337
+    """Seed for initialisation, data order and dropout."""
+    device: str = "auto"
+    """Device: auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Autocast precision: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, or fp16 (with a GradScaler)."""
+    max_grad_norm: float | None = 1.0
+    """Clip gradients to this global L2 norm (None or 0: no clipping)."""
+    eval_every: int = 50
+    """Validate every N steps and at the end (0: only at the end)."""
+    eval_batches: int = 8
+    """Validation micro-batches per evaluation."""
+    compile: bool = False
+    """Wrap the model with torch.compile."""
+    deterministic: bool = False
+    """Ask torch for deterministic algorithms (CPU runs are deterministic regardless)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ConfigError(f"train.steps must be >= 0, got {self.steps}")
+        if self.gradient_accumulation_steps <= 0:
+            raise ConfigError(
+                f"train.gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}"
+            )
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise ConfigError(f"train.max_grad_norm must be >= 0 or unset, got {self.max_grad_norm}")
+        if self.eval_every < 0 or self.eval_batches < 0:
+            raise ConfigError("train.eval_every and train.eval_batches must be >= 0")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 3e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms, biases and embeddings)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas, written as 0.9,0.95 on the command line."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    fused: bool = True
+    """Use torch's fused AdamW kernel where the device has one."""
+    offload_fraction: float = 0.0
+    """Share of parameter bytes whose fp32 master and optimizer state live in pinned host memory."""
+    offload_gradients: bool = False
+    """Free GPU gradients once copied to the host (only with offload_fraction > 0)."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ConfigError(f"optimizer.lr must be >= 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer.betas must each be in [0, 1), got {self.betas}")
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ConfigError(f"optimizer.offload_fraction must be in [0, 1], got {self.offload_fraction}")
+        if self.offload_gradients and self.offload_fraction == 0.0:
+            raise ConfigError(
+                "optimizer.offload_gradients needs optimizer.offload_fraction > 0 (nothing is offloaded at 0)"
+            )
+
+
+@dataclass
+class SchedulerSection:
+    name: Literal["cosine", "onecycle", "constant"] = "cosine"
+    """LR schedule: cosine (linear warmup then cosine decay), onecycle, or constant (after warmup)."""
+    warmup_steps: int = 20
+    """Steps of linear warmup from 0 (cosine, constant); onecycle uses warmup_steps / steps as its pct_start."""
+    min_lr_ratio: float = 0.1
+    """Final LR of the cosine decay as a fraction of the peak."""
+    decay_steps: int | None = None
+    """Length of the schedule in steps (None: train.steps); set it to stop early and resume on the same curve."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError(f"scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.decay_steps is not None and self.decay_steps <= 0:
+            raise ConfigError(f"scheduler.decay_steps must be positive or unset, got {self.decay_steps}")
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 100
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep: int = 2
+    """Keep the newest K checkpoints; older ones are deleted after a successful save."""
+    enabled: bool = True
+    """Write checkpoints at all."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every must be >= 0, got {self.every}")
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep must be >= 1, got {self.keep}")
+
+
+@dataclass
+class ActivationsSection:
+    checkpoint: Literal["none", "full", "selective"] = "none"
+    """Recompute in backward: none, full (whole blocks) or selective (keep matmuls and attention)."""
+    every: int = 1
+    """Apply recompute to every N-th block."""
+    offload_ratio: float = 0.0
+    """Share of the saved activation bytes moved to pinned host memory (0 disables offload)."""
+    offload_checkpoint_inputs: bool = False
+    """Offload only the inputs of recomputed blocks (needs checkpoint = full)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"activations.every must be >= 1, got {self.every}")
+        if not 0.0 <= self.offload_ratio <= 1.0:
+            raise ConfigError(f"activations.offload_ratio must be in [0, 1], got {self.offload_ratio}")
+        if self.offload_checkpoint_inputs and self.checkpoint != "full":
+            raise ConfigError(
+                "activations.offload_checkpoint_inputs needs activations.checkpoint = full "
+                f"(got {self.checkpoint!r}); set --activations.checkpoint full"
+            )
+
+
+@dataclass
+class LoggingSection:
+    log_every: int = 10
+    """Log metrics every N steps (and at the first and last step)."""
+    progress: bool = True
+    """Show a progress bar (turned off automatically when stderr is not a terminal)."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars under OUT/tensorboard (needs the tensorboard extra)."""
+
+    def __post_init__(self) -> None:
+        if self.log_every < 1:
+            raise ConfigError(f"logging.log_every must be >= 1, got {self.log_every}")
+
+
+@dataclass
+class Config:
+    out: str = "runs/default"
+    """Run directory: metrics.jsonl, checkpoints/ and the resolved config.toml go there."""
+    resume: bool = False
+    """Continue from the newest valid checkpoint in OUT/checkpoints."""
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    activations: ActivationsSection = field(default_factory=ActivationsSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def __post_init__(self) -> None:
+        if not self.out:
+            raise ConfigError("out must name a directory")
+
+
+# Short flags users expect from nanoGPT/torchtitan-style CLIs, mapped to their dotted keys.
+ALIASES = {
+    "steps": "train.steps",
+    "log-every": "logging.log_every",
+    "log_every": "logging.log_every",
+    "seed": "train.seed",
+    "device": "train.device",
+    "budget": None,  # reserved for the planner; rejected with a message until it lands
+}
+
+
+# ---------------------------------------------------------------- field docs
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings under each field of a dataclass, read from its source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # source unavailable (frozen app): no help text, nothing breaks
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _resolved_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def iter_options(cfg_cls: type = Config) -> list[tuple[str, Any, Any, str]]:
+    """Every option as (dotted key, type, default, doc), in declaration order."""
+    out = []
+    hints = _resolved_types(cfg_cls)
+    docs = field_docs(cfg_cls)
+    for f in fields(cfg_cls):
+        tp = hints[f.name]
+        if _is_section(tp):
+            sub_hints = _resolved_types(tp)
+            sub_docs = field_docs(tp)
+            for sf in fields(tp):
+                out.append((f"{f.name}.{sf.name}", sub_hints[sf.name], _default(sf), sub_docs.get(sf.name, "")))
+        else:
+            out.append((f.name, tp, _default(f), docs.get(f.name, "")))
+    return out
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def type_name(tp: Any) -> str:
+    """A short human name of a field type, for help and errors."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "|".join(str(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return type_name(args[0]) if len(args) == 1 else "|".join(type_name(a) for a in args)
+    if origin is tuple:
+        return ",".join(type_name(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+# ---------------------------------------------------------------- value conversion
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+_NONE = {"none", "null", ""}
+
+
+def convert(key: str, value: Any, tp: Any) -> Any:
+    """Convert a TOML or command-line value to the field type ``tp``; ConfigError on a mismatch."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in _NONE)):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return convert(key, value, inner[0])
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or len(items) != len(get_args(tp)):
+            raise ConfigError(f"{key} expects {len(get_args(tp))} values like 0.9,0.95, got {value!r}")
+        return tuple(convert(key, v, a) for v, a in zip(items, get_args(tp)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{key} expects true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} expects an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} expects an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} expects a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} expects a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp}")  # our own bug if reached
+
+
+# ---------------------------------------------------------------- building
+def _known_keys() -> list[str]:
+    return [k for k, *_ in iter_options()]
+
+
+def _unknown_key(key: str) -> ConfigError:
+    import difflib
+
+    near = difflib.get_close_matches(key, _known_keys(), n=1)
+    hint = f"; did you mean {near[0]}?" if near else "; `elbowroom train --help` lists every option"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    """Build a validated Config from a nested dict (TOML layout); unknown keys and wrong types raise."""
+    hints = _resolved_types(Config)
+    top: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in hints:
+            raise _unknown_key(name)
+        tp = hints[name]
+        if _is_section(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{name}] must be a table of keys, got {value!r}")
+            sub_hints = _resolved_types(tp)
+            kwargs = {}
+            for k, v in value.items():
+                if k not in sub_hints:
+                    raise _unknown_key(f"{name}.{k}")
+                kwargs[k] = convert(f"{name}.{k}", v, sub_hints[k])
+            try:
+                top[name] = tp(**kwargs)
+            except ConfigError:
+                raise
+            except ValueError as e:  # validation that lives in a shared dataclass
+                raise ConfigError(str(e)) from None
+        else:
+            top[name] = convert(name, value, tp)
+    return Config(**top)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config file, with a clear error for a missing or malformed one."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass an existing --config FILE.toml") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``raw["a"]["b"] = value`` for key "a.b" (creating the table)."""
+    parts = key.split(".")
+    if len(parts) > 2:
+        raise _unknown_key(key)
+    if len(parts) == 1:
+        raw[key] = value
+        return
+    section = raw.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"{parts[0]} is a section; set its keys as --{parts[0]}.KEY VALUE")
+    section[parts[1]] = value
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Parse ``--a.b VALUE``, ``--a.b=VALUE`` and bare ``--a.b`` (true for bools) into (key, value)."""
+    hints = {k: tp for k, tp, *_ in iter_options()}
+    out: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        if not tok.startswith("--") or tok == "--":
+            raise ConfigError(f"unexpected argument {tok!r}; options look like --section.key VALUE")
+        name, eq, value = tok[2:].partition("=")
+        if name in ALIASES:
+            if ALIASES[name] is None:
+                raise ConfigError(f"--{name} is not available yet: the planner that honours it has not landed")
+            name = ALIASES[name]
+        name = name.replace("-", "_") if name not in hints else name
+        if name not in hints:
+            raise _unknown_key(name)
+        tp = hints[name]
+        if not eq:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            is_bool = tp is bool
+            if is_bool and (nxt is None or nxt.startswith("--") or nxt.lower() not in _TRUE | _FALSE):
+                value = "true"
+            elif nxt is None or (nxt.startswith("--") and not _looks_numeric(nxt)):
+                raise ConfigError(f"--{name} needs a value ({type_name(tp)})")
+            else:
+                value = nxt
+                i += 1
+        out.append((name, value))
+        i += 1
+    return out
+
+
+def _looks_numeric(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def resolve(config_file: str | None, overrides: list[str]) -> Config:
+    """The config of a run: defaults, then the TOML file, then command-line overrides."""
+    raw: dict[str, Any] = load_toml(config_file) if config_file else {}
+    for key, value in parse_overrides(overrides):
+        set_dotted(raw, key, value)
+    return build_config(raw)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A config as a plain nested dict (tuples as lists, so it is TOML- and JSON-friendly)."""
+    d = dataclasses.asdict(cfg)
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: fix(v) for k, v in x.items()}
+        if isinstance(x, tuple):
+            return list(x)
+        return x
+
+    return fix(d)
+
+
+def to_toml(cfg: Config) -> str:
+    """Serialise a config to TOML (None values are left out: they mean "the default")."""
+    lines: list[str] = []
+    d = to_dict(cfg)
+    for k, v in d.items():
+        if not isinstance(v, dict) and v is not None:
+            lines.append(f"{k} = {_toml_value(v)}")
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(f"\n[{k}]")
+            lines.extend(f"{sk} = {_toml_value(sv)}" for sk, sv in v.items() if sv is not None)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def help_text() -> str:
+    """Every option with its type, default and docstring, grouped by section."""
+    lines = []
+    section = None
+    for key, tp, default, doc in iter_options():
+        sec = key.split(".")[0] if "." in key else ""
+        if sec != section:
+            section = sec
+            lines.append(f"\n[{sec}]" if sec else "\n[top level]")
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        lines.append(f"  --{key} {type_name(tp).upper() if tp is not bool else ''}".rstrip())
+        lines.append(f"      {doc} (default: {shown})")
+    return "\n".join(lines)

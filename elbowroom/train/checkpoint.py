@@ -1,0 +1,169 @@
+"""Training checkpoints: atomic, checksummed, the newest K kept, the newest valid one found on resume.
+
+A checkpoint is a directory ``step_00000010/`` holding ``state.pt`` (model, optimizer, schedule, RNG,
+data position) and ``meta.json`` (step, sha256 and size of state.pt, model config). It is written into a
+hidden temporary directory and renamed into place, so a crash mid-save never leaves a half checkpoint
+under a real name and never touches the previous one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used for this run (wrong model, nothing valid); the message says why."""
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what is written through it (one pass: no re-read after saving)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.size += len(b)
+        return self._f.write(b)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A checkpoint read back: its step, its state dict and its metadata."""
+
+    step: int
+    state: dict[str, Any]
+    meta: dict[str, Any]
+    path: Path
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints under one directory.
+
+    Args:
+        directory: where ``step_*`` directories live (created on first save).
+        keep: how many of the newest checkpoints to keep.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete-looking checkpoints as (step, path), newest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for p in self.directory.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir():
+                found.append((int(m.group(1)), p))
+        return sorted(found, reverse=True)
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint for ``step`` atomically and prune old ones; returns its path."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temporaries()
+        final = self.directory / f"step_{step:08d}"
+        tmp = self.directory / f".tmp-step_{step:08d}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        with open(tmp / "state.pt", "wb") as f:
+            w = _HashingWriter(f)
+            torch.save(state, w)
+            f.flush()
+            os.fsync(f.fileno())
+        info = dict(meta or {}, step=step, sha256=w.sha.hexdigest(), size=w.size, format=1)
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(info, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. on a signal right after a periodic save)
+            old = self.directory / f".old-{final.name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.directory)
+        self._prune()
+        return final
+
+    def _remove_stale_temporaries(self) -> None:
+        for p in self.directory.iterdir():
+            if p.name.startswith((".tmp-", ".old-")):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _prune(self) -> None:
+        for _, path in self.checkpoints()[self.keep :]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def validate(self, path: Path) -> dict[str, Any]:
+        """The metadata of a checkpoint if its files are whole; ValueError saying what is wrong if not."""
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path.name}: meta.json unreadable ({e})") from None
+        state = path / "state.pt"
+        if not state.is_file():
+            raise ValueError(f"{path.name}: state.pt missing")
+        size = state.stat().st_size
+        if size != meta.get("size"):
+            raise ValueError(f"{path.name}: state.pt has {size} bytes, expected {meta.get('size')} (truncated)")
+        if _sha256_file(state) != meta.get("sha256"):
+            raise ValueError(f"{path.name}: state.pt checksum mismatch (corrupt)")
+        return meta
+
+    def load_latest(self, map_location: Any = "cpu") -> Loaded | None:
+        """The newest checkpoint that validates and loads; corrupt ones are skipped with a warning."""
+        for step, path in self.checkpoints():
+            try:
+                meta = self.validate(path)
+                state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any failure to read means "use the previous one"
+                log.warning("skipping checkpoint %s: %s; falling back to the previous one", path, e)
+                continue
+            return Loaded(step=step, state=state, meta=meta, path=path)
+        return None

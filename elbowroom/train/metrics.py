@@ -1,0 +1,141 @@
+"""Per-step metrics: the JSONL file other tools read, the log line, the progress bar, TensorBoard.
+
+Everything here runs on rank 0 only and only at log steps: the trainer hands it numbers it has already
+synchronised, so nothing in this module touches the device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("elbowroom.train")
+
+# Dense bf16/fp16 tensor-core peaks in FLOP/s, for MFU. Matched by substring of the device name, first hit wins.
+PEAK_FLOPS: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("B100", 1750e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 125e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+]
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense half-precision peak FLOP/s, or None where unknown (CPU, unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_FLOPS:
+        if key in name:
+            return value
+    return None
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """Peak memory so far: allocated and reserved on CUDA (host-side counters, no sync), RSS on CPU."""
+    if device.type == "cuda":
+        return {
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_memory_bytes": rss if sys.platform == "darwin" else rss * 1024}
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step to ``metrics.jsonl`` and mirrors it to log and TensorBoard.
+
+    Args:
+        out_dir: the run directory.
+        resume_step: when resuming, rows after this step (written after the checkpoint by an earlier,
+            interrupted run) are dropped so the file continues the exact curve; None starts a new file.
+        tensorboard: also write TensorBoard scalars (needs the ``tensorboard`` package).
+    """
+
+    def __init__(self, out_dir: Path, *, resume_step: int | None, tensorboard: bool = False) -> None:
+        self.path = out_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        elif self.path.exists():
+            self.path.unlink()
+        self._f = open(self.path, "a", buffering=1)  # line buffered: a crash loses at most one line
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ValueError(
+                    "logging.tensorboard needs the tensorboard package: pip install 'elbowroom[tensorboard]'"
+                ) from e
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def _truncate_after(self, step: int) -> None:
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a crash
+                continue
+            if row.get("step", 0) <= step:
+                keep.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        os.replace(tmp, self.path)
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                    self._tb.add_scalar(k, v, row["step"])
+        log.info(format_row(row))
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_row(row: dict[str, Any]) -> str:
+    """The torchtitan-shaped log line: step, loss, lr, grad norm, speed, memory."""
+    parts = [f"step {row['step']:>6}"]
+    if "loss" in row:
+        parts.append(f"loss {row['loss']:.4f}")
+    if "val_loss" in row:
+        parts.append(f"val {row['val_loss']:.4f}")
+    if "lr" in row:
+        parts.append(f"lr {row['lr']:.2e}")
+    if row.get("grad_norm") is not None:
+        parts.append(f"gnorm {row['grad_norm']:.3f}")
+    if "tokens_per_s" in row:
+        parts.append(f"tok/s {row['tokens_per_s']:,.0f}")
+    if row.get("tflops") is not None:
+        parts.append(f"TFLOP/s {row['tflops']:.1f}")
+    if row.get("mfu") is not None:
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    if "peak_memory_bytes" in row:
+        parts.append(f"mem {row['peak_memory_bytes'] / 2**30:.2f}GiB")
+    return "  ".join(parts)

@@ -1,0 +1,450 @@
+"""The training loop, readable top to bottom: build, maybe resume, then step until done.
+
+One optimizer step = ``gradient_accumulation_steps`` micro-batches whose summed token losses are divided
+by the number of target tokens of the *whole step* (counted on the host from the batches, so it costs no
+device sync). The loop syncs with the device only where logging, evaluation or a checkpoint asks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from elbowroom.config import Config, ConfigError, to_dict, to_toml
+from elbowroom.train import data as D
+from elbowroom.train.checkpoint import CheckpointError, CheckpointManager
+from elbowroom.train.metrics import MetricsLogger, peak_flops, peak_memory
+from elbowroom.train.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
+from elbowroom.train.schedule import build_scheduler
+
+log = logging.getLogger("elbowroom.train")
+
+
+@dataclass
+class TrainResult:
+    """What a run did: the last step reached, its losses, and why it stopped."""
+
+    step: int
+    losses: dict[int, float]
+    """Training loss of every logged step."""
+    val_losses: dict[int, float]
+    """Validation loss of every evaluated step."""
+    interrupted: bool = False
+    """True when a signal stopped the run (a checkpoint was saved first)."""
+    out: Path | None = None
+
+
+# ---------------------------------------------------------------- building blocks
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device is {name!r} but CUDA is not available; use --train.device cpu")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def resolve_model_config(cfg: Config, data_vocab: int) -> ModelConfig:
+    """The model shape: the preset, the user's overrides, the data's vocabulary and sequence length."""
+    m = cfg.model
+    preset = PRESETS[m.preset]
+    vocab = m.vocab_size
+    if vocab is None:
+        # The tiny preset follows the data (256 bytes by default); big presets keep their 32000
+        # unless the data needs more.
+        vocab = data_vocab if m.preset == "tiny" else max(preset.vocab_size, data_vocab)
+    try:
+        return ModelConfig.from_preset(
+            m.preset,
+            arch=m.arch,
+            dim=m.dim,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            ffn_dim=m.ffn_dim,
+            vocab_size=vocab,
+            dropout=m.dropout,
+            fused_qkv=m.fused_qkv,
+            max_seq_len=max(preset.max_seq_len, cfg.data.seq_len),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on matmul weights; none on norms, biases and embeddings."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() < 2 or name.startswith(("tok_emb.", "pos_emb.")):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    groups = param_groups(model, o.weight_decay)
+    if o.offload_fraction > 0 or o.offload_gradients:
+        from elbowroom.optim import build_optimizer as build_offload
+
+        return build_offload(
+            groups,
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=o.betas,
+            eps=o.eps,
+            fused=o.fused,
+            offload_fraction=o.offload_fraction,
+            offload_gradients=o.offload_gradients,
+        )
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=o.fused or None)
+
+
+def apply_activations(model: DecoderLM, cfg: Config) -> None:
+    a = cfg.activations
+    if a.checkpoint == "none" and a.offload_ratio == 0.0:
+        return
+    from elbowroom.activations import apply_activation_policy
+
+    apply_activation_policy(
+        model,
+        checkpoint=a.checkpoint,
+        every=a.every,
+        offload_ratio=a.offload_ratio,
+        offload_checkpoint_inputs=a.offload_checkpoint_inputs,
+    )
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over target tokens (-100 = padding, ignored); the caller divides."""
+    return F.cross_entropy(
+        logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100, reduction="sum"
+    )
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _StopSignal:
+    """Turns SIGTERM/SIGINT into a flag the loop checks after each step; a second SIGINT aborts."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignal:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no signal handling there
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        log.warning("received %s: finishing this step, saving a checkpoint, then exiting", signal.Signals(signum).name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def _check_out_dir(out: Path, resume: bool) -> None:
+    """Refuse to write over an earlier run unless resuming it."""
+    if resume:
+        return
+    existing = [p.name for p in (out / "metrics.jsonl", out / "checkpoints") if p.exists()]
+    if existing:
+        raise ConfigError(
+            f"{out} already holds a run ({', '.join(existing)}); continue it with --resume, "
+            "or choose another --out"
+        )
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- the run
+def train(cfg: Config) -> TrainResult:
+    """Train as ``cfg`` says; returns the losses. Raises ConfigError / DataError / CheckpointError on bad input.
+
+    Args:
+        cfg: the resolved run configuration (see ``elbowroom.config.Config``).
+
+    Returns:
+        A :class:`TrainResult` with the logged training and validation losses.
+    """
+    out = Path(cfg.out)
+    _check_out_dir(out, cfg.resume)
+    device = resolve_device(cfg.train.device)
+    amp_dtype = resolve_dtype(cfg.train.dtype, device)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    # --- data (validated before anything is written to OUT)
+    cache_dir = cfg.data.cache_dir or os.environ.get("ELBOWROOM_CACHE")
+    tokens = D.load_tokens(cfg.data.path, cache_dir=cache_dir)
+    train_tokens, val_tokens = D.split(tokens, cfg.data.val_fraction)
+    seq_len, bsz, accum = cfg.data.seq_len, cfg.data.batch_size, cfg.train.gradient_accumulation_steps
+    if cfg.data.variable_length:
+        if tokens.eos_id is None:
+            raise ConfigError(
+                f"data.variable_length needs documents separated by an end-of-document token, and {tokens.path} "
+                "declares none; prepare the file with `elbowroom prepare` or drop --data.variable_length"
+            )
+        train_ds = D.DocumentDataset(train_tokens, seq_len, tokens.eos_id)
+        val_ds = D.DocumentDataset(val_tokens, seq_len, tokens.eos_id)
+        collate = D.pad_collate
+    else:
+        train_ds, val_ds = D.ChunkDataset(train_tokens, seq_len), D.ChunkDataset(val_tokens, seq_len)
+        collate = D.collate
+    for name, ds in (("training", train_ds), ("validation", val_ds)):
+        if len(ds) < (bsz if name == "training" else 1):
+            raise D.DataError(
+                f"the {name} split of {tokens.path} has {len(ds)} samples of {seq_len + 1} tokens, fewer than "
+                f"one batch of {bsz}; use more data, a smaller --data.seq_len or --data.batch_size"
+            )
+
+    # --- model, optimizer, schedule: seeded so that every run with this config starts identically
+    torch.manual_seed(cfg.train.seed)
+    random.seed(cfg.train.seed)
+    model_cfg = resolve_model_config(cfg, tokens.vocab_size)
+    D.check_vocab(tokens.vocab_size, model_cfg.vocab_size)
+    model = build_model(model_cfg, device=device)
+    apply_activations(model, cfg)
+    optimizer = build_optimizer(model, cfg, device)
+    scheduler = build_scheduler(
+        optimizer,
+        cfg.scheduler.name,
+        total_steps=cfg.scheduler.decay_steps or cfg.train.steps,
+        warmup_steps=cfg.scheduler.warmup_steps,
+        min_lr_ratio=cfg.scheduler.min_lr_ratio,
+    )
+    scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
+    fwd_model: nn.Module = torch.compile(model) if cfg.train.compile else model
+
+    # --- resume: model, optimizer, schedule, scaler, RNG and data position from the newest valid checkpoint
+    ckpts = CheckpointManager(out / "checkpoints", keep=cfg.checkpoint.keep)
+    step, samples_seen = 0, 0
+    if cfg.resume:
+        loaded = ckpts.load_latest(map_location="cpu")
+        if loaded is None:
+            log.warning("--resume: no valid checkpoint in %s; starting from step 0", ckpts.directory)
+        else:
+            saved_model = loaded.meta.get("model")
+            if saved_model != model_cfg.to_dict():
+                diff = {k: (saved_model.get(k), v) for k, v in model_cfg.to_dict().items()
+                        if saved_model is None or saved_model.get(k) != v}
+                raise CheckpointError(
+                    f"checkpoint {loaded.path} was written for another model (checkpoint vs now: {diff}); "
+                    "resume with the same --model settings, or start a new run with another --out"
+                )
+            model.load_state_dict(loaded.state["model"])
+            optimizer.load_state_dict(loaded.state["optimizer"])
+            scheduler.load_state_dict(loaded.state["scheduler"])
+            if scaler is not None and loaded.state.get("scaler"):
+                scaler.load_state_dict(loaded.state["scaler"])
+            set_rng_state(loaded.state["rng"], device)
+            step, samples_seen = loaded.step, loaded.state["samples_seen"]
+            log.info("resumed from %s at step %d", loaded.path, step)
+
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(out / "config.toml", to_toml(cfg))
+    metrics = MetricsLogger(out, resume_step=step if cfg.resume else None, tensorboard=cfg.logging.tensorboard)
+
+    # --- loaders: the sampler starts at the data position, so a resumed run sees the same samples
+    pin = cfg.data.pin_memory and device.type == "cuda"
+    loader = D.build_dataloader(
+        train_ds,
+        batch_size=bsz,
+        seed=cfg.train.seed,
+        start_sample=samples_seen,
+        num_workers=cfg.data.num_workers,
+        pin_memory=pin,
+        persistent_workers=cfg.data.num_workers > 0,
+        collate_fn=collate,
+    )
+    batches = iter(D.DevicePrefetcher(loader, device))
+    eval_loader = D.build_eval_loader(val_ds, batch_size=bsz, num_batches=cfg.train.eval_batches, collate_fn=collate)
+
+    n_params = count_params(model)
+    flops_tok = flops_per_token(model_cfg, seq_len)
+    peak = peak_flops(device) if amp_dtype != torch.float32 else None
+    log.info(
+        "model %s/%s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d steps of %d x %d x %d tokens",
+        model_cfg.arch, cfg.model.preset, n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
+        cfg.train.steps, accum, bsz, seq_len,
+    )
+    autocast = (
+        torch.autocast(device.type, dtype=amp_dtype) if amp_dtype != torch.float32 else contextlib.nullcontext()
+    )
+    params = [p for p in model.parameters() if p.requires_grad]
+    result = TrainResult(step=step, losses={}, val_losses={}, out=out)
+    progress = _progress_bar(cfg, step)
+
+    def save(at: int) -> None:
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": rng_state(device),
+            "samples_seen": samples_seen,
+        }
+        path = ckpts.save(at, state, {"model": model_cfg.to_dict(), "config": to_dict(cfg)})
+        log.info("saved checkpoint %s", path)
+
+    # --- the loop
+    tokens_since_log, t_log = 0, time.perf_counter()
+    loss_acc = torch.zeros((), device=device)
+    try:
+        with _StopSignal() as stop:
+            while step < cfg.train.steps:
+                model.train()
+                micro = [next(batches) for _ in range(accum)]
+                step_tokens = sum(b["num_tokens"] for b in micro)  # host ints: no device sync
+                for b in micro:
+                    with autocast:
+                        logits = fwd_model(b["input_ids"])
+                    loss = token_loss_sum(logits, b["targets"]) / step_tokens
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    loss_acc += loss.detach()
+                samples_seen += accum * bsz
+                tokens_since_log += sum(b["input_ids"].numel() for b in micro)
+
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
+                if cfg.train.max_grad_norm:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+                else:
+                    grad_norm = None
+                lr = optimizer.param_groups[0]["lr"]
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                step += 1
+                if progress is not None:
+                    progress.update(1)
+
+                last = step == cfg.train.steps or stop.received is not None
+                if step % cfg.logging.log_every == 0 or step == 1 or last:
+                    if grad_norm is None:
+                        grads = [p.grad for p in params if p.grad is not None]
+                        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+                    loss_val = loss_acc.item()  # host-device sync: logging asks for it
+                    now = time.perf_counter()
+                    tok_s = tokens_since_log / (now - t_log)
+                    row = {
+                        "step": step,
+                        "loss": loss_val,
+                        "lr": lr,
+                        "grad_norm": grad_norm.item() if grad_norm is not None else None,
+                        "tokens_per_s": tok_s,
+                        "tflops": tok_s * flops_tok / 1e12,
+                        "mfu": tok_s * flops_tok / peak if peak else None,
+                        "tokens": samples_seen * seq_len,
+                        "elapsed_s": now - t_log,
+                        **peak_memory(device),
+                    }
+                    if not math.isfinite(loss_val):
+                        log.warning("step %d: loss is %s", step, loss_val)
+                    result.losses[step] = loss_val
+                    metrics.write(row)
+                    if progress is not None:
+                        progress.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                    tokens_since_log, t_log = 0, time.perf_counter()
+                loss_acc.zero_()
+
+                if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
+                    val = evaluate(fwd_model, eval_loader, device, autocast)
+                    if val is not None:
+                        result.val_losses[step] = val
+                        metrics.write({"step": step, "val_loss": val})
+                    t_log = time.perf_counter()  # evaluation time is not training throughput
+
+                if cfg.checkpoint.enabled and (
+                    (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last
+                ):
+                    save(step)
+                    t_log = time.perf_counter()
+                if stop.received is not None:
+                    result.interrupted = True
+                    log.warning("stopped by signal at step %d; continue with --resume", step)
+                    break
+    finally:
+        metrics.close()
+        if progress is not None:
+            progress.close()
+    result.step = step
+    return result
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Any, device: torch.device, autocast: Any) -> float | None:
+    """Mean validation loss per target token over the eval batches (None when there are none)."""
+    model.eval()
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    n = 0
+    for b in D.DevicePrefetcher(loader, device):
+        with autocast:
+            logits = model(b["input_ids"])
+        total += token_loss_sum(logits, b["targets"]).double()
+        n += b["num_tokens"]
+    model.train()
+    return total.item() / n if n else None  # host-device sync: evaluation result
+
+
+def _progress_bar(cfg: Config, step: int) -> Any:
+    import sys
+
+    if not cfg.logging.progress or not sys.stderr.isatty() or os.environ.get("CI"):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
+
+
+def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """A copy of ``cfg`` with fields of its sections replaced, e.g. ``with_overrides(c, train={"steps": 5})``."""
+    changes = {name: replace(getattr(cfg, name), **values) for name, values in sections.items()}
+    return replace(cfg, **changes)
