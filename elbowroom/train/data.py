@@ -1,0 +1,888 @@
+"""The trainer's data layer: token files, the built-in corpus, datasets, collation, sampling, prefetch.
+
+Token files are nanoGPT-style: a raw ``.bin`` of ``uint16`` or ``uint32`` tokens, memory-mapped, with a
+small JSON sidecar next to it (``runs/x.bin`` -> ``runs/x.bin.json``)::
+
+    {"dtype": "uint16", "vocab_size": 256, "num_tokens": 123, "eos_id": 0, "tokenizer": "bytes"}
+
+The flow is ``prepare`` (text -> ``.bin``, once) -> ``load_tokens`` -> ``split`` -> ``ChunkDataset`` or
+``DocumentDataset`` -> ``build_dataloader`` (exactly resumable, never touches the global RNG) ->
+``DevicePrefetcher`` (host-to-device copies overlapped with compute). With no data file the built-in
+corpus is used: byte-level Python standard-library source, built on first use and cached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DataError",
+    "TokenFile",
+    "load_tokens",
+    "prepare",
+    "split",
+    "check_vocab",
+    "sidecar_path",
+    "default_cache_dir",
+    "build_default_corpus",
+    "ChunkDataset",
+    "DocumentDataset",
+    "collate",
+    "pad_collate",
+    "ResumableSampler",
+    "build_dataloader",
+    "build_eval_loader",
+    "DevicePrefetcher",
+    "IGNORE_INDEX",
+]
+
+IGNORE_INDEX = -100
+"""Target value at padded positions; ``F.cross_entropy`` ignores it by default."""
+
+BYTE_EOS_ID = 0
+"""End-of-document token of byte-level data: byte 0 never occurs in text or source files."""
+
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+# The built-in corpus: top-level stdlib modules plus these packages (tests excluded), sorted by relative
+# path and capped, so that it is ~6-8 MB and the same on every machine with the same Python minor version.
+# Bump _CORPUS_VERSION whenever the selection changes, so stale caches are not reused.
+_CORPUS_VERSION = 1
+_CORPUS_PACKAGES = (
+    "asyncio", "collections", "concurrent", "email", "http", "importlib", "json", "logging", "re", "urllib",
+)  # fmt: skip
+_CORPUS_EXCLUDED_PARTS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages"})
+_CORPUS_MAX_BYTES = 8 * 2**20
+
+# Text is read and written in blocks of this many bytes so that prepare() streams large inputs.
+_BLOCK_BYTES = 16 * 2**20
+# Inputs at least this large get a progress bar.
+_PROGRESS_MIN_BYTES = 64 * 2**20
+# Tokens scanned at once when searching a token file (max token, eos positions).
+_SCAN_TOKENS = 2**24
+# Special tokens tried, in order, as the end-of-document token of a Hugging Face tokenizer.
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
+
+
+class DataError(ValueError):
+    """A data file or data setting the trainer cannot use; the message says how to fix it."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Token files
+# --------------------------------------------------------------------------------------------------
+
+
+def sidecar_path(path: str | os.PathLike[str]) -> Path:
+    """The JSON sidecar of a token file: ``runs/x.bin`` -> ``runs/x.bin.json``."""
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def default_cache_dir() -> Path:
+    """``~/.cache/elbowroom``; the CLI lets ``ELBOWROOM_CACHE`` override it, the library never reads env vars."""
+    return Path("~/.cache/elbowroom").expanduser()
+
+
+@dataclass
+class TokenFile:
+    """A 1-D token array (usually a read-only memmap) and what is known about it.
+
+    Attributes:
+        tokens: The tokens, 1-D ``uint16`` or ``uint32``.
+        path: The ``.bin`` file the tokens come from; None for in-memory tokens.
+        eos_id: End-of-document token, or None when the data has no document separator.
+        tokenizer: ``"bytes"``, the path of a ``tokenizer.json``, or None when unknown.
+    """
+
+    tokens: np.ndarray
+    path: Path | None = None
+    eos_id: int | None = None
+    tokenizer: str | None = None
+    _vocab_size: int | None = field(default=None, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        """From the sidecar if there is one; otherwise max token + 1, computed once (a full scan)."""
+        if self._vocab_size is None:
+            logger.info("computing vocab_size of %s as max token + 1 (no sidecar)", self.path or "tokens")
+            self._vocab_size = _max_token(self.tokens) + 1
+        return self._vocab_size
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def load_tokens(
+    path: str | os.PathLike[str] | None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    dtype: str | None = None,
+    vocab_size: int | None = None,
+    eos_id: int | None = None,
+) -> TokenFile:
+    """Memory-maps a token file, or the built-in corpus when ``path`` is None.
+
+    Args:
+        path: A ``.bin`` token file, or None for the built-in byte-level corpus.
+        cache_dir: Where the built-in corpus is cached; None means :func:`default_cache_dir`.
+        dtype: ``"uint16"`` or ``"uint32"``, for files without a sidecar (default ``"uint16"``).
+        vocab_size: For files without a sidecar; None means max token + 1, computed when first asked.
+        eos_id: For files without a sidecar; None means the data has no document separator.
+
+    Returns:
+        The tokens (a read-only ``np.memmap``) and their metadata.
+
+    Raises:
+        DataError: The file is missing, empty, truncated, or disagrees with its sidecar or ``dtype``.
+    """
+    if path is None:
+        path = build_default_corpus(cache_dir)
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(
+            f"data file {path} does not exist; run `elbowroom prepare INPUT.txt {path}` first, "
+            "or leave the data path unset to train on the built-in corpus"
+        )
+    meta = _read_sidecar(path)
+    if meta is not None:
+        if dtype is not None and dtype != meta["dtype"]:
+            raise DataError(
+                f"dtype={dtype!r} was given but the sidecar {sidecar_path(path)} says {meta['dtype']!r}; "
+                "drop the dtype argument (the sidecar is authoritative) or fix the sidecar"
+            )
+        dtype = meta["dtype"]
+    dtype = dtype or "uint16"
+    if dtype not in _DTYPES:
+        raise DataError(f"token dtype must be 'uint16' or 'uint32', got {dtype!r}")
+    itemsize = np.dtype(_DTYPES[dtype]).itemsize
+    size = path.stat().st_size
+    if size == 0:
+        raise DataError(f"data file {path} is empty (0 tokens); run `elbowroom prepare INPUT.txt {path}` first")
+    if size % itemsize:
+        raise DataError(
+            f"data file {path} has {size} bytes, not a multiple of {itemsize} (the size of {dtype}): "
+            f"it is truncated or holds another dtype; pass the right dtype ('uint16' or 'uint32') "
+            f"or re-run `elbowroom prepare INPUT.txt {path}`"
+        )
+    num_tokens = size // itemsize
+    if meta is not None and meta["num_tokens"] != num_tokens:
+        raise DataError(
+            f"data file {path} holds {num_tokens} tokens but its sidecar {sidecar_path(path)} says "
+            f"{meta['num_tokens']}: the file was truncated or replaced; re-run `elbowroom prepare`"
+        )
+    tokens = np.memmap(path, dtype=_DTYPES[dtype], mode="r", shape=(num_tokens,))
+    if meta is not None:
+        return TokenFile(tokens, path, meta["eos_id"], meta["tokenizer"], meta["vocab_size"])
+    return TokenFile(tokens, path, eos_id, None, vocab_size)
+
+
+def _read_sidecar(path: Path) -> dict[str, Any] | None:
+    meta_path = sidecar_path(path)
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read sidecar {meta_path}: {e}; delete it or re-run `elbowroom prepare`") from e
+    required = ("dtype", "vocab_size", "num_tokens", "eos_id", "tokenizer")
+    missing = [key for key in required if key not in meta]
+    if missing:
+        raise DataError(f"sidecar {meta_path} lacks {', '.join(missing)}; re-run `elbowroom prepare` or add them")
+    return meta
+
+
+def check_vocab(meta_vocab: int, model_vocab: int) -> None:
+    """Raises DataError when the data holds token ids the model's embedding cannot look up.
+
+    Args:
+        meta_vocab: The data's vocab_size (``TokenFile.vocab_size``).
+        model_vocab: The model's vocab_size.
+    """
+    if meta_vocab > model_vocab:
+        raise DataError(
+            f"the data has vocab_size {meta_vocab} but the model's vocab_size is {model_vocab}; "
+            f"set the model's vocab_size to at least {meta_vocab} (--model.vocab_size {meta_vocab})"
+        )
+
+
+def split(token_file: TokenFile | np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Splits tokens into (train, validation): the last ``val_fraction`` of them are validation.
+
+    The split is contiguous and deterministic, like nanoGPT's. Parts of a file-backed ``TokenFile``
+    are memmaps of their own, so datasets built on them pickle by file name into worker processes.
+
+    Args:
+        token_file: A ``TokenFile`` or a 1-D token array.
+        val_fraction: Fraction in [0, 1) held out for validation (floored to whole tokens).
+
+    Returns:
+        ``(train_tokens, val_tokens)``; ``val_tokens`` is empty when ``val_fraction`` is 0.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    tokens = token_file.tokens if isinstance(token_file, TokenFile) else token_file
+    num_val = int(len(tokens) * val_fraction)
+    num_train = len(tokens) - num_val
+    return _slice(tokens, 0, num_train), _slice(tokens, num_train, len(tokens))
+
+
+def _slice(tokens: np.ndarray, start: int, stop: int) -> np.ndarray:
+    if _is_whole_memmap(tokens) and stop > start:
+        return np.memmap(
+            tokens.filename, dtype=tokens.dtype, mode="r", offset=tokens.offset + start * tokens.itemsize,
+            shape=(stop - start,),
+        )  # fmt: skip
+    return tokens[start:stop]
+
+
+def _is_whole_memmap(tokens: np.ndarray) -> bool:
+    # A memmap made by np.memmap() has the mmap as its base; a slice of one has the parent array as its
+    # base, and its .offset is the parent's, so only the former can be re-opened from (filename, offset).
+    return isinstance(tokens, np.memmap) and isinstance(tokens.base, mmap.mmap) and tokens.filename is not None
+
+
+def _max_token(tokens: np.ndarray) -> int:
+    if len(tokens) == 0:
+        raise DataError("cannot infer vocab_size of an empty token array; pass vocab_size explicitly")
+    return max(int(tokens[i : i + _SCAN_TOKENS].max()) for i in range(0, len(tokens), _SCAN_TOKENS))
+
+
+def _eos_positions(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    # Scanned in blocks so a memmap of billions of tokens never needs a full-size boolean mask.
+    found = [np.flatnonzero(tokens[i : i + _SCAN_TOKENS] == eos_id) + i for i in range(0, len(tokens), _SCAN_TOKENS)]
+    return np.concatenate(found).astype(np.int64) if found else np.empty(0, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing token files: the built-in corpus and prepare()
+# --------------------------------------------------------------------------------------------------
+
+
+class _AtomicWriter:
+    """Writes a file under a temporary name in its directory and renames it into place on success."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> Any:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        self._file = os.fdopen(fd, "wb")
+        return self._file
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._file.close()
+        if exc_type is None:
+            os.replace(self._tmp, self.path)  # readers see the old file or the whole new one, never a part
+        else:
+            os.unlink(self._tmp)
+
+
+def _write_sidecar(path: Path, meta: Mapping[str, Any]) -> None:
+    with _AtomicWriter(sidecar_path(path)) as f:
+        f.write((json.dumps(dict(meta), indent=2) + "\n").encode())
+
+
+def _corpus_files() -> list[Path]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = list(stdlib.glob("*.py"))
+    for package in _CORPUS_PACKAGES:
+        files += [f for f in (stdlib / package).rglob("*.py") if not _CORPUS_EXCLUDED_PARTS & set(f.parts)]
+    return sorted(files, key=lambda f: f.relative_to(stdlib).as_posix())
+
+
+def build_default_corpus(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Builds the built-in byte-level corpus into ``cache_dir`` unless it is cached there already.
+
+    The corpus is this Python's standard-library source (top-level modules and a fixed set of packages,
+    sorted by relative path, ~6-8 MB), one document per file, each followed by the eos byte 0. Nothing
+    is downloaded; the bytes depend only on the Python minor version.
+
+    Args:
+        cache_dir: Directory of the cached ``.bin``; None means :func:`default_cache_dir`.
+
+    Returns:
+        The path of the cached ``.bin`` (with its sidecar beside it).
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    path = cache_dir / f"stdlib-py{version}-v{_CORPUS_VERSION}.bin"
+    if path.is_file() and sidecar_path(path).is_file():
+        return path
+    files = _corpus_files()
+    if not files:
+        raise DataError(
+            f"this Python ships no standard-library source under {sysconfig.get_paths()['stdlib']}, so the "
+            "built-in corpus cannot be built; pass a data file made with `elbowroom prepare INPUT.txt OUT.bin`"
+        )
+    logger.info("building the built-in corpus from %d stdlib files into %s", len(files), path)
+    num_tokens = total = 0
+    with _AtomicWriter(path) as out:
+        for file in files:
+            data = file.read_bytes().replace(b"\x00", b"")
+            if total + len(data) > _CORPUS_MAX_BYTES:
+                break
+            total += len(data)
+            out.write(np.frombuffer(data + b"\x00", dtype=np.uint8).astype(np.uint16).tobytes())
+            num_tokens += len(data) + 1
+    meta = {"dtype": "uint16", "vocab_size": 256, "num_tokens": num_tokens, "eos_id": BYTE_EOS_ID,
+            "tokenizer": "bytes"}  # fmt: skip
+    _write_sidecar(path, meta)
+    return path
+
+
+def prepare(
+    input_path: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    eos_id: int | None | Literal["auto"] = "auto",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Turns a text file, or a directory of ``.txt`` files, into a token ``.bin`` and its sidecar.
+
+    Each file is one document and is followed by ``eos_id``. Byte-level by default: tokens are the
+    UTF-8 bytes, and the eos byte (0 by default) is removed from the text so it only separates
+    documents. With ``tokenizer``, text is encoded by a local Hugging Face ``tokenizer.json`` (needs
+    the ``tokenizers`` package), in chunks cut after newlines so large files stream. Both files are
+    written atomically.
+
+    Args:
+        input_path: A text file, or a directory whose ``*.txt`` files (sorted by name) are the documents.
+        output_path: The ``.bin`` to write; the sidecar goes to ``<output_path>.json``.
+        tokenizer: Path of a ``tokenizer.json``; None means byte-level (vocab 256).
+        eos_id: End-of-document token. ``"auto"``: 0 for bytes; for a tokenizer its ``<|endoftext|>``,
+            ``</s>`` or similar special token. None writes no separator.
+        progress: Show a progress bar for large inputs.
+
+    Returns:
+        The metadata written to the sidecar.
+
+    Raises:
+        DataError: The input is missing or empty, or ``eos_id`` does not fit the vocabulary.
+        ImportError: ``tokenizer`` was given but the ``tokenizers`` package is not installed.
+    """
+    input_path, output_path = Path(input_path), Path(output_path)
+    files = _input_files(input_path)
+    total_bytes = sum(f.stat().st_size for f in files)
+    if total_bytes == 0:
+        raise DataError(f"input {input_path} is empty (0 bytes of text); nothing to prepare")
+
+    if tokenizer is None:
+        eos = BYTE_EOS_ID if eos_id == "auto" else eos_id
+        vocab_size = 256 if eos is None else max(256, eos + 1)
+        encode = _byte_encoder(eos)
+        tokenizer_name = "bytes"
+    else:
+        tok = _load_tokenizer(Path(tokenizer))
+        vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        eos = _tokenizer_eos(tok, tokenizer) if eos_id == "auto" else eos_id
+        encode = _hf_encoder(tok)
+        tokenizer_name = str(Path(tokenizer).resolve())
+    if eos is not None and not 0 <= eos < max(vocab_size, 256 if tokenizer is None else 0):
+        raise DataError(f"eos_id must be in [0, {vocab_size}) for this vocabulary, got {eos}")
+
+    dtype = "uint16" if vocab_size < 2**16 else "uint32"
+    np_dtype = _DTYPES[dtype]
+    from tqdm.auto import tqdm  # imported here: only prepare() needs it
+
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"prepare {output_path.name}",
+               disable=not progress or total_bytes < _PROGRESS_MIN_BYTES)  # fmt: skip
+    num_tokens = 0
+    with bar, _AtomicWriter(output_path) as out:
+        for file in files:
+            for block in _read_blocks(file, split_after_newline=tokenizer is not None):
+                ids = encode(block)
+                out.write(ids.astype(np_dtype).tobytes())
+                num_tokens += len(ids)
+                bar.update(len(block))
+            if eos is not None:
+                out.write(np.array([eos], dtype=np_dtype).tobytes())
+                num_tokens += 1
+    if num_tokens == 0:
+        output_path.unlink()
+        raise DataError(f"input {input_path} produced 0 tokens; check that it holds text")
+    meta = {"dtype": dtype, "vocab_size": vocab_size, "num_tokens": num_tokens, "eos_id": eos,
+            "tokenizer": tokenizer_name}  # fmt: skip
+    _write_sidecar(output_path, meta)
+    logger.info("prepared %s: %d tokens, vocab %d, %s", output_path, num_tokens, vocab_size, dtype)
+    return meta
+
+
+def _input_files(input_path: Path) -> list[Path]:
+    if input_path.is_dir():
+        files = sorted(input_path.glob("*.txt"))
+        if not files:
+            raise DataError(f"directory {input_path} has no *.txt files; pass a text file or a directory of them")
+        return files
+    if not input_path.is_file():
+        raise DataError(f"input {input_path} does not exist; pass a text file or a directory of *.txt files")
+    return [input_path]
+
+
+def _read_blocks(file: Path, *, split_after_newline: bool) -> Iterator[bytes]:
+    """Yields the bytes of ``file`` in blocks; with ``split_after_newline`` each block ends after a newline
+    (or at the end of the file), so no block cuts a UTF-8 character or a word in two."""
+    carry = b""
+    with open(file, "rb") as f:
+        while block := f.read(_BLOCK_BYTES):
+            block = carry + block
+            if split_after_newline:
+                cut = block.rfind(b"\n") + 1
+                block, carry = (block[:cut], block[cut:]) if cut else (b"", block)
+            if block:
+                yield block
+    if carry:
+        yield carry
+
+
+def _byte_encoder(eos: int | None) -> Any:
+    def encode(block: bytes) -> np.ndarray:
+        ids = np.frombuffer(block, dtype=np.uint8)
+        if eos is not None and eos < 256:
+            ids = ids[ids != eos]  # the eos byte must only ever mean "end of document"
+        return ids
+
+    return encode
+
+
+def _load_tokenizer(path: Path) -> Any:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise ImportError(
+            "prepare(tokenizer=...) needs the Hugging Face `tokenizers` package: "
+            "pip install tokenizers (or pip install 'elbowroom[tokenizers]')"
+        ) from e
+    if not path.is_file():
+        raise DataError(f"tokenizer file {path} does not exist; pass the path of a local tokenizer.json")
+    return Tokenizer.from_file(str(path))
+
+
+def _tokenizer_eos(tok: Any, path: str | os.PathLike[str]) -> int:
+    for token in _EOS_CANDIDATES:
+        token_id = tok.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise DataError(
+        f"tokenizer {path} has none of the end-of-document tokens {', '.join(_EOS_CANDIDATES)}; "
+        "pass eos_id=<id> explicitly, or eos_id=None to write no document separator"
+    )
+
+
+def _hf_encoder(tok: Any) -> Any:
+    def encode(block: bytes) -> np.ndarray:
+        text = block.decode("utf-8", errors="replace")
+        return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    return encode
+
+
+# --------------------------------------------------------------------------------------------------
+# Datasets and collation
+# --------------------------------------------------------------------------------------------------
+
+
+class _TokenDataset(Dataset):
+    """Pickles a whole-file memmap by (file, offset, length), so worker processes started with spawn
+    or forkserver map the file again instead of receiving a copy of all its tokens."""
+
+    tokens: np.ndarray
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if _is_whole_memmap(self.tokens):
+            t = self.tokens
+            state["tokens"] = ("memmap", t.filename, t.dtype.str, t.offset, len(t))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state["tokens"], tuple):
+            _, filename, dtype, offset, length = state["tokens"]
+            state["tokens"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=(length,))
+        self.__dict__.update(state)
+
+
+def _check_seq_len(seq_len: int) -> None:
+    if seq_len <= 0:
+        raise DataError(f"seq_len must be positive, got {seq_len}")
+
+
+def _sample(window: np.ndarray) -> dict[str, torch.Tensor]:
+    ids = torch.from_numpy(window.astype(np.int64))
+    return {"input_ids": ids[:-1], "targets": ids[1:]}
+
+
+class ChunkDataset(_TokenDataset):
+    """Fixed-length training windows: item ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``.
+
+    Windows share one token with the next, so every token but the first is a target exactly once.
+    Items are ``{"input_ids": LongTensor[seq_len], "targets": LongTensor[seq_len]}``, targets being
+    the inputs shifted one to the left.
+
+    Args:
+        tokens: 1-D token array (a memmap stays a memmap: items are read on demand).
+        seq_len: Tokens per sample.
+        name: What the tokens are, for error messages ("validation split", a file name).
+
+    Raises:
+        DataError: Fewer than ``seq_len + 1`` tokens.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, name: str = "token data") -> None:
+        _check_seq_len(seq_len)
+        if len(tokens) < seq_len + 1:
+            raise DataError(
+                f"{name} has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; use more data, "
+                "a smaller seq_len, or (for the validation split) a larger val_fraction"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"ChunkDataset index {index} out of range [0, {len(self)})")
+        start = index * self.seq_len
+        return _sample(self.tokens[start : start + self.seq_len + 1])
+
+
+class DocumentDataset(_TokenDataset):
+    """Variable-length samples, one per document: item ``i`` is document (piece) ``i``.
+
+    A document is the tokens after the previous ``eos_id`` up to and including its own ``eos_id``, so
+    the model learns to end documents; trailing tokens without an eos form a last document. Documents
+    longer than ``seq_len + 1`` tokens are cut into pieces of at most ``seq_len + 1`` tokens that share
+    one token with the next piece (as ChunkDataset's windows do), so no target is lost. Pieces of fewer
+    than 2 tokens (empty documents) have no target and are dropped. Boundaries are indexed once, with
+    vectorised numpy. Batch with :func:`pad_collate`.
+
+    Args:
+        tokens: 1-D token array.
+        seq_len: Longest sample (tokens of ``input_ids``).
+        eos_id: The end-of-document token.
+        name: What the tokens are, for error messages.
+
+    Raises:
+        DataError: ``eos_id`` is None, or the tokens hold no document with a target.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, eos_id: int | None, *, name: str = "token data") -> None:
+        _check_seq_len(seq_len)
+        if eos_id is None:
+            raise DataError(
+                f"{name} has no eos_id, so it cannot be split into documents; use ChunkDataset, or "
+                "prepare the data with an end-of-document token"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.eos_id = eos_id
+        self.starts, self.lengths = self._index(tokens, seq_len, eos_id)
+        if len(self.starts) == 0:
+            raise DataError(f"{name} holds no document of 2 or more tokens; use more data")
+
+    @staticmethod
+    def _index(tokens: np.ndarray, seq_len: int, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+        ends = _eos_positions(tokens, eos_id) + 1  # exclusive: each document keeps its eos
+        if len(ends) == 0 or ends[-1] < len(tokens):
+            ends = np.append(ends, len(tokens))
+        starts = np.concatenate(([0], ends[:-1])).astype(np.int64)
+        lengths = ends - starts
+        keep = lengths >= 2
+        starts, ends, lengths = starts[keep], ends[keep], lengths[keep]
+        # A document of L tokens has L - 1 targets; pieces of seq_len targets each: ceil((L - 1) / seq_len).
+        num_pieces = (lengths - 2) // seq_len + 1
+        doc = np.repeat(np.arange(len(starts)), num_pieces)
+        first_piece = np.cumsum(num_pieces) - num_pieces
+        piece_in_doc = np.arange(len(doc)) - first_piece[doc]
+        piece_starts = starts[doc] + piece_in_doc * seq_len
+        piece_lengths = np.minimum(seq_len + 1, ends[doc] - piece_starts)
+        return piece_starts, piece_lengths
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        start, length = int(self.starts[index]), int(self.lengths[index])
+        return _sample(self.tokens[start : start + length])
+
+
+def collate(batch: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+    """Stacks fixed-length samples (from ChunkDataset).
+
+    Returns:
+        ``{"input_ids": LongTensor[b, s], "targets": LongTensor[b, s], "num_tokens": b * s}``, where
+        ``num_tokens`` is a Python int, so summing it over micro-batches needs no host-device sync.
+    """
+    input_ids = torch.stack([sample["input_ids"] for sample in batch])
+    targets = torch.stack([sample["targets"] for sample in batch])
+    return {"input_ids": input_ids, "targets": targets, "num_tokens": targets.numel()}
+
+
+def pad_collate(batch: Sequence[Mapping[str, torch.Tensor]], pad_id: int = 0) -> dict[str, Any]:
+    """Right-pads variable-length samples (from DocumentDataset) to the longest of the batch.
+
+    Args:
+        batch: Samples with 1-D ``input_ids`` and ``targets`` of equal length.
+        pad_id: Input token at padded positions (never a target, so its value does not matter).
+
+    Returns:
+        ``{"input_ids": LongTensor[b, s], "targets": LongTensor[b, s], "num_tokens": int}``: targets
+        are ``IGNORE_INDEX`` (-100) at padded positions and ``num_tokens`` counts the others, as a
+        Python int counted on the host.
+    """
+    lengths = [len(sample["input_ids"]) for sample in batch]
+    longest = max(lengths)
+    input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+    targets = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)
+    for row, (sample, length) in enumerate(zip(batch, lengths, strict=True)):
+        input_ids[row, :length] = sample["input_ids"]
+        targets[row, :length] = sample["targets"]
+    return {"input_ids": input_ids, "targets": targets, "num_tokens": sum(lengths)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling and loading
+# --------------------------------------------------------------------------------------------------
+
+
+class ResumableSampler(Sampler[int]):
+    """An endless stream of dataset indices that a resumed run can re-enter at any sample.
+
+    Epoch ``e`` is a permutation of ``range(num_items)`` drawn from
+    ``torch.Generator().manual_seed(seed + e)`` (or ``range(num_items)`` itself without shuffling), so
+    the stream is a function of ``seed`` alone. Iteration starts at global position ``start`` (epoch
+    ``start // num_items``, offset ``start % num_items``): a run resumed at sample ``p`` sees exactly
+    the samples an uninterrupted run sees from ``p`` on. The global torch RNG is never used.
+
+    Args:
+        num_items: Dataset length.
+        seed: Base seed of the per-epoch permutations.
+        start: Global sample position to start from (samples consumed before a resume).
+        shuffle: Permute each epoch; False yields ``0, 1, ..., num_items - 1`` repeatedly.
+    """
+
+    def __init__(self, num_items: int, *, seed: int, start: int = 0, shuffle: bool = True) -> None:
+        if num_items <= 0:
+            raise DataError(f"ResumableSampler needs at least one item, got num_items={num_items}")
+        if start < 0:
+            raise DataError(f"start must be >= 0, got {start}")
+        self.num_items = num_items
+        self.seed = seed
+        self.start = start
+        self.shuffle = shuffle
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The indices of ``epoch`` in the order they are sampled (an int64 tensor)."""
+        if not self.shuffle:
+            return torch.arange(self.num_items)
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_items, generator=generator)
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, offset = divmod(self.start, self.num_items)
+        while True:
+            # Converted to Python ints a block at a time: a list of all of them would cost ~35 bytes each.
+            for block in self.epoch_order(epoch)[offset:].split(2**16):
+                yield from block.tolist()
+            epoch, offset = epoch + 1, 0
+
+
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    seed: int,
+    start_sample: int,
+    num_workers: int,
+    pin_memory: bool,
+    persistent_workers: bool,
+    collate_fn: Any,
+    shuffle: bool = True,
+    drop_last: bool = True,
+) -> DataLoader:
+    """An endless, exactly resumable training loader.
+
+    Batches are consecutive ``batch_size`` runs of a :class:`ResumableSampler` stream, so after ``k``
+    batches a run resumes with ``start_sample = start_sample + k * batch_size`` and sees the same
+    batches an uninterrupted run would. Batches may span an epoch boundary; the stream never ends, so
+    ``drop_last`` never drops anything. The loader gets its own ``torch.Generator``: creating an
+    iterator draws the workers' base seed from it, not from the global RNG (which would shift every
+    later dropout mask and break exact resume).
+
+    Args:
+        dataset: A map-style dataset.
+        batch_size: Samples per batch.
+        seed: Seeds the sample order (and the loader's generator).
+        start_sample: Samples of the stream already consumed (0 for a fresh run).
+        num_workers: Loader worker processes; 0 loads in the main process.
+        pin_memory: Pin batches for asynchronous host-to-device copies; ignored without CUDA.
+        persistent_workers: Keep workers between iterators; ignored when ``num_workers`` is 0.
+        collate_fn: ``collate`` for fixed-length samples, ``pad_collate`` for documents.
+        shuffle: Permute each epoch.
+        drop_last: Passed to the BatchSampler.
+
+    Returns:
+        The DataLoader; iterate it as long as training runs.
+    """
+    if batch_size <= 0:
+        raise DataError(f"batch_size must be positive, got {batch_size}")
+    sampler = ResumableSampler(len(dataset), seed=seed, start=start_sample, shuffle=shuffle)
+    return DataLoader(
+        dataset,
+        batch_sampler=BatchSampler(sampler, batch_size, drop_last=drop_last),
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        pin_memory=_pin_memory(pin_memory),
+        persistent_workers=persistent_workers and num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def build_eval_loader(
+    dataset: Dataset, batch_size: int, num_batches: int, collate_fn: Any, *, pin_memory: bool = False
+) -> DataLoader:
+    """The first ``num_batches`` batches of ``dataset`` in order: the same every evaluation.
+
+    Args:
+        dataset: A map-style dataset (the validation split).
+        batch_size: Samples per batch.
+        num_batches: Batches per evaluation; fewer (the last one possibly short) if the dataset is small.
+        collate_fn: ``collate`` or ``pad_collate``.
+        pin_memory: Pin batches; ignored without CUDA.
+
+    Returns:
+        A finite DataLoader, loading in the main process.
+    """
+    if batch_size <= 0 or num_batches <= 0:
+        raise DataError(f"eval batch_size and num_batches must be positive, got {batch_size} and {num_batches}")
+    num_samples = min(len(dataset), batch_size * num_batches)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=range(num_samples),
+        drop_last=False,
+        collate_fn=collate_fn,
+        pin_memory=_pin_memory(pin_memory),
+        generator=torch.Generator().manual_seed(0),  # creating an iterator must not draw from the global RNG
+    )
+
+
+def _pin_memory(requested: bool) -> bool:
+    # torch.cuda.is_available() asks the driver for a device count without creating a CUDA context.
+    return requested and torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------------------------------
+# Host-to-device prefetch
+# --------------------------------------------------------------------------------------------------
+
+
+def _to_device(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    if isinstance(value, Mapping):
+        return {key: _to_device(v, device, non_blocking) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device, non_blocking) for v in value)
+    return value  # num_tokens and other host values pass through
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+_END = object()
+
+
+class DevicePrefetcher:
+    """Iterates batches already on ``device``; on CUDA the next batch's copy overlaps the current step.
+
+    On CUDA, batch ``k + 1`` is copied host-to-device on a side stream (``non_blocking=True``, which
+    is asynchronous when the loader pinned the batch) as soon as batch ``k`` is handed out. Before a
+    batch is handed out the consumer's current stream waits on the event recorded after its copy. On
+    any other device tensors are moved with a plain synchronous ``.to(device)``. Non-tensor values
+    (``num_tokens``) pass through unchanged. Iteration ends when ``iterable`` ends.
+
+    Args:
+        iterable: Yields batches (dicts, lists or tuples of tensors and host values).
+        device: Where the batches go.
+    """
+
+    def __init__(self, iterable: Iterable[Any], device: torch.device | str) -> None:
+        self.iterable = iterable
+        self.device = torch.device(device)
+        self._is_cuda = self.device.type == "cuda"
+        self._iterator: Iterator[Any] | None = None
+        self._next: Any = _END
+        self._ready: torch.cuda.Event | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def __iter__(self) -> DevicePrefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            self._iterator = iter(self.iterable)
+            if self._is_cuda:
+                self._stream = torch.cuda.Stream(self.device)
+                self._prefetch()
+        if not self._is_cuda:
+            return _to_device(next(self._iterator), self.device)  # StopIteration ends us too
+        batch = self._next
+        if batch is _END:
+            raise StopIteration
+        current = torch.cuda.current_stream(self.device)
+        # Stream wait: kernels queued on the consumer's stream from here on start after the copy landed.
+        current.wait_event(self._ready)
+        # Lifetime: these tensors were allocated on the side stream, so the caching allocator would hand
+        # their blocks to the next side-stream allocation as soon as the consumer drops them, even while
+        # kernels on the current stream that read them are still queued, and the next prefetch would
+        # overwrite them. record_stream makes the allocator wait for the current stream's work queued at
+        # free time before reusing the block. It is simpler than allocating on the current stream and
+        # costs only that the memory returns to the pool one step later.
+        for tensor in _tensors(batch):
+            tensor.record_stream(current)
+        self._prefetch()
+        return batch
+
+    def _prefetch(self) -> None:
+        assert self._iterator is not None and self._stream is not None
+        try:
+            host_batch = next(self._iterator)
+        except StopIteration:
+            self._next = _END
+            return
+        # The pinned host batch may be freed once the copy is queued: the copy records an event on its
+        # pinned block and the host caching allocator does not reuse the block before that event.
+        with torch.cuda.stream(self._stream):
+            self._next = _to_device(host_batch, self.device, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(self._stream)
