@@ -63,7 +63,7 @@ _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 # The built-in corpus: top-level stdlib modules plus these packages (tests excluded), sorted by relative
 # path and capped, so that it is ~6-8 MB and the same on every machine with the same Python minor version.
 # Bump _CORPUS_VERSION whenever the selection changes, so stale caches are not reused.
-_CORPUS_VERSION = 1
+_CORPUS_VERSION = 2
 _CORPUS_PACKAGES = (
     "asyncio", "collections", "concurrent", "email", "http", "importlib", "json", "logging", "re", "urllib",
 )  # fmt: skip
@@ -338,6 +338,8 @@ def build_default_corpus(cache_dir: str | os.PathLike[str] | None = None) -> Pat
     with _AtomicWriter(path) as out:
         for file in files:
             data = file.read_bytes().replace(b"\x00", b"")
+            if not data:
+                continue  # an empty __init__.py is no document
             if total + len(data) > _CORPUS_MAX_BYTES:
                 break
             total += len(data)
