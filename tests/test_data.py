@@ -91,6 +91,25 @@ def test_prepare_bytes_round_trip(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["x.bin", "x.bin.json"]  # no temp files
 
 
+def test_prepare_failing_midway_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypatch):
+    (tmp_path / "in.txt").write_text("abc")
+    D.prepare(tmp_path / "in.txt", tmp_path / "x.bin", progress=False)
+    old = (tmp_path / "x.bin").read_bytes()
+
+    def failing_encoder(eos):
+        def encode(block):
+            raise RuntimeError("disk full")
+
+        return encode
+
+    monkeypatch.setattr(D, "_byte_encoder", failing_encoder)
+    (tmp_path / "in.txt").write_text("something else")
+    with pytest.raises(RuntimeError, match="disk full"):
+        D.prepare(tmp_path / "in.txt", tmp_path / "x.bin", progress=False)
+    assert (tmp_path / "x.bin").read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "x.bin", "x.bin.json"]
+
+
 def test_prepare_directory_reads_txt_files_sorted_each_followed_by_eos(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "b.txt").write_text("bb")

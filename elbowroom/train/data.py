@@ -13,6 +13,7 @@ corpus is used: byte-level Python standard-library source, built on first use an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -20,10 +21,10 @@ import os
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 import torch
@@ -276,28 +277,22 @@ def _eos_positions(tokens: np.ndarray, eos_id: int) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------
 
 
-class _AtomicWriter:
-    """Writes a file under a temporary name in its directory and renames it into place on success."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> Any:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        self._file = os.fdopen(fd, "wb")
-        return self._file
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._file.close()
-        if exc_type is None:
-            os.replace(self._tmp, self.path)  # readers see the old file or the whole new one, never a part
-        else:
-            os.unlink(self._tmp)
+@contextlib.contextmanager
+def _atomic_write(path: Path) -> Iterator[BinaryIO]:
+    """Writes ``path`` under a temporary name in its directory and renames it into place on success."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    os.replace(tmp, path)  # readers see the old file or the whole new one, never a part
 
 
 def _write_sidecar(path: Path, meta: Mapping[str, Any]) -> None:
-    with _AtomicWriter(sidecar_path(path)) as f:
+    with _atomic_write(sidecar_path(path)) as f:
         f.write((json.dumps(dict(meta), indent=2) + "\n").encode())
 
 
@@ -335,7 +330,7 @@ def build_default_corpus(cache_dir: str | os.PathLike[str] | None = None) -> Pat
         )
     logger.info("building the built-in corpus from %d stdlib files into %s", len(files), path)
     num_tokens = total = 0
-    with _AtomicWriter(path) as out:
+    with _atomic_write(path) as out:
         for file in files:
             data = file.read_bytes().replace(b"\x00", b"")
             if not data:
@@ -409,7 +404,7 @@ def prepare(
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"prepare {output_path.name}",
                disable=not progress or total_bytes < _PROGRESS_MIN_BYTES)  # fmt: skip
     num_tokens = 0
-    with bar, _AtomicWriter(output_path) as out:
+    with bar, _atomic_write(output_path) as out:
         for file in files:
             for block in _read_blocks(file, split_after_newline=tokenizer is not None):
                 ids = encode(block)
@@ -456,7 +451,7 @@ def _read_blocks(file: Path, *, split_after_newline: bool) -> Iterator[bytes]:
         yield carry
 
 
-def _byte_encoder(eos: int | None) -> Any:
+def _byte_encoder(eos: int | None) -> Callable[[bytes], np.ndarray]:
     def encode(block: bytes) -> np.ndarray:
         ids = np.frombuffer(block, dtype=np.uint8)
         if eos is not None and eos < 256:
@@ -490,7 +485,7 @@ def _tokenizer_eos(tok: Any, path: str | os.PathLike[str]) -> int:
     )
 
 
-def _hf_encoder(tok: Any) -> Any:
+def _hf_encoder(tok: Any) -> Callable[[bytes], np.ndarray]:
     def encode(block: bytes) -> np.ndarray:
         text = block.decode("utf-8", errors="replace")
         return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -719,7 +714,7 @@ def build_dataloader(
     num_workers: int,
     pin_memory: bool,
     persistent_workers: bool,
-    collate_fn: Any,
+    collate_fn: Callable[[list[Any]], Any],
     shuffle: bool = True,
     drop_last: bool = True,
 ) -> DataLoader:
@@ -762,7 +757,12 @@ def build_dataloader(
 
 
 def build_eval_loader(
-    dataset: Dataset, batch_size: int, num_batches: int, collate_fn: Any, *, pin_memory: bool = False
+    dataset: Dataset,
+    batch_size: int,
+    num_batches: int,
+    collate_fn: Callable[[list[Any]], Any],
+    *,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """The first ``num_batches`` batches of ``dataset`` in order: the same every evaluation.
 
