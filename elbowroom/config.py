@@ -237,8 +237,8 @@ class LoggingSection:
 
 @dataclass
 class Config:
-    out: str = "runs/default"
-    """Run directory: metrics.jsonl, checkpoints/ and the resolved config.toml go there."""
+    out: str | None = None
+    """Run directory for metrics.jsonl, checkpoints/ and config.toml (unset: a new runs/YYYYmmdd-HHMMSS)."""
     resume: bool = False
     """Continue from the newest valid checkpoint in OUT/checkpoints."""
     model: ModelSection = field(default_factory=ModelSection)
@@ -251,8 +251,8 @@ class Config:
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def __post_init__(self) -> None:
-        if not self.out:
-            raise ConfigError("out must name a directory")
+        if self.resume and not self.out:
+            raise ConfigError("--resume needs the run to continue: pass --out DIR of that run")
 
 
 # Short flags users expect from nanoGPT/torchtitan-style CLIs, mapped to their dotted keys.

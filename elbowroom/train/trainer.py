@@ -142,6 +142,26 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
+def accumulate_gradients(
+    model: nn.Module, micro_batches: list[dict[str, Any]], autocast: Any, scaler: Any = None
+) -> torch.Tensor:
+    """Forward and backward over the micro-batches of one optimizer step; returns the step's loss (detached).
+
+    Each micro-batch's summed token loss is divided by the target tokens of the *whole step*, so k
+    micro-batches of b samples give the gradients of one batch of k*b samples, padded batches included.
+    ``num_tokens`` are host ints counted by the collate function: no device sync here.
+    """
+    step_tokens = sum(b["num_tokens"] for b in micro_batches)
+    total = None
+    for b in micro_batches:
+        with autocast:
+            logits = model(b["input_ids"])
+        loss = token_loss_sum(logits, b["targets"]) / step_tokens
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
 def rng_state(device: torch.device) -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if device.type == "cuda":
@@ -210,6 +230,8 @@ def train(cfg: Config) -> TrainResult:
     Returns:
         A :class:`TrainResult` with the logged training and validation losses.
     """
+    if cfg.out is None:
+        cfg = replace(cfg, out=time.strftime("runs/%Y%m%d-%H%M%S"))
     out = Path(cfg.out)
     _check_out_dir(out, cfg.resume)
     device = resolve_device(cfg.train.device)
@@ -228,12 +250,11 @@ def train(cfg: Config) -> TrainResult:
                 f"data.variable_length needs documents separated by an end-of-document token, and {tokens.path} "
                 "declares none; prepare the file with `elbowroom prepare` or drop --data.variable_length"
             )
-        train_ds = D.DocumentDataset(train_tokens, seq_len, tokens.eos_id)
-        val_ds = D.DocumentDataset(val_tokens, seq_len, tokens.eos_id)
-        collate = D.pad_collate
+        dataset, collate = (lambda t, name: D.DocumentDataset(t, seq_len, tokens.eos_id, name=name)), D.pad_collate
     else:
-        train_ds, val_ds = D.ChunkDataset(train_tokens, seq_len), D.ChunkDataset(val_tokens, seq_len)
-        collate = D.collate
+        dataset, collate = (lambda t, name: D.ChunkDataset(t, seq_len, name=name)), D.collate
+    train_ds = dataset(train_tokens, f"the training split of {tokens.path}")
+    val_ds = dataset(val_tokens, f"the validation split of {tokens.path}")
     for name, ds in (("training", train_ds), ("validation", val_ds)):
         if len(ds) < (bsz if name == "training" else 1):
             raise D.DataError(
@@ -301,7 +322,11 @@ def train(cfg: Config) -> TrainResult:
         collate_fn=collate,
     )
     batches = iter(D.DevicePrefetcher(loader, device))
-    eval_loader = D.build_eval_loader(val_ds, batch_size=bsz, num_batches=cfg.train.eval_batches, collate_fn=collate)
+    eval_loader = (
+        D.build_eval_loader(val_ds, batch_size=bsz, num_batches=cfg.train.eval_batches, collate_fn=collate)
+        if cfg.train.eval_batches
+        else None
+    )
 
     n_params = count_params(model)
     flops_tok = flops_per_token(model_cfg, seq_len)
@@ -338,13 +363,7 @@ def train(cfg: Config) -> TrainResult:
             while step < cfg.train.steps:
                 model.train()
                 micro = [next(batches) for _ in range(accum)]
-                step_tokens = sum(b["num_tokens"] for b in micro)  # host ints: no device sync
-                for b in micro:
-                    with autocast:
-                        logits = fwd_model(b["input_ids"])
-                    loss = token_loss_sum(logits, b["targets"]) / step_tokens
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                    loss_acc += loss.detach()
+                loss_acc += accumulate_gradients(fwd_model, micro, autocast, scaler)
                 samples_seen += accum * bsz
                 tokens_since_log += sum(b["input_ids"].numel() for b in micro)
 
@@ -395,7 +414,7 @@ def train(cfg: Config) -> TrainResult:
                     tokens_since_log, t_log = 0, time.perf_counter()
                 loss_acc.zero_()
 
-                if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
+                if eval_loader is not None and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
                     val = evaluate(fwd_model, eval_loader, device, autocast)
                     if val is not None:
                         result.val_losses[step] = val

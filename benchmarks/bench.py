@@ -1,0 +1,360 @@
+"""Side-by-side training benchmarks on one GPU: a named workload in named modes, one table row per mode.
+
+    python benchmarks/bench.py --workload w1 --modes plain,torch_ckpt,torch_sac,save_on_cpu
+    python benchmarks/bench.py --workload w1 --modes minimal,trainer      # trainer overhead
+
+Every mode trains the same Llama-shaped reference model (elbowroom.train.models) on the same random tokens
+in bf16 autocast with fp32 parameters and fused AdamW, unless the mode replaces a piece. Each row gives the
+median step time over the timed steps (warm-up steps dropped), tokens/s, model TFLOP/s (6·N_matmul + causal
+attention, as in DESIGN.md), MFU against the device's dense bf16 peak, peak GiB allocated, and tokens/s as a
+percentage of the first mode of the run (put `plain` first).
+
+Modes come from registries: the peers' and the trainer's below, ours from ``modes_activations.py`` and
+``modes_optim.py`` beside this file. A mode is a function ``setup(model, args) -> Setup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from elbowroom.train.metrics import peak_flops  # noqa: E402
+from elbowroom.train.models import ModelConfig, build_model, count_params, flops_per_token  # noqa: E402
+
+# name -> (preset, batch, seq, gradient accumulation): the workloads of DESIGN.md
+WORKLOADS: dict[str, tuple[str, int, int, int]] = {
+    "w1": ("w1", 4, 4096, 1),
+    "w2": ("w2", 1, 8192, 1),
+    "w3": ("7b", 1, 4096, 1),
+    "w3-accum8": ("7b", 1, 4096, 8),
+    # small shapes to check the harness itself
+    "smoke": ("tiny", 4, 128, 1),
+}
+
+
+@dataclass
+class Setup:
+    """How a mode trains: its optimizer, a context entered around each micro-batch's forward+backward."""
+
+    optimizer: Any
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    stats: Callable[[], dict[str, Any]] | None = None
+    """Extra numbers the mode reports after the run (e.g. CPU step time)."""
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def fused_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+
+# ---------------------------------------------------------------- peer modes
+def setup_plain(model, args) -> Setup:
+    return Setup(fused_adamw(model))
+
+
+def _wrap_blocks(model, fn) -> None:
+    """Replace each block's forward by ``fn(original_forward, x)`` (state_dict keys unchanged)."""
+    for blk in model.blocks:
+        orig = blk.forward
+        blk.forward = lambda x, _orig=orig: fn(_orig, x)
+
+
+def setup_torch_ckpt(model, args) -> Setup:
+    from torch.utils.checkpoint import checkpoint
+
+    _wrap_blocks(model, lambda f, x: checkpoint(f, x, use_reentrant=False))
+    return Setup(fused_adamw(model))
+
+
+def torch_sac_context():
+    """torchtitan-style selective op AC: keep matmul and attention outputs, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    ):
+        if hasattr(aten, name):
+            keep.add(getattr(aten, name).default)
+
+    def policy(ctx, op, *a, **k):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def setup_torch_sac(model, args) -> Setup:
+    from torch.utils.checkpoint import checkpoint
+
+    _wrap_blocks(model, lambda f, x: checkpoint(f, x, use_reentrant=False, context_fn=torch_sac_context))
+    return Setup(fused_adamw(model))
+
+
+def setup_save_on_cpu(model, args) -> Setup:
+    return Setup(fused_adamw(model), context=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+
+
+def _peers_module():
+    """The peers' measurement script (copied to .peers/ from the shared bench folder), for its loaders."""
+    path = HERE.parent / ".peers" / "anchors.py"
+    if not path.exists():
+        raise RuntimeError(f"{path} missing: copy the shared bench folder to .peers/ to run peer offload modes")
+    spec = importlib.util.spec_from_file_location("peers_anchors", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def setup_tt_offload(model, args) -> Setup:
+    mgr = _peers_module().load_torchtune_offload()(use_streams=True)
+    return Setup(fused_adamw(model), context=lambda: mgr)
+
+
+def setup_tt_offload_ckpt(model, args) -> Setup:
+    s = setup_tt_offload(model, args)
+    setup_torch_ckpt(model, args)
+    return s
+
+
+def setup_torchao_optim(model, args) -> Setup:
+    from torchao.optim import CPUOffloadOptimizer
+
+    return Setup(CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True))
+
+
+def setup_torchao_optim_ckpt(model, args) -> Setup:
+    setup_torch_ckpt(model, args)
+    return setup_torchao_optim(model, args)
+
+
+MODES: dict[str, Callable[..., Setup]] = {
+    "plain": setup_plain,
+    "torch_ckpt": setup_torch_ckpt,
+    "torch_sac": setup_torch_sac,
+    "save_on_cpu": setup_save_on_cpu,
+    "tt_offload": setup_tt_offload,
+    "tt_offload+ckpt": setup_tt_offload_ckpt,
+    "torchao_optim": setup_torchao_optim,
+    "torchao_optim+ckpt": setup_torchao_optim_ckpt,
+}
+for _extra in ("modes_activations", "modes_optim"):
+    try:
+        MODES.update(importlib.import_module(_extra).MODES)
+    except ImportError:
+        pass
+
+
+# ---------------------------------------------------------------- one timed run
+def _fresh_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def model_config(preset: str, seq: int) -> ModelConfig:
+    return ModelConfig.from_preset(preset, max_seq_len=max(seq, ModelConfig.from_preset(preset).max_seq_len))
+
+
+def run_mode(name: str, workload: str, args) -> dict[str, Any]:
+    """Train ``args.steps`` steps of ``workload`` in mode ``name``; time each step with a sync around it."""
+    preset, bsz, seq, accum = WORKLOADS[workload]
+    accum = args.accum or accum
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _fresh_memory()
+    torch.manual_seed(0)
+    cfg = model_config(preset, seq)
+    model = build_model(cfg, device=device)
+    setup = MODES[name](model, args)
+    idx = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
+    tgt = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    times, losses = [], []
+    for _ in range(args.steps):
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(accum):
+            with amp, setup.context():
+                logits = model(idx)
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
+            loss.backward()
+        setup.optimizer.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+        _sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    step_s = statistics.median(times[args.warmup :]) if len(times) > args.warmup else min(times)
+    row = _row(name, workload, cfg, bsz * seq * accum, seq, step_s, device)
+    row.update(loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), accum=accum)
+    if setup.stats is not None:
+        row.update(setup.stats())
+    del model, setup
+    return row
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _row(name, workload, cfg, tokens, seq, step_s, device) -> dict[str, Any]:
+    tok_s = tokens / step_s
+    tflops = tok_s * flops_per_token(cfg, seq) / 1e12
+    peak = peak_flops(device)
+    return {
+        "workload": workload,
+        "mode": name,
+        "params_M": round(count_params(build_model(cfg, device="meta")) / 1e6),
+        "step_s": round(step_s, 4),
+        "tok_per_s": round(tok_s),
+        "tflops": round(tflops, 1),
+        "mfu": round(tflops * 1e12 / peak, 3) if peak else None,
+        "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+    }
+
+
+# ---------------------------------------------------------------- trainer overhead
+def run_minimal(workload: str, args) -> dict[str, Any]:
+    """A minimal hand-written loop over the trainer's own model and data: the yardstick of its overhead."""
+    from elbowroom.train import data as D
+
+    preset, bsz, seq, accum = WORKLOADS[workload]
+    device = torch.device("cuda")
+    _fresh_memory()
+    torch.manual_seed(0)
+    cfg = model_config(preset, seq)
+    model = build_model(cfg, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    tokens = D.load_tokens(None)
+    train_tokens, _ = D.split(tokens, 0.05)
+    loader = D.build_dataloader(
+        D.ChunkDataset(train_tokens, seq), batch_size=bsz, seed=0, start_sample=0, num_workers=2,
+        pin_memory=True, persistent_workers=True, collate_fn=D.collate,
+    )
+    it = iter(loader)
+    for step in range(args.steps):
+        if step == args.warmup:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        b = next(it)
+        x = b["input_ids"].to(device, non_blocking=True)
+        y = b["targets"].to(device, non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / (args.steps - args.warmup)
+    row = _row("minimal", workload, cfg, bsz * seq, seq, step_s, device)
+    del model, opt
+    return row
+
+
+def run_trainer(workload: str, args) -> dict[str, Any]:
+    """The elbowroom trainer in plain mode (bf16, clipping, cosine LR, its loader and prefetcher)."""
+    import tempfile
+
+    from elbowroom.config import build_config
+    from elbowroom.train.trainer import train
+
+    preset, bsz, seq, accum = WORKLOADS[workload]
+    _fresh_memory()
+    out = tempfile.mkdtemp(prefix="bench-trainer-")
+    log_every = max(1, (args.steps - args.warmup) // 2)
+    cfg = build_config({
+        "out": out,
+        "model": {"preset": preset},
+        "data": {"seq_len": seq, "batch_size": bsz, "num_workers": 2},
+        "train": {"steps": args.steps, "dtype": "bf16", "eval_every": 0, "eval_batches": 0, "seed": 0},
+        "optimizer": {"lr": 1e-4},
+        "checkpoint": {"enabled": False},
+        "logging": {"log_every": log_every, "progress": False},
+    })
+    train(cfg)
+    rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+    timed = [r for r in rows if "tokens_per_s" in r and r["step"] > args.warmup]
+    tok_s = statistics.median(r["tokens_per_s"] for r in timed)
+    device = torch.device("cuda")
+    mcfg = model_config(preset, seq)
+    row = _row("trainer", workload, mcfg, bsz * seq, seq, bsz * seq / tok_s, device)
+    row["peak_GiB"] = round(max(r["peak_memory_bytes"] for r in rows if "peak_memory_bytes" in r) / 2**30, 2)
+    return row
+
+
+# ---------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="w1", choices=sorted(WORKLOADS))
+    ap.add_argument("--modes", default="plain", help=f"comma-separated; known: minimal, trainer, {', '.join(MODES)}")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--accum", type=int, default=0, help="gradient accumulation (0: the workload's)")
+    ap.add_argument("--json", default=None, help="append each row as a JSON line to this file")
+    args = ap.parse_args()
+    if torch.cuda.is_available():
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    rows = []
+    for name in args.modes.split(","):
+        try:
+            if name == "minimal":
+                row = run_minimal(args.workload, args)
+            elif name == "trainer":
+                row = run_trainer(args.workload, args)
+            elif name in MODES:
+                row = run_mode(name, args.workload, args)
+            else:
+                raise SystemExit(f"unknown mode {name!r}; known: minimal, trainer, {', '.join(MODES)}")
+        except torch.OutOfMemoryError:
+            row = {"workload": args.workload, "mode": name, "error": "OOM"}
+        except Exception as e:  # noqa: BLE001 - a mode failing is itself a result; the others still run
+            row = {"workload": args.workload, "mode": name, "error": f"{type(e).__name__}: {e}"[:300]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    print_table(rows)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    base = next((r for r in rows if "tok_per_s" in r), None)
+    print(f"\n| workload | mode | tok/s | % of {base['mode'] if base else '-'} | model TFLOP/s | MFU | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "tok_per_s" not in r:
+            print(f"| {r['workload']} | {r['mode']} | {r['error']} | | | | |")
+            continue
+        pct = 100 * r["tok_per_s"] / base["tok_per_s"]
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        print(
+            f"| {r['workload']} | {r['mode']} | {r['tok_per_s']:,} | {pct:.1f} | {r['tflops']} | {mfu} | "
+            f"{r['peak_GiB']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
