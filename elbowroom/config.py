@@ -523,16 +523,29 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def to_toml(cfg: Config) -> str:
     """Serialise a config to TOML (None values are left out: they mean "the default")."""
+    # TOML has no null: a None whose default is also None is left out; one that overrides a default
+    # is written as "none", which the loader reads back as None.
+    defaults = {key: default for key, _, default, _ in iter_options()}
     lines: list[str] = []
-    d = to_dict(cfg)
-    for k, v in d.items():
-        if not isinstance(v, dict) and v is not None:
-            lines.append(f"{k} = {_toml_value(v)}")
-    for k, v in d.items():
-        if isinstance(v, dict):
-            lines.append(f"\n[{k}]")
-            lines.extend(f"{sk} = {_toml_value(sv)}" for sk, sv in v.items() if sv is not None)
+    sections: dict[str, list[str]] = {}
+    for key, value in _flat(to_dict(cfg)):
+        if value is None:
+            if defaults[key] is None:
+                continue
+            value = "none"
+        sec, _, name = key.rpartition(".")
+        (sections.setdefault(sec, []) if sec else lines).append(f"{name} = {_toml_value(value)}")
+    for sec, body in sections.items():
+        lines.append(f"\n[{sec}]")
+        lines.extend(body)
     return "\n".join(lines) + "\n"
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in d.items():
+        out.extend(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)])
+    return out
 
 
 def _toml_value(v: Any) -> str:

@@ -1,0 +1,78 @@
+"""Reference models: shapes, parameter counts of every preset, FLOPs per token, blocks exposed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elbowroom.train.models import PRESETS, ModelConfig, build_model, count_params, flops_per_token
+
+
+def expected_params(cfg: ModelConfig) -> int:
+    """Parameter count from the architecture, written out independently of the modules."""
+    d, f, L, V = cfg.dim, cfg.ffn_dim, cfg.n_layers, cfg.vocab_size
+    if cfg.arch == "llama":
+        block = 4 * d * d + 3 * d * f + 2 * d  # qkv+o, w13+w2, two RMSNorm weights
+        rest = V * d + V * d + d  # embedding, head, final norm
+    else:
+        block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d  # attention (+biases), MLP (+biases), 2 LayerNorms
+        rest = V * d + cfg.max_seq_len * d + V * d + 2 * d
+    return L * block + rest
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_preset_parameter_counts(preset: str, arch: str) -> None:
+    cfg = ModelConfig.from_preset(preset, arch=arch)
+    model = build_model(cfg, device="meta")
+    assert count_params(model) == expected_params(cfg)
+    assert len(model.blocks) == cfg.n_layers
+
+
+def test_published_sizes() -> None:
+    # the 7b preset is the Llama-2-7B shape: 6.74B parameters
+    assert count_params(build_model(ModelConfig.from_preset("7b"), device="meta")) == 6_738_415_616
+    w1 = ModelConfig.from_preset("w1")
+    assert (w1.dim, w1.n_layers, w1.n_heads, w1.ffn_dim, w1.vocab_size) == (2048, 24, 16, 5632, 32000)
+    w2 = ModelConfig.from_preset("w2")
+    assert (w2.dim, w2.n_layers, w2.n_heads, w2.ffn_dim) == (4096, 8, 32, 14336)
+
+
+def test_flops_per_token_convention() -> None:
+    cfg = ModelConfig.from_preset("w1")
+    model = build_model(cfg, device="meta")
+    n_matmul = count_params(model, exclude_embeddings=True) - (2 * cfg.n_layers + 1) * cfg.dim  # minus norm weights
+    assert flops_per_token(cfg, 4096) == 6 * n_matmul + 6 * cfg.n_layers * 4096 * cfg.dim
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_forward_shapes_and_causality(arch: str, fused: bool) -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch=arch, fused_qkv=fused, dim=32, n_heads=4, ffn_dim=64, n_layers=2))
+    idx = torch.randint(0, 256, (2, 16))
+    logits = model(idx)
+    assert logits.shape == (2, 16, 256)
+    # changing a later token never changes earlier logits
+    idx2 = idx.clone()
+    idx2[:, 10] = (idx2[:, 10] + 1) % 256
+    torch.testing.assert_close(model(idx2)[:, :10], logits[:, :10])
+    assert not torch.allclose(model(idx2)[:, 10:], logits[:, 10:])
+
+
+def test_dropout_only_in_training() -> None:
+    model = build_model(ModelConfig(arch="gpt2", dropout=0.5, dim=32, n_heads=4, ffn_dim=64, n_layers=2))
+    idx = torch.randint(0, 256, (2, 8))
+    model.eval()
+    torch.testing.assert_close(model(idx), model(idx))
+    model.train()
+    assert not torch.allclose(model(idx), model(idx))
+
+
+def test_bad_model_config() -> None:
+    with pytest.raises(ValueError, match="divisible by n_heads"):
+        ModelConfig(dim=30, n_heads=4)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        ModelConfig.from_preset("huge")
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        build_model(ModelConfig(max_seq_len=8))(torch.zeros(1, 9, dtype=torch.long))

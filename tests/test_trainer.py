@@ -1,0 +1,249 @@
+"""The trainer end to end on CPU: learning, accumulation, exact resume, signals, checkpoints, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from elbowroom.cli import main
+from elbowroom.train import data as D
+from elbowroom.train.checkpoint import CheckpointManager
+from elbowroom.train.models import ModelConfig, build_model
+from elbowroom.train.trainer import accumulate_gradients
+
+SMALL = [
+    "--model.dim", "32", "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.n_layers", "2",
+    "--data.seq_len", "32", "--data.batch_size", "4", "--data.num_workers", "0",
+    "--train.eval_every", "5", "--train.eval_batches", "2", "--logging.progress", "false", "--log-every", "1",
+]
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows(out) if "loss" in r}
+
+
+def run(out: Path, *args: str) -> int:
+    return main(["train", "--out", str(out), *SMALL, *args])
+
+
+# ---------------------------------------------------------------- the main job
+@pytest.mark.slow
+def test_default_main_job_lowers_validation_loss(tmp_path: Path) -> None:
+    """`elbowroom train` with its defaults (tiny model, built-in corpus) learns within its default steps."""
+    out = tmp_path / "main"
+    assert main(["train", "--out", str(out), "--logging.progress", "false"]) == 0
+    val = [r["val_loss"] for r in rows(out) if "val_loss" in r]
+    assert len(val) >= 2
+    assert val[-1] < val[0] - 0.3, val
+    assert val[-1] < 2.6, val  # bytes of Python source: far below ln(256) = 5.5 of a uniform guess
+    needed = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes"}
+    assert all(needed <= r.keys() for r in rows(out) if "loss" in r)
+    assert (out / "checkpoints").is_dir() and (out / "config.toml").is_file()
+
+
+# ---------------------------------------------------------------- accumulation equivalence
+def _batches(variable: bool, n: int, seq: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _i in range(n):
+        length = int(torch.randint(3, seq + 1, (1,), generator=g)) if variable else seq
+        toks = torch.randint(0, 256, (length + 1,), generator=g)
+        samples.append({"input_ids": toks[:-1], "targets": toks[1:]})
+    return samples
+
+
+def _grads(model, micro) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False))
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("variable", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_accumulation_equals_one_big_batch(variable: bool, arch: str) -> None:
+    """k micro-batches of b samples give the gradients of one batch of k*b (token-normalised loss)."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch=arch, dim=32, n_heads=2, ffn_dim=64, n_layers=2, max_seq_len=24))
+    samples = _batches(variable, 8, 24)
+    collate = D.pad_collate if variable else D.collate
+    big = _grads(model, [collate(samples)])
+    k4 = _grads(model, [collate(samples[i : i + 2]) for i in range(0, 8, 2)])
+    for a, b in zip(big, k4):
+        assert (a - b).norm() / b.norm() <= 1e-6
+    if variable:
+        # the naive per-micro-batch mean weights short micro-batches up: the test can tell them apart
+        model.zero_grad(set_to_none=True)
+        for i in range(0, 8, 2):
+            b = collate(samples[i : i + 2])
+            accumulate_gradients(model, [b], torch.autocast("cpu", enabled=False))
+        naive = [p.grad / 4 for p in model.parameters()]
+        assert max(float((a - b).norm() / b.norm()) for a, b in zip(naive, big)) > 1e-3
+
+
+# ---------------------------------------------------------------- resume
+@pytest.mark.parametrize("extra", [[], ["--model.arch", "gpt2", "--model.dropout", "0.1", "--data.num_workers", "1",
+                                        "--train.gradient_accumulation_steps", "2"]])
+def test_resume_continues_the_exact_loss_curve(tmp_path: Path, extra: list[str]) -> None:
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run(full, "--steps", "20", *extra) == 0
+    assert run(part, "--steps", "10", "--scheduler.decay_steps", "20", "--checkpoint.every", "5", *extra) == 0
+    assert run(part, "--steps", "20", "--scheduler.decay_steps", "20", "--resume", *extra) == 0
+    a, b = train_losses(full), train_losses(part)
+    assert sorted(b) == list(range(1, 21))
+    assert a == b  # bit-identical on CPU
+    assert [r["lr"] for r in rows(full) if "lr" in r] == [r["lr"] for r in rows(part) if "lr" in r]
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path: Path, caplog) -> None:
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run(full, "--steps", "12") == 0
+    assert run(part, "--steps", "10", "--scheduler.decay_steps", "12", "--checkpoint.every", "5") == 0
+    newest = part / "checkpoints" / "step_00000010" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, as by a crash
+    with caplog.at_level("WARNING"):
+        assert run(part, "--steps", "12", "--scheduler.decay_steps", "12", "--resume") == 0
+    assert "skipping checkpoint" in caplog.text and "truncated" in caplog.text
+    assert train_losses(part) == train_losses(full)  # continued from step 5, same curve
+
+
+def test_crash_while_saving_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    mgr = CheckpointManager(tmp_path, keep=2)
+    mgr.save(1, {"w": torch.arange(4)})
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):
+        f.write(b"partial bytes")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        mgr.save(2, {"w": torch.arange(8)})
+    monkeypatch.setattr(torch, "save", real_save)
+    assert [s for s, _ in mgr.checkpoints()] == [1]  # the half-written one never got a real name
+    loaded = mgr.load_latest()
+    assert loaded.step == 1 and torch.equal(loaded.state["w"], torch.arange(4))
+    mgr.save(3, {"w": torch.arange(2)})  # the next save clears the leftover temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000003"]
+
+
+def test_keep_last_k_and_checksum(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path, keep=2)
+    for s in (1, 2, 3):
+        mgr.save(s, {"s": s})
+    assert [s for s, _ in mgr.checkpoints()] == [3, 2]
+    state = tmp_path / "step_00000003" / "state.pt"
+    raw = bytearray(state.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, one flipped bit somewhere inside
+    state.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="checksum"):
+        mgr.validate(tmp_path / "step_00000003")
+    assert mgr.load_latest().step == 2
+
+
+def test_sigterm_saves_and_resume_finishes_the_same_curve(tmp_path: Path) -> None:
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run(full, "--steps", "400", "--checkpoint.every", "0") == 0
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "elbowroom.cli", "train", "--out", str(part), *SMALL, "--steps", "400",
+           "--checkpoint.every", "0"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if (part / "metrics.jsonl").exists() and len(train_losses(part)) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    stopped = max(train_losses(part))
+    assert stopped < 400, "the run finished before the signal: nothing was tested"
+    assert [s for s, _ in CheckpointManager(part / "checkpoints").checkpoints()] == [stopped]
+    assert "--resume" in output
+    assert run(part, "--steps", "400", "--checkpoint.every", "0", "--resume") == 0
+    assert train_losses(part) == train_losses(full)
+
+
+# ---------------------------------------------------------------- bad input: message, exit code 2, nothing written
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elbowroom.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
+    r = _cli("train", "--out", str(tmp_path / "x"), "--train.stepz", "3")
+    assert r.returncode == 2
+    assert "unknown config key 'train.stepz'; did you mean train.steps?" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "-3"], "train.steps must be >= 0"),
+        (["--steps", "abc"], "train.steps expects an integer"),
+        (["--data.path", "MISSING"], "does not exist"),
+        (["--data.path", "EMPTY"], "empty"),
+    ],
+)
+def test_bad_input_messages(tmp_path: Path, capsys, args: list[str], message: str) -> None:
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    args = [str(tmp_path / "missing.bin") if a == "MISSING" else str(empty) if a == "EMPTY" else a for a in args]
+    out = tmp_path / "run"
+    assert run(out, *args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert run(out, "--steps", "3") == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert run(out, "--steps", "6", "--resume", "--model.dim", "64") == 2
+    err = capsys.readouterr().err
+    assert "was written for another model" in err and "'dim': (32, 64)" in err
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert before == after  # nothing overwritten
+
+
+def test_existing_run_is_not_overwritten(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert run(out, "--steps", "2") == 0
+    before = (out / "metrics.jsonl").read_bytes()
+    assert run(out, "--steps", "2") == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_bytes() == before
+
+
+def test_help_lists_every_option_with_default(capsys) -> None:
+    assert main(["train", "--help"]) == 0
+    text = capsys.readouterr().out
+    for key in ("--train.gradient_accumulation_steps", "--activations.offload_ratio", "--optimizer.offload_fraction",
+                "--data.path", "--scheduler.name", "--checkpoint.keep"):
+        assert key in text
+    assert "(default: 200)" in text
+
+
+def test_prepare_then_train_on_token_file(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text(("the quick brown fox jumps over the lazy dog. " * 400 + "\n") * 4)
+    assert main(["prepare", str(text), str(tmp_path / "c.bin"), "--no-progress"]) == 0
+    out = tmp_path / "run"
+    assert run(out, "--steps", "3", "--data.path", str(tmp_path / "c.bin")) == 0
+    assert run(tmp_path / "run-var", "--steps", "3", "--data.path", str(tmp_path / "c.bin"),
+               "--data.variable_length") == 0
+    assert len(train_losses(out)) == 3
