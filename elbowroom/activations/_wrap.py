@@ -1,0 +1,225 @@
+"""The in-place forward wrapper that recompute and offload share.
+
+A wrapped module keeps its class, parameters and ``state_dict`` keys; only the instance attribute
+``forward`` is replaced by a bound method of :func:`_policy_forward`, which reads the module's
+:class:`ModulePolicy`. One wrapper for both mechanisms fixes their order, whatever order the user
+applied them in: the offload region is outside, the recomputed region inside, so the offload hooks
+see what the checkpoint saves (its inputs) and never the tensors saved while recomputing.
+
+Private: the public verbs are :func:`elbowroom.checkpoint`, :func:`elbowroom.activations.offload.offload_module`
+and :func:`elbowroom.activations.apply_activation_policy`.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Hashable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as torch_ckpt
+
+_ATTR = "_elbowroom_policy"
+
+
+@dataclass(frozen=True)
+class RecomputeSpec:
+    """How a module recomputes (see :func:`elbowroom.checkpoint`)."""
+
+    mode: str
+    """"full" or "selective"."""
+    use_reentrant: bool
+    """torch's reentrant implementation instead of the non-reentrant one."""
+    preserve_rng_state: bool
+    """Replay RNG exactly in the recompute."""
+    policy: Callable[..., Any] | None
+    """Selective-checkpoint policy; None for "full"."""
+    determinism_check: str
+    """torch's non-reentrant determinism check ("default" or "none")."""
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    """How a module offloads what its forward saves (see :func:`offload_module`)."""
+
+    engine: Any
+    """The :class:`~elbowroom.activations.offload.OffloadEngine` doing the copies."""
+    ratio: float
+    """Fraction of the bytes the saved-tensor hooks see (activations; a checkpointed block's inputs)."""
+    cache_ratio: float
+    """Fraction of the bytes a selective checkpoint keeps (matmul and attention outputs)."""
+    tag: Hashable
+    """Regions sharing a tag share one ratio measurement (haiscale semantics)."""
+
+
+class PrefetchChain:
+    """The offload regions of one model's blocks in the current forward, by block index.
+
+    When backward reaches block ``i`` (the gradient of its output is ready), the region of block
+    ``i - 1`` starts travelling back to the device, so the copy runs under block ``i``'s backward.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.groups: list[Any] = [None] * n
+
+
+class ModulePolicy:
+    """Per-module settings read by the wrapped forward; stored in the module's ``__dict__``."""
+
+    def __init__(self, orig_forward: Callable[..., Any] | None) -> None:
+        self.orig_forward = orig_forward
+        self.recompute: RecomputeSpec | None = None
+        self.offload: OffloadSpec | None = None
+        self.chain: PrefetchChain | None = None
+        self.index = 0
+
+    def empty(self) -> bool:
+        return self.recompute is None and self.offload is None and self.chain is None
+
+
+def get_policy(module: nn.Module) -> ModulePolicy | None:
+    """The module's policy, or None when it is not wrapped."""
+    return module.__dict__.get(_ATTR)
+
+
+def _ensure(module: nn.Module) -> ModulePolicy:
+    pol = get_policy(module)
+    if pol is None:
+        # an instance-level forward set by someone before us is kept and called
+        pol = ModulePolicy(module.__dict__.get("forward"))
+        module.__dict__[_ATTR] = pol
+        # a bound method of a module-level function: deepcopy rebinds it to the copy
+        module.forward = types.MethodType(_policy_forward, module)
+    return pol
+
+
+def _release_if_empty(module: nn.Module) -> None:
+    pol = get_policy(module)
+    if pol is None or not pol.empty():
+        return
+    del module.__dict__[_ATTR]
+    if pol.orig_forward is not None:
+        module.forward = pol.orig_forward
+    else:
+        del module.__dict__["forward"]
+
+
+def set_recompute(module: nn.Module, spec: RecomputeSpec | None) -> None:
+    """Set (or clear, with None) how ``module`` recomputes."""
+    if spec is None:
+        if get_policy(module) is not None:
+            get_policy(module).recompute = None
+            _release_if_empty(module)
+        return
+    _ensure(module).recompute = spec
+
+
+def set_offload(module: nn.Module, spec: OffloadSpec | None) -> None:
+    """Set (or clear, with None) how ``module`` offloads."""
+    if spec is None:
+        if get_policy(module) is not None:
+            get_policy(module).offload = None
+            _release_if_empty(module)
+        return
+    _ensure(module).offload = spec
+
+
+def set_chain(module: nn.Module, chain: PrefetchChain | None, index: int = 0) -> None:
+    """Make ``module`` block ``index`` of a prefetch chain (or leave it, with None)."""
+    if chain is None:
+        if get_policy(module) is not None:
+            get_policy(module).chain = None
+            _release_if_empty(module)
+        return
+    pol = _ensure(module)
+    pol.chain = chain
+    pol.index = index
+
+
+def _first_grad_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad else None
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            t = _first_grad_tensor(o)
+            if t is not None:
+                return t
+    if isinstance(out, dict):
+        for o in out.values():
+            t = _first_grad_tensor(o)
+            if t is not None:
+                return t
+    return None
+
+
+def _prefetch_hook(group: Any) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        group.prefetch()
+
+    return hook
+
+
+def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    pol: ModulePolicy = self.__dict__[_ATTR]
+    fn = pol.orig_forward if pol.orig_forward is not None else functools.partial(type(self).forward, self)
+    if not torch.is_grad_enabled():
+        # nothing is saved for backward: no recompute, no offload
+        return fn(*args, **kwargs)
+    rc = pol.recompute
+    if torch._C._current_graph_task_id() != -1:
+        # inside backward: an enclosing checkpoint is recomputing this module. Its hooks must see what
+        # is saved here, so no offload region; a nested checkpoint is fine (torch supports nesting)
+        return fn(*args, **kwargs) if rc is None else _checkpointed(fn, rc, None, args, kwargs)
+
+    chain = pol.chain
+    prev = chain.groups[pol.index - 1] if chain is not None and pol.index > 0 else None
+    off = pol.offload
+    region = (
+        off.engine.group(off.tag, ratio=off.ratio, cache_ratio=off.cache_ratio) if off is not None else nullcontext()
+    )
+    with region as group:
+        if chain is not None:
+            chain.groups[pol.index] = group
+        out = fn(*args, **kwargs) if rc is None else _checkpointed(fn, rc, group, args, kwargs)
+    if prev is not None:
+        t = _first_grad_tensor(out)
+        if t is not None:
+            # fires when backward reaches this block: bring the previous block's tensors back now,
+            # so their host-to-device copy runs under this block's backward
+            t.register_hook(_prefetch_hook(prev))
+    return out
+
+
+def _checkpointed(fn: Callable[..., Any], rc: RecomputeSpec, group: Any, args: tuple, kwargs: dict) -> Any:
+    if rc.use_reentrant:
+        if kwargs:
+            raise ValueError(
+                f"use_reentrant=True checkpoint cannot pass keyword arguments ({', '.join(kwargs)}); "
+                "pass them positionally or use use_reentrant=False"
+            )
+        return torch_ckpt.checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=rc.preserve_rng_state)
+    context_fn = torch_ckpt.noop_context_fn
+    if rc.mode == "selective":
+        context_fn = functools.partial(_selective_contexts, rc.policy, group)
+    return torch_ckpt.checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=rc.preserve_rng_state,
+        context_fn=context_fn,
+        determinism_check=rc.determinism_check,
+        **kwargs,
+    )
+
+
+def _selective_contexts(policy: Callable[..., Any], group: Any) -> tuple[Any, Any]:
+    fwd, recompute = torch_ckpt.create_selective_checkpoint_contexts(policy)
+    if group is not None and group.cache_ratio > 0:
+        # the outputs the policy keeps live in the checkpoint's cache, not in saved-tensor hooks:
+        # route that cache through the offload region
+        group.offload_selective_cache(fwd, recompute)
+    return fwd, recompute

@@ -1,0 +1,318 @@
+"""Recompute (elbowroom.checkpoint): gradients equal a plain run's, FLOPs show what is recomputed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.flop_counter import FlopCounterMode
+
+import elbowroom
+from elbowroom.activations import checkpoint_blocks, gradient_checkpointing_disable, uncheckpoint
+from elbowroom.activations.checkpoint import default_selective_ops, find_blocks, select_blocks
+from elbowroom.train.models import ModelConfig, build_model
+
+TOL = 1e-6  # fp32 on CPU: max relative error (norm-wise) per parameter gradient
+ARCHES = ("llama", "gpt2")
+
+
+def small_model(arch: str, *, dropout: float = 0.1, n_layers: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch=arch, dim=64, n_heads=4, ffn_dim=128, n_layers=n_layers, dropout=dropout))
+    return model.train()
+
+
+def batch() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (2, 32), generator=g)
+
+
+def grads(model: nn.Module, idx: torch.Tensor, steps: int = 1) -> dict[str, torch.Tensor]:
+    """Gradients of one step (the last of ``steps``), with the RNG seeded the same before each step."""
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1234)
+        logits = model(idx)
+        F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+def assert_grads_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: float = TOL) -> None:
+    assert got.keys() == ref.keys()
+    for k in ref:
+        err = ((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item()
+        assert err <= tol, f"{k}: relative error {err:.3e} > {tol}"
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(mode="full"),
+        dict(mode="selective"),
+        dict(mode="full", every=2),
+        dict(mode="full", blocks=[0, -1]),
+        dict(mode="selective", blocks=[1]),
+        dict(mode="full", use_reentrant=True),
+    ],
+    ids=["full", "selective", "every2", "index-list", "selective-one", "reentrant"],
+)
+def test_gradients_equal_plain(arch: str, kwargs: dict) -> None:
+    model = small_model(arch)
+    idx = batch()
+    ref = grads(model, idx)
+    checkpoint_blocks(model, **kwargs)
+    assert_grads_close(grads(model, idx, steps=2), ref)
+
+
+def test_state_dict_keys_unchanged_and_load_into_plain_model() -> None:
+    model = small_model("llama")
+    keys = list(model.state_dict())
+    elbowroom.gradient_checkpointing_enable(model, {"mode": "selective"})
+    assert list(model.state_dict()) == keys
+    plain = small_model("llama")
+    plain.load_state_dict(model.state_dict())
+    model.load_state_dict(plain.state_dict())
+    # a wrapped block is still its own class
+    assert type(model.blocks[0]).__name__ == "LlamaBlock"
+
+
+def test_wrap_unwrap_and_deepcopy() -> None:
+    model = small_model("gpt2")
+    idx = batch()
+    ref = grads(model, idx)
+    elbowroom.checkpoint(model.blocks[1])
+    assert "forward" in model.blocks[1].__dict__
+    clone = copy.deepcopy(model)
+    # the copy's wrapped forward runs the copy's weights, not the original's
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.mul_(0.5)
+    torch.manual_seed(0)
+    a = model.eval()(idx)
+    torch.manual_seed(0)
+    b = clone.eval()(idx)
+    assert not torch.allclose(a, b)
+    model.train()
+    assert_grads_close(grads(model, idx), ref)
+    uncheckpoint(model.blocks[1])
+    assert "forward" not in model.blocks[1].__dict__
+    elbowroom.gradient_checkpointing_enable(model)
+    gradient_checkpointing_disable(model)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+
+
+def test_checkpoint_keeps_an_existing_instance_forward() -> None:
+    lin = nn.Linear(4, 4)
+    calls = []
+
+    def custom(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return nn.Linear.forward(lin, x) * 2
+
+    lin.forward = custom
+    elbowroom.checkpoint(lin)
+    x = torch.randn(3, 4, requires_grad=True)
+    lin(x).sum().backward()
+    assert len(calls) == 2  # forward + recompute
+    uncheckpoint(lin)
+    assert lin.forward is custom
+
+
+def _flops(fn) -> int:
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_flops_full_recompute_adds_exactly_the_block_forward(arch: str) -> None:
+    # dropout is on, so the last matmul's output feeds a saved mask and is recomputed too
+    model = small_model(arch, dropout=0.1)
+    idx = batch()
+
+    def step() -> None:
+        torch.manual_seed(0)
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+
+    plain = _flops(step)
+    # forward FLOPs of each block on its real input
+    block_fwd = []
+    hooks = [
+        blk.register_forward_hook(lambda m, a, o: block_fwd.append(_flops(lambda: m.forward(*a))))
+        for blk in model.blocks
+    ]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model(idx)
+    for h in hooks:
+        h.remove()
+    assert len(block_fwd) == 3 and all(f > 0 for f in block_fwd)
+
+    checkpoint_blocks(model, "full", blocks=[0, 2])
+    assert _flops(step) - plain == block_fwd[0] + block_fwd[2]
+    checkpoint_blocks(model, "full")
+    assert _flops(step) - plain == sum(block_fwd)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["sdpa-kernel", "sdpa-math"])
+def test_flops_selective_recomputes_no_matmul(arch: str, dropout: float) -> None:
+    # without dropout CPU SDPA runs _scaled_dot_product_flash_attention_for_cpu; with it, bmm's
+    model = small_model(arch, dropout=dropout)
+    idx = batch()
+
+    def step() -> None:
+        torch.manual_seed(0)
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+
+    plain = _flops(step)
+    ref = grads(model, idx)
+    checkpoint_blocks(model, "selective")
+    assert _flops(step) == plain
+    assert_grads_close(grads(model, idx), ref)
+
+
+def test_default_selective_ops_cover_matmul_and_attention() -> None:
+    ops = default_selective_ops()
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default,
+               aten._scaled_dot_product_flash_attention_for_cpu.default):
+        assert op in ops
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"):
+        if hasattr(aten, name):
+            assert getattr(aten, name).default in ops
+
+
+def test_custom_policy_callable_and_op_list() -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def run() -> tuple[int, list[torch.Tensor]]:
+        mlp.zero_grad(set_to_none=True)
+        x.grad = None
+        n = _flops(lambda: mlp(x).square().sum().backward())
+        return n, [p.grad.clone() for p in mlp.parameters()] + [x.grad.clone()]
+
+    plain_flops, ref = run()
+    seen = []
+
+    def save_nothing(ctx, op, *args, **kwargs):  # noqa: ANN001
+        seen.append(op)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    elbowroom.checkpoint(mlp, "selective", policy=save_nothing)
+    n, got = run()
+    assert seen and n > plain_flops  # everything recomputed, matmuls included
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    elbowroom.checkpoint(mlp, "selective", policy=[torch.ops.aten.addmm.default])
+    n, got = run()
+    assert n == plain_flops
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _Nested(nn.Module):
+    """A block that checkpoints a piece of itself: nested checkpoint regions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: F.dropout(self.a(t).tanh(), 0.2), x, use_reentrant=False)
+        return self.b(h).sigmoid() * x
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_nested_checkpoint_regions(mode: str) -> None:
+    torch.manual_seed(0)
+    m = _Nested()
+    x = torch.randn(5, 16, requires_grad=True)
+
+    def run() -> list[torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(7)
+        m(x).sum().backward()
+        return [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
+
+    ref = run()
+    elbowroom.checkpoint(m, mode)
+    for a, b in zip(run(), ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_kwargs_pass_through_non_reentrant_and_error_with_reentrant() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+            return self.lin(x).relu() * scale
+
+    m = Scaled()
+    x = torch.randn(2, 4, requires_grad=True)
+    elbowroom.checkpoint(m)
+    m(x, scale=3.0).sum().backward()
+    elbowroom.checkpoint(m, use_reentrant=True)
+    with pytest.raises(ValueError, match="keyword arguments"):
+        m(x, scale=3.0)
+
+
+def test_no_grad_forward_skips_recompute() -> None:
+    model = small_model("llama", dropout=0.0)
+    checkpoint_blocks(model, "full")
+    with torch.no_grad():
+        out = model(batch())
+    assert out.grad_fn is None
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: elbowroom.checkpoint(m, "partial"), "mode must be one of"),
+        (lambda m: elbowroom.checkpoint(m, "selective", use_reentrant=True), "use_reentrant=False"),
+        (lambda m: elbowroom.checkpoint(m, "full", policy=[torch.ops.aten.mm.default]), "only applies to"),
+        (lambda m: elbowroom.checkpoint(m, determinism_check="strict"), "determinism_check"),
+        (lambda m: checkpoint_blocks(m, every=0), "every must be a positive int"),
+        (lambda m: checkpoint_blocks(m, blocks=[7]), "out of range"),
+        (lambda m: checkpoint_blocks(m, every=2, blocks=[0]), "not both"),
+        (lambda m: find_blocks(nn.Linear(2, 2)), "no repeated blocks"),
+    ],
+)
+def test_bad_settings_raise_value_error(call, match: str) -> None:  # noqa: ANN001
+    model = small_model("llama", dropout=0.0)
+    with pytest.raises(ValueError, match=match):
+        call(model)
+
+
+def test_bad_types_raise_type_error() -> None:
+    with pytest.raises(TypeError, match="nn.Module"):
+        elbowroom.checkpoint(lambda x: x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="OpOverload"):
+        elbowroom.checkpoint(nn.Linear(2, 2), "selective", policy=[torch.ops.aten.mm])
+
+
+def test_select_blocks_and_find_blocks_fallback() -> None:
+    assert select_blocks(7, every=3) == [0, 3, 6]
+    assert select_blocks(4, blocks=[-1, 1, 1]) == [1, 3]
+
+    class HFLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+            self.heads = nn.ModuleList([nn.Linear(4, 1), nn.ReLU()])
+
+    m = HFLike()
+    assert find_blocks(m) is m.layers
