@@ -76,3 +76,20 @@ def test_bad_model_config() -> None:
         ModelConfig.from_preset("huge")
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         build_model(ModelConfig(max_seq_len=8))(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_rope_scores_depend_only_on_relative_position() -> None:
+    from elbowroom.train.models import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, 32, 10000.0)
+    q, k = torch.randn(16), torch.randn(16)
+
+    def score(m: int, n: int) -> torch.Tensor:
+        qs = torch.zeros(1, 32, 16)
+        ks = torch.zeros(1, 32, 16)
+        qs[0, m], ks[0, n] = q, k
+        return rope(qs)[0, m] @ rope(ks)[0, n]
+
+    torch.testing.assert_close(score(5, 2), score(20, 17))
+    torch.testing.assert_close(score(0, 0), q @ k)  # position 0 is not rotated
+    assert not torch.allclose(score(5, 2), score(5, 4))

@@ -86,23 +86,35 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed RoPE cos/sin tables (buffers, not parameters)."""
+    """Precomputed RoPE tables (buffers, not parameters), rotate-half convention.
+
+    ``cos`` holds cos(t * f) twice over the head dim, ``sin`` holds (-sin, +sin), so a rotation is
+    ``x * cos + swap_halves(x) * sin``: four elementwise kernels instead of seven.
+    """
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        t = torch.arange(max_seq_len, dtype=torch.float32)
-        freqs = torch.outer(t, inv)  # (s, hd/2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv)  # (s, hd/2)
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        self._cast: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, s: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the first ``s`` positions in ``dtype``, cast once and cached."""
+        key = (dtype, self.cos.device, self.cos.data_ptr())
+        if key not in self._cast:
+            self._cast = {key: (self.cos.to(dtype), self.sin.to(dtype))}
+        cos, sin = self._cast[key]
+        return cos[:s], sin[:s]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape (b, h, s, hd) by position (rotate-half convention)."""
-        s = x.shape[-2]
-        cos = self.cos[:s].to(x.dtype)
-        sin = self.sin[:s].to(x.dtype)
+        """Rotate x of shape (b, s, ..., hd) by its position along dim 1."""
+        s, hd = x.shape[1], x.shape[-1]
+        cos, sin = self.tables(s, x.dtype)
+        shape = (s,) + (1,) * (x.dim() - 3) + (hd,)
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return x * cos.view(shape) + torch.cat((x2, x1), dim=-1) * sin.view(shape)
 
 
 class Attention(nn.Module):
@@ -123,12 +135,19 @@ class Attention(nn.Module):
         b, s, d = x.shape
         shape = (b, s, self.n_heads, d // self.n_heads)
         if self.fused_qkv:
-            q, k, v = self.qkv(x).view(b, s, 3, *shape[2:]).unbind(2)
+            qkv = self.qkv(x).view(b, s, 3, *shape[2:])
+            if rope is not None:
+                # q and k rotate in one pass; v is copied out so that the (b, s, 3d) qkv output is freed
+                # here instead of being kept alive for backward through attention's saved view of v.
+                qk = rope(qkv[:, :, :2])
+                q, k, v = qk[:, :, 0], qk[:, :, 1], qkv[:, :, 2].contiguous()
+            else:
+                q, k, v = qkv.unbind(2)
         else:
             q, k, v = self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape)
+            if rope is not None:
+                q, k = rope(q), rope(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, h, s, hd)
-        if rope is not None:
-            q, k = rope(q), rope(k)
         p = self.dropout if self.training else 0.0
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         out = self.o(a.transpose(1, 2).reshape(b, s, d))
@@ -221,6 +240,7 @@ class DecoderLM(nn.Module):
             fresh = RotaryEmbedding(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
             self.rope.cos.copy_(fresh.cos)
             self.rope.sin.copy_(fresh.sin)
+            self.rope._cast.clear()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         s = idx.shape[1]
