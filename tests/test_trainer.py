@@ -247,3 +247,44 @@ def test_prepare_then_train_on_token_file(tmp_path: Path) -> None:
     assert run(tmp_path / "run-var", "--steps", "3", "--data.path", str(tmp_path / "c.bin"),
                "--data.variable_length") == 0
     assert len(train_losses(out)) == 3
+
+
+# ---------------------------------------------------------------- schedules, precision, logging
+def test_schedules() -> None:
+    from elbowroom.train.schedule import build_scheduler
+
+    def lrs(name: str, **kw) -> list[float]:
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        sched = build_scheduler(opt, name, total_steps=100, warmup_steps=10, min_lr_ratio=0.1, **kw)
+        out = []
+        for _ in range(100):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    cos = lrs("cosine")
+    assert cos[0] == pytest.approx(0.1) and cos[9] == pytest.approx(1.0)  # linear warmup
+    assert all(a >= b for a, b in zip(cos[9:], cos[10:]))  # then monotone decay
+    assert cos[-1] == pytest.approx(0.1, abs=1e-3)  # to min_lr_ratio
+    const = lrs("constant")
+    assert const[0] == pytest.approx(0.1) and set(const[10:]) == {1.0}
+    one = lrs("onecycle")
+    assert max(one) == pytest.approx(1.0, rel=1e-3) and one[0] < 0.1 and one[-1] < 0.01
+    assert one.index(max(one)) in range(8, 12)
+
+
+def test_grad_norm_logged_without_clipping(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert run(out, "--steps", "4", "--train.max_grad_norm", "0") == 0
+    norms = [r["grad_norm"] for r in rows(out) if "loss" in r]
+    assert len(norms) == 4 and all(n is not None and n > 0 for n in norms)
+
+
+def test_fp16_with_grad_scaler(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert run(out, "--steps", "3", "--train.dtype", "fp16") == 0
+    losses = train_losses(out)
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    state = CheckpointManager(out / "checkpoints").load_latest().state
+    assert state["scaler"] is not None and state["scaler"]["scale"] > 0

@@ -369,8 +369,12 @@ def train(cfg: Config) -> TrainResult:
 
                 if scaler is not None:
                     scaler.unscale_(optimizer)
+                last = step + 1 == cfg.train.steps or stop.received is not None
+                log_now = (step + 1) % cfg.logging.log_every == 0 or step == 0 or last
                 if cfg.train.max_grad_norm:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+                elif log_now:  # without clipping the norm is computed only when it is logged
+                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
                 else:
                     grad_norm = None
                 lr = optimizer.param_groups[0]["lr"]
@@ -385,11 +389,8 @@ def train(cfg: Config) -> TrainResult:
                 if progress is not None:
                     progress.update(1)
 
-                last = step == cfg.train.steps or stop.received is not None
-                if step % cfg.logging.log_every == 0 or step == 1 or last:
-                    if grad_norm is None:
-                        grads = [p.grad for p in params if p.grad is not None]
-                        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+                last = last or stop.received is not None  # a signal may have come during the step
+                if log_now or last:
                     loss_val = loss_acc.item()  # host-device sync: logging asks for it
                     now = time.perf_counter()
                     tok_s = tokens_since_log / (now - t_log)
