@@ -1,0 +1,1454 @@
+"""CPU-offloaded and hybrid optimizer: fp32 master weights and optimizer state in host memory.
+
+``CPUOffloadOptimizer`` wraps a torch optimizer class. The parameters it offloads keep their master
+weights and optimizer state on the host and step there with the torch CPU kernel of that class (fused
+AdamW by default, one call per bucket of parameters, using torch's intra-op threads); the rest step on the
+device with the class's fused device kernel, at the same time.
+
+The pipeline for an offloaded parameter, when ``overlap=True``:
+
+1. backward: a post-accumulate-grad hook fires when the gradient is final (on the last micro-batch only,
+   see :meth:`CPUOffloadOptimizer.accumulating`); it records an event on the compute stream and hands the
+   gradient to a copy thread once its bucket is complete;
+2. the copy thread takes a slot of a bounded pinned staging pool and copies the bucket's gradients into it
+   on a D2H stream that waits on that event (a stream wait, never a host synchronize);
+3. a step thread waits for that copy (a host wait, on its own thread), applies the step's gradient scale
+   (clipping, GradScaler), steps the bucket on the CPU and copies the updated weights back on an H2D stream;
+4. ``step()`` waits for the step thread (a host wait for the CPU, not for the device) and makes the compute
+   stream wait on the H2D stream, so the next forward reads the new weights.
+
+When the step needs every gradient before any update (gradient clipping, GradScaler, gradients edited
+after backward), the CPU steps start in ``step()``; otherwise they start during backward. Which of the two
+applies is learned from the first step, or set with :attr:`CPUOffloadOptimizer.step_in_backward`.
+
+On a CPU-only machine the same code runs with the "device" parameters on the CPU: copies are plain copies
+and events are ``None``, so the bookkeeping is the same and is what the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import math
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["CPUOffloadOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+# param-group keys that describe how an optimizer runs, not what it computes: each inner optimizer keeps
+# its own (a fused CPU kernel here, a fused CUDA kernel there)
+_IMPL_KEYS = frozenset({"params", "param_names", "fused", "foreach", "capturable", "differentiable"})
+# staging views start on this byte boundary (any dtype can view it; DMA likes aligned starts)
+_ALIGN = 256
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _accepts(cls: type, name: str) -> bool:
+    try:
+        return name in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where that is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if a is b:
+            return True
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.device.type != "cpu" or b.device.type != "cpu":
+            return False  # comparing device tensors would sync; treat a new tensor as a change
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except (RuntimeError, ValueError):
+        return a is b
+
+
+# ---------------------------------------------------------------------------------------------- device
+class _Streams:
+    """The copy streams and events of one CUDA device, or inert stand-ins on CPU (events are None)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.d2h: Any = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d: Any = torch.cuda.Stream(device) if self.cuda else None
+
+    def record(self, stream: Any = None) -> Any:
+        """An event at the current position of ``stream`` (default: this thread's current stream)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return ev
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def stream_wait(self, stream: Any, event: Any) -> None:
+        if event is not None:
+            stream.wait_event(event)  # stream wait (device side): no host synchronize
+
+    @staticmethod
+    def host_wait(event: Any) -> None:
+        if event is not None:
+            event.synchronize()  # host waits for the device: only ever called on a worker thread
+
+    def bind_thread(self) -> None:
+        torch.set_grad_enabled(False)
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+
+class _HostMemory:
+    """Host buffers of the optimizer, counted; on CUDA pinned ones are page-locked at their exact size.
+
+    ``torch.empty(..., pin_memory=True)`` goes through the caching host allocator, which rounds every
+    block up to a power of two (a 20 GiB master copy would pin 32 GiB); ``cudaHostRegister`` on a plain
+    allocation pins exactly what is asked for.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.pinned_bytes = 0
+        self.pageable_bytes = 0
+        self._registered: list[torch.Tensor] = []  # keeps each registered base alive while registered
+
+    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        n = _nbytes(t)
+        if pinned and self.pin and n > 0:
+            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)
+            code = int(getattr(err, "value", err))
+            if code != 0:
+                raise RuntimeError(
+                    f"CPUOffloadOptimizer could not pin {n / 2**30:.2f} GiB of host memory (cudaHostRegister "
+                    f"error {code}; {self.pinned_bytes / 2**30:.2f} GiB pinned so far). Free host memory, raise "
+                    "the locked-memory limit (ulimit -l), or offload fewer parameters (lower offload_fraction)."
+                )
+            self._registered.append(t)
+            self.pinned_bytes += n
+        else:
+            self.pageable_bytes += n
+        return t
+
+    def release(self) -> None:
+        """Unpin everything (the caller made sure no copy still reads or writes these buffers)."""
+        for t in self._registered:
+            with contextlib.suppress(Exception):  # at interpreter exit CUDA may already be gone
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        self._registered.clear()
+
+
+class _SlotPool:
+    """A fixed set of pinned staging slots for gradients on their way to the host (bounded memory)."""
+
+    def __init__(self, slots: list[torch.Tensor]) -> None:
+        self._free = list(slots)
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def acquire(self) -> torch.Tensor | None:
+        with self._cv:
+            while not self._free and not self._closed:
+                self._cv.wait()
+            return self._free.pop() if self._free else None
+
+    def release(self, slot: torch.Tensor) -> None:
+        with self._cv:
+            self._free.append(slot)
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+
+# ------------------------------------------------------------------------------------------- bookkeeping
+class _HostParam:
+    """One offloaded parameter: its device tensor, its host master and where it stages in a slot."""
+
+    def __init__(self, index: int, group: int, param: torch.Tensor, master: torch.Tensor) -> None:
+        self.index = index  # position over all param groups, as in state_dict()
+        self.group = group
+        self.param = param
+        self.master = master  # host, same shape; fp32 with master_weights, else the param's dtype
+        self.bucket: _Bucket
+        self.offset = 0  # byte offset of its gradient (param dtype) in a staging slot
+        self.elem_offset = 0  # element offset of its fp32 upcast in the step thread's scratch
+        self.same_dtype = master.dtype == param.dtype
+        # main-thread state of the current step
+        self.final = False  # its final gradient was handed over
+        self.accumulated = False  # earlier micro-batches sit in the host accumulator (offload_gradients)
+        self.in_arrival = False
+        self.early = False  # handed over by the hook during backward (before any post-backward edit)
+        self.master_stale = self.same_dtype  # re-read the device weights into the master before stepping
+        self.grad_ref: torch.Tensor | None = None  # the device grad handed over, to detect later edits
+        self.grad_version = -1
+        self.norm: torch.Tensor | None = None  # norm of the final grad, computed on the device in the hook
+        # step-thread state
+        self.hgrad: torch.Tensor | None = None  # host accumulator (offload_gradients only)
+        self.hgrad_valid = False
+
+    def staging(self, slot: torch.Tensor) -> torch.Tensor:
+        n = _nbytes(self.param)
+        return slot[self.offset : self.offset + n].view(self.param.dtype).view(self.param.shape)
+
+
+class _Bucket:
+    """Consecutive offloaded parameters that travel and step together (one CPU optimizer call)."""
+
+    def __init__(self, params: list[_HostParam], optimizer: Optimizer, group_map: list[int]) -> None:
+        self.params = params
+        self.optimizer = optimizer
+        self.group_map = group_map  # inner param group i -> user param group index
+        self.arrived: list[tuple[_HostParam, torch.Tensor | None]] = []
+        self.arrived_kind = "final"
+        self.h2d_event: Any = None
+        off = eoff = 0
+        for hp in params:
+            hp.bucket = self
+            hp.offset, hp.elem_offset = off, eoff
+            off += _align(_nbytes(hp.param))
+            eoff += _align(hp.param.numel() * 4) // 4
+        self.staging_bytes = off
+        self.scratch_numel = eoff
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the CPU steps of one optimizer step apply, fixed when their gate opens."""
+
+    hyper: list[dict[str, Any]]
+    mults: list[torch.Tensor] = dataclasses.field(default_factory=list)  # CPU fp32 scalars, in order
+    skip: bool = False
+    recopy: frozenset[int] = frozenset()  # indices of params whose device grad changed after hand-over
+    ready: Any = None  # compute-stream event after which re-copies may read
+
+
+class _Gate:
+    """Holds a step's CPU updates until the values they need are known."""
+
+    def __init__(self) -> None:
+        self.plan: _Plan | None = None
+        self.open = False
+
+
+@dataclasses.dataclass
+class _Job:
+    kind: str  # "accumulate" | "final"
+    bucket: _Bucket
+    params: list[_HostParam]
+    grads: list[torch.Tensor | None]  # device grads (a reference keeps each alive until it is copied)
+    fresh: list[bool]
+    ready: Any  # compute-stream event: the grads are complete on the device
+    gate: _Gate | None
+    refresh: list[_HostParam]
+    slot: torch.Tensor | None = None
+    copied: Any = None
+    pre_done: bool = False
+
+
+class _Engine:
+    """The copy thread and the step thread of one optimizer."""
+
+    def __init__(
+        self,
+        streams: _Streams,
+        pool: _SlotPool,
+        h2d_buffers: list[torch.Tensor],
+        scratch: torch.Tensor | None,
+        offload_gradients: bool,
+        host_memory: _HostMemory,
+    ) -> None:
+        self.streams = streams
+        self.pool = pool
+        self.h2d_buffers = h2d_buffers
+        self.h2d_events: list[Any] = [None] * len(h2d_buffers)
+        self.h2d_next = 0
+        self.scratch = scratch
+        self.offload_gradients = offload_gradients
+        self.host_memory = host_memory
+        self._copy_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._step_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._outstanding = 0
+        self._pre_outstanding = 0
+        self.error: BaseException | None = None
+        # counters, written by one thread each, read by the main thread when idle
+        self.cpu_s = 0.0
+        self.d2h_bytes = 0  # copy thread
+        self.recopy_bytes = 0  # step thread
+        self.h2d_bytes = 0  # step thread
+        self.hgrad_bytes = 0  # step thread
+        self._threads = [
+            threading.Thread(target=self._copy_loop, name="elbowroom-optim-d2h", daemon=True),
+            threading.Thread(target=self._step_loop, name="elbowroom-optim-step", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- main thread
+    def submit(self, job: _Job) -> None:
+        with self._cv:
+            self._outstanding += 1
+            self._pre_outstanding += 1
+        self._copy_q.put(job)
+
+    def open_gate(self, gate: _Gate, plan: _Plan) -> None:
+        gate.plan = plan
+        gate.open = True
+        self._step_q.put(gate)
+
+    def wait_idle(self) -> None:
+        """Host wait until every submitted job is done (its H2D copies are enqueued, not finished)."""
+        with self._cv:
+            while self._outstanding and self.error is None:
+                self._cv.wait()
+        self.raise_error()
+
+    def wait_pre(self) -> None:
+        """Host wait until every submitted job went through its pre-gate phase."""
+        with self._cv:
+            while self._pre_outstanding and self.error is None:
+                self._cv.wait()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("the CPUOffloadOptimizer worker failed; the optimizer is unusable") from self.error
+
+    def stop(self) -> None:
+        self.pool.close()
+        self._copy_q.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=10)
+
+    # ---- worker threads
+    def _done(self, job: _Job) -> None:
+        if job.slot is not None:
+            self.pool.release(job.slot)
+            job.slot = None
+        with self._cv:
+            self._outstanding -= 1
+            if not job.pre_done:
+                job.pre_done = True
+                self._pre_outstanding -= 1
+            self._cv.notify_all()
+
+    def _pre_done(self, job: _Job) -> None:
+        with self._cv:
+            job.pre_done = True
+            self._pre_outstanding -= 1
+            self._cv.notify_all()
+
+    def _fail(self, exc: BaseException, job: _Job) -> None:
+        logger.error("CPUOffloadOptimizer worker failed: %r", exc)
+        with self._cv:
+            if self.error is None:
+                self.error = exc
+        self._done(job)
+
+    def _copy_loop(self) -> None:
+        self.streams.bind_thread()
+        while True:
+            job = self._copy_q.get()
+            if job is None:
+                self._step_q.put(None)
+                return
+            if self.error is not None:
+                self._done(job)
+                continue
+            try:
+                self._copy(job)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which re-raises it
+                self._fail(exc, job)
+                continue
+            self._step_q.put(job)
+
+    def _copy(self, job: _Job) -> None:
+        s = self.streams
+        todo = [(hp, g) for hp, g in zip(job.params, job.grads) if g is not None]
+        if todo:
+            job.slot = self.pool.acquire()  # may block until the step thread frees a slot
+            if job.slot is None:
+                raise RuntimeError("optimizer closed")
+        if not todo and not job.refresh:
+            return
+        with s.on(s.d2h):
+            s.stream_wait(s.d2h, job.ready)  # stream wait: copy only once backward has produced the grads
+            for hp, g in todo:
+                hp.staging(job.slot).copy_(g, non_blocking=True)
+                self.d2h_bytes += _nbytes(g)
+                if self.offload_gradients and s.cuda:
+                    # lifetime extension: the caching allocator reuses the grad's block only after this copy
+                    g.record_stream(s.d2h)
+            for hp in job.refresh:
+                hp.master.copy_(hp.param.detach(), non_blocking=True)
+            job.copied = s.record(s.d2h)
+        if self.offload_gradients:
+            # drop our references: with offload_gradients the device grads are freed now
+            job.grads = [None] * len(job.grads)
+
+    def _step_loop(self) -> None:
+        self.streams.bind_thread()
+        waiting: list[_Job] = []
+        while True:
+            msg = self._step_q.get()
+            if msg is None:
+                return
+            if isinstance(msg, _Gate):
+                for job in waiting:
+                    self._run(self._post, job)
+                waiting.clear()
+                continue
+            job = msg
+            if self.error is not None:
+                self._done(job)
+                continue
+            if not self._run(self._pre, job):
+                continue
+            if job.kind == "accumulate":
+                self._done(job)
+            elif job.gate is not None and job.gate.open:
+                self._run(self._post, job)
+            else:
+                waiting.append(job)
+
+    def _run(self, fn: Callable[[_Job], None], job: _Job) -> bool:
+        try:
+            fn(job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which re-raises it
+            self._fail(exc, job)
+            return False
+        return True
+
+    def _ensure_hgrad(self, hp: _HostParam) -> torch.Tensor:
+        if hp.hgrad is None:
+            hp.hgrad = torch.empty(hp.master.shape, dtype=hp.master.dtype)
+            self.hgrad_bytes += _nbytes(hp.hgrad)
+        return hp.hgrad
+
+    def _pre(self, job: _Job) -> None:
+        """Before the gate: wait for the copy; move grads into host accumulators where they must wait."""
+        self.streams.host_wait(job.copied)  # host wait (this thread) for the bucket's D2H copy
+        t0 = time.perf_counter()
+        to_accumulator = job.kind == "accumulate" or (
+            self.offload_gradients
+            and job.kind == "final"
+            and (not (job.gate is not None and job.gate.open) or any(hp.hgrad_valid for hp in job.params))
+        )
+        if to_accumulator:
+            # the grads leave the slot now: with offload_gradients a gated step must not hold slots,
+            # which would stall the copy thread and leave the device grads un-freed
+            for hp, fresh in zip(job.params, job.fresh):
+                if not fresh:
+                    continue
+                staged = hp.staging(job.slot)
+                acc = self._ensure_hgrad(hp)
+                if hp.hgrad_valid:
+                    acc.add_(staged)
+                else:
+                    acc.copy_(staged)
+                hp.hgrad_valid = True
+            if job.slot is not None:
+                self.pool.release(job.slot)
+                job.slot = None
+        self.cpu_s += time.perf_counter() - t0
+        self._pre_done(job)
+
+    def _post(self, job: _Job) -> None:
+        """After the gate: scale the grads, step the bucket on the CPU, send the weights back."""
+        try:
+            plan = job.gate.plan
+            assert plan is not None
+            if not plan.skip:
+                self._step_bucket(job, plan)
+        finally:
+            for hp in job.params:
+                hp.hgrad_valid = False
+            self._done(job)
+
+    def _step_bucket(self, job: _Job, plan: _Plan) -> None:
+        s = self.streams
+        bucket = job.bucket
+        fresh = list(job.fresh)
+        recopy = [i for i, hp in enumerate(job.params) if hp.index in plan.recopy and not hp.hgrad_valid]
+        if recopy:
+            # the device grads were edited after they were handed over (torch's clip_grad_norm_, a
+            # GradScaler.unscale_): copy them again, after the compute stream's position at step()
+            if job.slot is None:
+                job.slot = self.pool.acquire()
+            with s.on(s.d2h):
+                s.stream_wait(s.d2h, plan.ready)  # stream wait: after the edits
+                for i in recopy:
+                    hp = job.params[i]
+                    g = hp.param.grad
+                    fresh[i] = g is not None
+                    if g is not None:
+                        hp.staging(job.slot).copy_(g, non_blocking=True)
+                        self.recopy_bytes += _nbytes(g)
+                ev = s.record(s.d2h)
+            s.host_wait(ev)  # host wait (this thread) for the re-copy
+        t0 = time.perf_counter()
+        stepped: list[_HostParam] = []
+        for i, hp in enumerate(job.params):
+            if hp.hgrad_valid:
+                g = hp.hgrad
+            elif fresh[i]:
+                g = hp.staging(job.slot)
+            else:
+                hp.master.grad = None
+                continue
+            if g.dtype != hp.master.dtype:
+                assert self.scratch is not None
+                up = self.scratch[hp.elem_offset : hp.elem_offset + g.numel()].view(g.shape)
+                up.copy_(g)
+                g = up
+            for m in plan.mults:
+                g.mul_(m)
+            hp.master.grad = g
+            stepped.append(hp)
+        if not stepped:
+            self.cpu_s += time.perf_counter() - t0
+            return
+        for inner, gi in zip(bucket.optimizer.param_groups, bucket.group_map):
+            inner.update(plan.hyper[gi])
+        s.host_wait(bucket.h2d_event)  # host wait (this thread): the last H2D from these masters is done
+        bucket.optimizer.step()
+        for hp in job.params:
+            hp.master.grad = None  # the slot and accumulators are not the masters' grads beyond this step
+        self.cpu_s += time.perf_counter() - t0
+        if job.slot is not None:
+            self.pool.release(job.slot)  # grads consumed: the copy thread may refill this slot
+            job.slot = None
+        with s.on(s.h2d):
+            # stream wait: never overwrite weights the compute stream may still read in this backward
+            s.stream_wait(s.h2d, job.ready)
+            buf_i = None
+            for hp in stepped:
+                if hp.same_dtype:
+                    hp.param.detach().copy_(hp.master, non_blocking=True)  # straight from the pinned master
+                else:
+                    if buf_i is None:
+                        buf_i = self.h2d_next
+                        self.h2d_next = (self.h2d_next + 1) % len(self.h2d_buffers)
+                        s.host_wait(self.h2d_events[buf_i])  # host wait (this thread): buffer free again
+                    stage = hp.staging(self.h2d_buffers[buf_i])
+                    stage.copy_(hp.master)  # cast to the device dtype on the CPU: half the bytes to move
+                    hp.param.detach().copy_(stage, non_blocking=True)
+                self.h2d_bytes += _nbytes(hp.param)
+            ev = s.record(s.h2d)
+        bucket.h2d_event = ev
+        if buf_i is not None:
+            self.h2d_events[buf_i] = ev
+
+
+# ------------------------------------------------------------------------------------------- optimizer
+@dataclasses.dataclass
+class _ClipRequest:
+    coef: torch.Tensor  # clamped clip coefficient, on the device
+    total_norm: torch.Tensor
+    skip_if_nonfinite: bool
+
+
+def _select_offloaded(
+    params: list[torch.Tensor],
+    fraction: float,
+    chosen: Callable[[torch.Tensor], bool] | Iterable[torch.Tensor] | None,
+) -> set[int]:
+    """ids of the trainable params that go to the CPU."""
+    trainable = [p for p in params if p.requires_grad]
+    if chosen is not None:
+        if callable(chosen):
+            return {id(p) for p in trainable if chosen(p)}
+        ids = {id(p) for p in chosen}
+        known = {id(p) for p in params}
+        if not ids <= known:
+            raise ValueError("offload_params lists tensors that are not parameters of this optimizer")
+        return {id(p) for p in trainable if id(p) in ids}
+    total = sum(_nbytes(p) for p in trainable)
+    limit = fraction * total
+    out, taken = set(), 0
+    for p in trainable:  # Megatron's rule: offload in parameter order while under the byte budget
+        if taken < limit:
+            out.add(id(p))
+            taken += _nbytes(p)
+    return out
+
+
+class CPUOffloadOptimizer(Optimizer):
+    """A torch optimizer whose state (all of it, or a fraction) lives and steps in host memory.
+
+    Example::
+
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+        for micro_batches in loader:
+            for i, mb in enumerate(micro_batches):
+                with opt.accumulating(i < len(micro_batches) - 1):
+                    loss_fn(model, mb).backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+
+    Host memory per offloaded fp32 parameter with AdamW: 12 bytes (master weight, two moments), plus a
+    bounded pinned staging pool (``num_staging_slots`` slots of ``max(bucket_bytes, largest offloaded
+    gradient)``). ``offload_gradients=True`` adds a host gradient accumulator (4 more bytes per offloaded
+    parameter) when gradients must wait on the host: under gradient accumulation, or when the step needs
+    every gradient before any update (clipping, GradScaler). With ``master_weights=True`` and bf16 device
+    parameters the device keeps 2 bytes per offloaded parameter and the host the same 12, plus a second
+    pinned staging pair for the bf16 weights on their way back.
+
+    Limits: with DDP, gradients are final only after their all-reduce, which the post-accumulate-grad
+    hooks do not wait for; use ``overlap=False`` there. A parameter read by backward after its own
+    gradient is final (a ``detach()``-ed use) would see the updated weights when the CPU step runs during
+    backward; set ``step_in_backward = False`` for such models.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer; extra keys in a group are kept
+            and passed to the inner optimizers.
+        optimizer_class: the torch optimizer class; it must be able to step CPU tensors. Fused kernels are
+            used on both sides when the class has them (``fused`` is set unless given).
+        offload_fraction: share of the trainable parameter bytes, taken in parameter order, whose state
+            lives on the host. 0 keeps everything on the device, 1 offloads everything.
+        overlap: copy each gradient to the host as soon as it is final (post-accumulate-grad hooks) and
+            start the CPU step as early as the step allows; False does all the work inside ``step()``.
+        offload_gradients: free each device gradient of an offloaded parameter as soon as it is copied;
+            gradients of later micro-batches accumulate on the host.
+        offload_params: which parameters go to the host instead of the first ``offload_fraction``: a
+            predicate on a parameter or a collection of parameters. Offloading the last blocks hides the
+            CPU step best: their gradients are final first and their weights are needed last.
+        master_weights: keep fp32 master weights for low-precision (bf16/fp16) parameters: on the host for
+            offloaded ones (the device copy is updated by casting), on the device for the others. The
+            masters start from the parameters' current values.
+        **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``...).
+
+    Raises:
+        ValueError: a setting outside its range, or an optimizer class that cannot step on the CPU.
+        TypeError: ``optimizer_class`` is not a torch optimizer class.
+        RuntimeError: host memory is too small, or pinned memory cannot be allocated.
+    """
+
+    bucket_bytes: ClassVar[int] = 64 << 20
+    """Target gradient bytes of one bucket (one CPU optimizer call, one staging region)."""
+    num_staging_slots: ClassVar[int] = 3
+    """Slots in the pinned gradient staging pool: copies of later buckets overlap the step of earlier ones."""
+
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf instead of unscaling
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[Optimizer] = torch.optim.AdamW,
+        *,
+        offload_fraction: float = 1.0,
+        overlap: bool = True,
+        offload_gradients: bool = False,
+        offload_params: Callable[[torch.Tensor], bool] | Iterable[torch.Tensor] | None = None,
+        master_weights: bool = False,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)):
+            raise ValueError(f"offload_fraction must be a number in [0, 1], got {offload_fraction!r}")
+        if not (0.0 <= float(offload_fraction) <= 1.0):
+            raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction}")
+        if offload_params is not None and offload_fraction != 1.0:
+            raise ValueError(
+                "offload_params chooses the offloaded parameters itself; leave offload_fraction at its default"
+            )
+        self._ready = False
+        self.optimizer_class = optimizer_class
+        self.offload_fraction = float(offload_fraction)
+        self.overlap = bool(overlap)
+        self.offload_gradients = bool(offload_gradients)
+        self.master_weights = bool(master_weights)
+        self._offload_params = offload_params
+        self.sync_gradients = True
+        """False while accumulating: the gradients of this backward are not the step's final ones."""
+        self.step_in_backward: bool | None = None
+        """True: CPU steps start during backward; False: in ``step()``; None: learned from the first step
+        (True when that step used no clipping, no GradScaler and did not edit gradients after backward)."""
+
+        groups = list(params)
+        if not groups:
+            raise ValueError("optimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        groups = [dict(g) for g in groups]
+        for g in groups:
+            g["params"] = list(g["params"]) if not isinstance(g["params"], torch.Tensor) else [g["params"]]
+        raw = [p[1] if isinstance(p, tuple) else p for g in groups for p in g["params"]]  # (name, param) too
+        devices = {p.device for p in raw}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop()
+
+        self._cpu_kwargs, self._dev_kwargs, defaults, state_ratio = self._probe_kwargs(optimizer_kwargs)
+        self._user_kwargs = dict(optimizer_kwargs)
+        super().__init__(groups, defaults)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+
+        self._streams = _Streams(self.device)
+        self._host = _HostMemory(pin=self._streams.cuda)
+        self._hps: list[_HostParam] = []
+        self._hp_of: dict[torch.Tensor, _HostParam] = {}
+        self._buckets: list[_Bucket] = []
+        self._dev_opt: Optimizer | None = None
+        self._dev_group_map: list[int] = []
+        self._dev_params: list[torch.Tensor] = []
+        self._dev_masters: dict[torch.Tensor, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+        self._gate: _Gate | None = None
+        self._hook_hyper: list[dict[str, Any]] | None = None
+        self._clip: _ClipRequest | None = None
+        self._learning: dict[str, bool] = {}
+        self._stats: dict[str, Any] = {"steps": 0}
+        self._marks = (0.0, 0, 0)  # engine counters at the end of the last step
+        self._state_ratio = state_ratio
+        self._engine: _Engine | None = None
+
+        offloaded = _select_offloaded(all_params, self.offload_fraction, offload_params)
+        self._check_host_memory(all_params, offloaded)
+        for gi, group in enumerate(self.param_groups):
+            self._place(gi, group["params"], offloaded)
+        self._build_engine()
+        self._finalizer = weakref.finalize(self, CPUOffloadOptimizer._shutdown, self._engine, self._hooks, self._host)
+        self._ready = True
+        n_off = sum(hp.param.numel() for hp in self._hps)
+        n_all = sum(p.numel() for p in all_params)
+        logger.info(
+            "CPUOffloadOptimizer: %d of %d parameters (%.1f%% of elements) on the host, %d buckets, %.2f GiB pinned",
+            len(self._hps),
+            len(all_params),
+            100 * n_off / max(n_all, 1),
+            len(self._buckets),
+            self._host.pinned_bytes / 2**30,
+        )
+
+    # ------------------------------------------------------------------------------------ set-up
+    def _probe_kwargs(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], float]:
+        """Check that the class steps on the CPU; choose fused kernels; return the class defaults."""
+        cls = self.optimizer_class
+        master_dtype = torch.float32
+        has_fused = _accepts(cls, "fused")
+        candidates = [kwargs]
+        if has_fused and "fused" not in kwargs:
+            candidates = [{**kwargs, "fused": True}, kwargs]
+        last_exc: BaseException | None = None
+        for cand in candidates:
+            probe = torch.zeros(8, dtype=master_dtype, requires_grad=True)
+            if cand is kwargs:
+                opt = cls([probe], **cand)  # a bad keyword or value raises here, with the class's own message
+            else:
+                try:  # the fused=True we add ourselves: on failure fall back to the class's default
+                    opt = cls([probe], **cand)
+                except (RuntimeError, ValueError, TypeError) as exc:
+                    last_exc = exc
+                    continue
+            probe.grad = torch.full_like(probe, 1e-3)
+            try:
+                opt.step()
+            except Exception as exc:  # noqa: BLE001 - any failure means: not runnable on the CPU this way
+                last_exc = exc
+                continue
+            st = opt.state.get(probe, {})
+            ratio = sum(v.numel() for v in st.values() if isinstance(v, torch.Tensor) and v.numel() == 8) / 8
+            dev_kwargs = dict(kwargs)
+            if self.device.type == "cpu":
+                dev_kwargs = dict(cand)  # the "device" is the CPU itself: same kernel as the host part
+            elif has_fused and "fused" not in kwargs:
+                dev_kwargs["fused"] = True  # falls back below if the class has no fused kernel there
+            defaults = dict(opt.defaults)
+            return dict(cand), dev_kwargs, defaults, ratio
+        raise ValueError(
+            f"{cls.__name__} cannot step CPU tensors ({type(last_exc).__name__}: {last_exc}); offloading needs "
+            "an optimizer class with a CPU implementation, e.g. torch.optim.AdamW, Adam or SGD"
+        ) from last_exc
+
+    def _check_host_memory(self, params: list[torch.Tensor], offloaded: set[int]) -> None:
+        numel = sum(p.numel() for p in params if id(p) in offloaded)
+        if not numel:
+            return
+        per_param = 4 * (1 + self._state_ratio) + (4 if self.offload_gradients else 0)
+        need = numel * per_param + (self.num_staging_slots + 2) * self.bucket_bytes
+        avail = _available_host_bytes()
+        if avail is not None and need > avail:
+            raise RuntimeError(
+                f"CPUOffloadOptimizer needs about {need / 2**30:.1f} GiB of host memory for {numel / 1e9:.2f}B "
+                f"offloaded parameters ({per_param:.0f} B each), but only {avail / 2**30:.1f} GiB is available; "
+                "lower offload_fraction or free host memory"
+            )
+
+    def _place(self, gi: int, params: list[torch.Tensor], offloaded: set[int]) -> None:
+        """Give each parameter of user group ``gi`` its home: a host bucket or the device optimizer."""
+        base = sum(len(g["params"]) for g in self.param_groups[:gi])
+        host: list[_HostParam] = []
+        dev: list[torch.Tensor] = []
+        for j, p in enumerate(params):
+            if id(p) in offloaded:
+                mdtype = torch.float32 if (self.master_weights and p.is_floating_point()) else p.dtype
+                same = mdtype == p.dtype
+                # the master is the H2D source when dtypes match, so it is pinned; else a bf16 copy travels
+                master = self._host.empty(p.shape, mdtype, pinned=same)
+                if not same:
+                    with torch.no_grad():
+                        master.copy_(p.detach())  # host-device sync, at set-up only
+                hp = _HostParam(base + j, gi, p, master)
+                host.append(hp)
+            else:
+                dev.append(p)
+        if dev:
+            self._add_device_params(gi, dev)
+        if host:
+            self._hps.extend(host)
+            self._hps.sort(key=lambda h: h.index)
+            for hp in host:
+                self._hp_of[hp.param] = hp
+            self._make_buckets(host)
+
+    def _add_device_params(self, gi: int, params: list[torch.Tensor]) -> None:
+        inner_params = []
+        for p in params:
+            if self.master_weights and p.is_floating_point() and p.dtype != torch.float32:
+                m = p.detach().float()
+                self._dev_masters[p] = m
+                inner_params.append(m)
+            else:
+                inner_params.append(p)
+        self._dev_params.extend(params)
+        group = {**self._hyper_of(gi), "params": inner_params}
+        if self._dev_opt is None:
+            try:
+                self._dev_opt = self.optimizer_class([group], **self._dev_kwargs)
+            except (RuntimeError, ValueError) as exc:
+                if "fused" in self._user_kwargs or "fused" not in self._dev_kwargs:
+                    raise
+                logger.info(
+                    "%s has no fused kernel for %s (%s); using its default",
+                    self.optimizer_class.__name__,
+                    self.device,
+                    exc,
+                )
+                self._dev_kwargs.pop("fused")
+                self._dev_opt = self.optimizer_class([group], **self._dev_kwargs)
+        else:
+            self._dev_opt.add_param_group(group)
+        self._dev_group_map.append(gi)
+
+    def _make_buckets(self, host: list[_HostParam]) -> None:
+        # gradients become final roughly in reverse parameter order: bucket from the end
+        ordered = sorted(host, key=lambda h: h.index, reverse=True)
+        chunk: list[_HostParam] = []
+        size = 0
+        for hp in ordered:
+            n = _align(_nbytes(hp.param))
+            if chunk and size + n > self.bucket_bytes:
+                self._buckets.append(self._new_bucket(chunk))
+                chunk, size = [], 0
+            chunk.append(hp)
+            size += n
+        if chunk:
+            self._buckets.append(self._new_bucket(chunk))
+        for hp in host:
+            if hp.param.requires_grad and self.overlap:
+                self._hooks.append(hp.param.register_post_accumulate_grad_hook(_grad_hook(self, hp)))
+
+    def _new_bucket(self, hps: list[_HostParam]) -> _Bucket:
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for hp in hps:
+            by_group.setdefault(hp.group, []).append(hp.master)
+        group_map = sorted(by_group)
+        inner = [{**self._hyper_of(gi), "params": by_group[gi]} for gi in group_map]
+        opt = self.optimizer_class(inner, **self._cpu_kwargs)
+        # inner groups list masters in group order; keep hps in the same order for state routing
+        order = {id(m): k for k, m in enumerate(m for g in opt.param_groups for m in g["params"])}
+        hps = sorted(hps, key=lambda h: order[id(h.master)])
+        return _Bucket(hps, opt, group_map)
+
+    def _build_engine(self) -> None:
+        # a bucket stages within bucket_bytes unless one parameter alone is bigger
+        slot_bytes = max((b.staging_bytes for b in self._buckets), default=0)
+        slots = [self._host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(self.num_staging_slots)]
+        needs_cast = any(not hp.same_dtype for hp in self._hps)
+        h2d = [self._host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(2)] if needs_cast else []
+        scratch = None
+        if any(hp.param.dtype != hp.master.dtype for hp in self._hps):
+            scratch = self._host.empty(max(b.scratch_numel for b in self._buckets), torch.float32, pinned=False)
+        self._slot_bytes = slot_bytes if self._buckets else 0
+        self._engine = _Engine(self._streams, _SlotPool(slots), h2d, scratch, self.offload_gradients, self._host)
+
+    @staticmethod
+    def _shutdown(engine: _Engine | None, hooks: list[Any], host: _HostMemory) -> None:
+        for h in hooks:
+            h.remove()
+        hooks.clear()
+        if engine is not None:
+            engine.stop()
+            if engine.streams.cuda:
+                torch.cuda.synchronize(engine.streams.device)  # host-device sync: no copy may touch freed pins
+        host.release()
+
+    def close(self) -> None:
+        """Stop the worker threads, remove the hooks and unpin host memory; the optimizer is unusable after."""
+        self._finalizer()
+
+    # ------------------------------------------------------------------------------------ user API
+    @contextlib.contextmanager
+    def accumulating(self, enabled: bool = True) -> Iterator[None]:
+        """Mark the backward passes inside as non-final micro-batches of gradient accumulation.
+
+        Gradients stay on the device and accumulate there as usual (on the host with
+        ``offload_gradients=True``); nothing is copied for the CPU step until a backward outside this
+        context. Equivalent to setting ``opt.sync_gradients = not enabled`` around them.
+
+        Args:
+            enabled: False makes the context a no-op, for ``with opt.accumulating(i < n - 1):`` loops.
+        """
+        prev = self.sync_gradients
+        self.sync_gradients = not enabled
+        try:
+            yield
+        finally:
+            self.sync_gradients = prev
+
+    def _hyper_of(self, gi: int) -> dict[str, Any]:
+        return {k: v for k, v in self.param_groups[gi].items() if k not in _IMPL_KEYS}
+
+    def _hyper(self) -> list[dict[str, Any]]:
+        return [self._hyper_of(gi) for gi in range(len(self.param_groups))]
+
+    def _engine_(self) -> _Engine:
+        assert self._engine is not None
+        return self._engine
+
+    def _on_grad(self, hp: _HostParam, kind: str, grad: torch.Tensor | None, early: bool = False) -> None:
+        """Hand one gradient over (called by the hook during backward, or by step() for the rest)."""
+        p = hp.param
+        if kind == "final":
+            if hp.final:
+                raise RuntimeError(
+                    f"the gradient of parameter {hp.index} became final twice before step(): wrap the "
+                    "backward passes of all but the last micro-batch in `with opt.accumulating():` (or set "
+                    "opt.sync_gradients = False for them)"
+                )
+            hp.final = True
+            self._open_step()
+            if grad is not None and not self.offload_gradients:
+                hp.grad_ref, hp.grad_version = grad, grad._version
+                hp.early = early
+        else:
+            hp.accumulated = True
+        if grad is not None and self.offload_gradients:
+            # the optimizer owns the grad from here until its copy is enqueued (lifetime extension)
+            p.grad = None
+            if kind == "final" and not hp.accumulated and self.step_in_backward is not True:
+                with torch.no_grad():
+                    hp.norm = torch.linalg.vector_norm(grad)  # on the device, as the grads finish: no sync
+        b = hp.bucket
+        if b.arrived and (b.arrived_kind != kind or hp.in_arrival):
+            self._flush(b)
+        hp.in_arrival = True
+        b.arrived.append((hp, grad))
+        b.arrived_kind = kind
+        if len(b.arrived) == len(b.params):
+            self._flush(b)
+
+    def _flush(self, b: _Bucket) -> None:
+        if not b.arrived:
+            return
+        items, b.arrived = b.arrived, []
+        kind = b.arrived_kind
+        refresh = []
+        for hp, _ in items:
+            hp.in_arrival = False
+            if kind == "final" and hp.master_stale:
+                refresh.append(hp)
+                hp.master_stale = False
+        job = _Job(
+            kind=kind,
+            bucket=b,
+            params=[hp for hp, _ in items],
+            grads=[g for _, g in items],
+            fresh=[g is not None for _, g in items],
+            ready=self._streams.record(),  # the grads are complete at this point of the compute stream
+            gate=self._gate if kind == "final" else None,
+            refresh=refresh,
+        )
+        self._engine_().submit(job)
+
+    def _open_step(self) -> None:
+        if self._gate is not None:
+            return
+        self._gate = _Gate()
+        self._hook_hyper = self._hyper()
+        if self.step_in_backward is True and self.overlap:
+            self._engine_().open_gate(self._gate, _Plan(hyper=self._hook_hyper))
+
+    def _collect(self) -> None:
+        """Hand over every final gradient the hooks did not see, and flush partial buckets."""
+        if not self.sync_gradients:
+            logger.warning("step() called inside accumulating(): treating the gradients as final")
+        for hp in self._hps:
+            if hp.final:
+                continue
+            g = hp.param.grad
+            if g is not None:
+                self._on_grad(hp, "final", g)
+            elif hp.accumulated:
+                self._on_grad(hp, "final", None)
+        for b in self._buckets:
+            self._flush(b)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        error_if_nonfinite: bool = False,
+        skip_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clip all gradients of this optimizer by their global norm, as torch.nn.utils.clip_grad_norm_.
+
+        Call it after the last backward and before ``step()`` (after ``scaler.unscale_(opt)`` when a
+        GradScaler is used). Norms come from the device (offloaded gradients freed by
+        ``offload_gradients=True`` had theirs taken on the device as they finished; host-accumulated ones
+        are taken on the host). The device gradients of parameters that step on the device are scaled
+        here; offloaded gradients are scaled on the host right before their CPU step (their device copies,
+        if kept, are left as they are).
+
+        Args:
+            max_norm: the largest allowed global norm.
+            norm_type: the p of the p-norm (``inf`` for the max norm); 2 only with ``offload_gradients``.
+            error_if_nonfinite: raise if the total norm is nan or inf (a host-device sync).
+            skip_if_nonfinite: make the coming ``step()`` skip the update when the norm is not finite.
+
+        Returns:
+            The total norm of the gradients before clipping (a device tensor).
+        """
+        norm_type = float(norm_type)
+        if self.step_in_backward is True and self.overlap:
+            raise RuntimeError(
+                "clip_grad_norm_ after CPU steps started during backward; set opt.step_in_backward = False "
+                "(or leave it None so that the first step decides)"
+            )
+        self._learning["global"] = True
+        self._collect()
+        entries: list[tuple[int, torch.Tensor]] = []  # (param index, norm)
+        dev_grads: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+        host_waited = False
+        idx = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                hp = self._hp_of.get(p)
+                if hp is not None and self.offload_gradients and hp.final:
+                    if norm_type != 2.0:
+                        raise ValueError("with offload_gradients=True, clip_grad_norm_ supports norm_type=2 only")
+                    if hp.norm is not None:
+                        entries.append((idx, hp.norm))
+                    else:
+                        if not host_waited:
+                            self._engine_().wait_pre()  # host wait: accumulated grads are on the host
+                            host_waited = True
+                        if hp.hgrad is not None and hp.hgrad_valid:
+                            entries.append((idx, torch.linalg.vector_norm(hp.hgrad).to(self.device)))
+                elif p.grad is not None:
+                    dev_grads.setdefault((p.grad.device, p.grad.dtype), []).append((idx, p.grad))
+                idx += 1
+        for items in dev_grads.values():
+            norms = torch._foreach_norm([g for _, g in items], norm_type)
+            entries.extend(zip([i for i, _ in items], norms))
+        if not entries:
+            total = torch.zeros((), device=self.device)
+        else:
+            entries.sort(key=lambda e: e[0])
+            total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for _, n in entries]), norm_type)
+        if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):  # host-device sync
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped."
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        resident: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in self._dev_params:
+            if p.grad is not None:
+                resident.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for grads in resident.values():
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        self._clip = _ClipRequest(coef=coef, total_norm=total, skip_if_nonfinite=skip_if_nonfinite)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Update all parameters: offloaded ones on the CPU, the others on the device, at the same time.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (its backward runs inside this call).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engine = self._engine_()
+        engine.raise_error()
+        t_start = time.perf_counter()
+        self._collect()
+        self._open_step()
+        gate = self._gate
+        assert gate is not None
+        eager = gate.open  # the CPU steps already run with the values fixed at the first hook
+
+        # --- what this step applies: GradScaler's scale and inf check, the clip coefficient
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        scaler = grad_scale is not None or found_inf is not None
+        if scaler and self.offload_gradients and self._hps:
+            raise ValueError(
+                "GradScaler cannot check gradients that offload_gradients=True moved off the device; use bf16 "
+                "autocast without a scaler, or offload_gradients=False"
+            )
+        skip = False
+        mults: list[torch.Tensor] = []
+        dev_mults: list[torch.Tensor] = []
+        if found_inf is not None:
+            skip = bool(found_inf.item() if isinstance(found_inf, torch.Tensor) else found_inf)  # host-device sync
+        if grad_scale is not None:  # gradients still scaled (GradScaler's fused-optimizer contract)
+            inv = grad_scale.double().reciprocal().float()
+            dev_mults.append(inv)
+            mults.append(inv.to("cpu"))  # host-device sync
+        clip = self._clip
+        if clip is not None:
+            mults.append(clip.coef.to("cpu"))  # host-device sync: the CPU step needs the coefficient
+            if clip.skip_if_nonfinite and not math.isfinite(float(clip.total_norm)):  # synced just above
+                skip = True
+        hyper = self._hyper()
+        changed: set[int] = set()
+        if not self.offload_gradients:
+            unscaled_in_place = found_inf is not None and grad_scale is None  # scaler.unscale_(opt) ran
+            for hp in self._hps:
+                if hp.final and hp.grad_ref is not None:
+                    g = hp.param.grad
+                    if (unscaled_in_place and hp.early) or g is not hp.grad_ref or g._version != hp.grad_version:
+                        changed.add(hp.index)
+        hyper_changed = self._hook_hyper is not None and not all(
+            a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a) for a, b in zip(hyper, self._hook_hyper)
+        )
+        if scaler:
+            self._learning["global"] = True
+        if changed or hyper_changed:
+            self._learning["edited"] = True
+
+        if eager:
+            engine.wait_idle()
+            problems = [
+                name
+                for name, bad in (
+                    ("clip_grad_norm_", clip is not None),
+                    ("a GradScaler", scaler),
+                    ("gradients edited after backward", bool(changed)),
+                    ("hyperparameters changed after backward", hyper_changed),
+                )
+                if bad
+            ]
+            if problems:
+                raise RuntimeError(
+                    f"this step used {', '.join(problems)}, but its CPU updates already ran during backward; "
+                    "set opt.step_in_backward = False for steps that need every gradient before any update"
+                )
+        else:
+            plan = _Plan(
+                hyper=hyper,
+                mults=mults,
+                skip=skip,
+                recopy=frozenset(changed),
+                ready=self._streams.record() if changed else None,
+            )
+            engine.open_gate(gate, plan)  # the CPU steps start now, while the device steps below
+
+        # --- the device part, on the compute stream, concurrent with the CPU steps
+        if self._dev_opt is not None and not skip:
+            grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for p in self._dev_params:
+                if p.grad is not None:
+                    grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            for m in dev_mults:
+                for gs in grads.values():
+                    torch._foreach_mul_(gs, m.to(gs[0].device))
+            for p, m in self._dev_masters.items():
+                m.grad = None if p.grad is None else p.grad.float()
+            for inner, gi in zip(self._dev_opt.param_groups, self._dev_group_map):
+                inner.update(hyper[gi])
+            self._dev_opt.step()
+            for p, m in self._dev_masters.items():
+                m.grad = None
+                p.detach().copy_(m)
+
+        t_wait = time.perf_counter()
+        engine.wait_idle()  # host wait for the CPU steps (their H2D copies are enqueued, maybe not done)
+        wait_s = time.perf_counter() - t_wait
+        if self._streams.cuda:
+            # stream wait: later work on the compute stream (the next forward) reads the new weights
+            torch.cuda.current_stream(self.device).wait_stream(self._streams.h2d)
+
+        self._end_step()
+        # per-step numbers count from the end of the last step: CPU steps may run during backward
+        cpu0, d2h0, h2d0 = self._marks
+        self._marks = (engine.cpu_s, engine.d2h_bytes + engine.recopy_bytes, engine.h2d_bytes)
+        cpu_s = engine.cpu_s - cpu0
+        self._stats.update(
+            steps=self._stats["steps"] + 1,
+            skipped=skip,
+            cpu_step_s=cpu_s,
+            cpu_wait_s=wait_s,
+            step_call_s=time.perf_counter() - t_start,
+            hidden_fraction=(max(0.0, 1.0 - wait_s / cpu_s) if cpu_s > 0 else 1.0),
+            d2h_bytes=engine.d2h_bytes + engine.recopy_bytes - d2h0,
+            h2d_bytes=engine.h2d_bytes - h2d0,
+        )
+        return loss
+
+    def _end_step(self) -> None:
+        for hp in self._hps:
+            hp.final = hp.accumulated = hp.early = False
+            hp.grad_ref = hp.norm = None
+        self._gate = None
+        self._hook_hyper = None
+        self._clip = None
+        if self.step_in_backward is None and self.overlap and self._hps:
+            self.step_in_backward = not (self._learning.get("global") or self._learning.get("edited"))
+            logger.info(
+                "CPUOffloadOptimizer: CPU steps will start %s",
+                "during backward" if self.step_in_backward else "in step() (the step needs all gradients first)",
+            )
+        self._learning.clear()
+        self._link_state()
+
+    def _link_state(self) -> None:
+        """Point ``self.state[p]`` at the inner optimizers' state (the same dicts, no copies)."""
+        for hp in self._hps:
+            st = hp.bucket.optimizer.state.get(hp.master)
+            if st:
+                self.state[hp.param] = st
+        if self._dev_opt is not None:
+            for p in self._dev_params:
+                st = self._dev_opt.state.get(self._dev_masters.get(p, p))
+                if st:
+                    self.state[p] = st
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of the device parameters and the host accumulators.
+
+        Args:
+            set_to_none: free the gradients instead of zeroing them (as torch's default).
+        """
+        if self._ready:
+            self._engine_().wait_idle()
+            for b in self._buckets:
+                for hp, _ in b.arrived:
+                    hp.in_arrival = False
+                b.arrived = []
+            for hp in self._hps:
+                hp.hgrad_valid = False
+                hp.final = hp.accumulated = False
+                hp.grad_ref = hp.norm = None
+            self._gate = None
+        super().zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group; its parameters are placed by ``offload_params`` or by the fraction rule
+        applied to the new group alone.
+
+        Args:
+            param_group: the group, as for any torch optimizer.
+        """
+        super().add_param_group(param_group)
+        if not getattr(self, "_ready", False):
+            return  # during __init__: placement happens once all groups are known
+        self._engine_().wait_idle()
+        gi = len(self.param_groups) - 1
+        params = self.param_groups[gi]["params"]
+        offloaded = _select_offloaded(params, self.offload_fraction, self._offload_params)
+        n_buckets = len(self._buckets)
+        self._place(gi, params, offloaded)
+        new = self._buckets[n_buckets:]
+        if new and max(b.staging_bytes for b in new) > self._slot_bytes:
+            raise ValueError(
+                "a parameter of the new group needs a bigger staging slot than the optimizer allocated; pass "
+                "it in the constructor instead"
+            )
+        if any(not hp.same_dtype for b in new for hp in b.params) and not self._engine_().h2d_buffers:
+            raise ValueError("master_weights for a new low-precision group: pass it in the constructor instead")
+
+    # ------------------------------------------------------------------------------------ state dict
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state in torch's layout: state keyed by parameter index, tensors where they live.
+
+        Host state stays on the CPU (a checkpoint of a 7B model does not pass through the device). With
+        ``master_weights``, each low-precision parameter's entry also holds its fp32 ``master_weight``.
+
+        Returns:
+            ``{"state": {index: {...}}, "param_groups": [...]}``, loadable by this class or by
+            ``optimizer_class`` itself.
+        """
+        self._engine_().wait_idle()
+        self._link_state()
+        sd = super().state_dict()
+        if self.master_weights:
+            index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            masters = {id(hp.param): hp.master for hp in self._hps if not hp.same_dtype}
+            masters.update({id(p): m for p, m in self._dev_masters.items()})
+            for pid, m in masters.items():
+                i = index[pid]
+                if i in sd["state"]:  # stepped at least once; before that the parameter is the master
+                    sd["state"][i] = {**sd["state"][i], "master_weight": m}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state saved by this class (any offload fraction) or by ``optimizer_class``.
+
+        Host-resident entries are moved to the host, device-resident ones to the device. Master weights are
+        re-read from the device parameters at the next step (or taken from ``master_weight`` entries).
+
+        Args:
+            state_dict: as returned by :meth:`state_dict`.
+        """
+        self._engine_().wait_idle()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for g, sg in zip(self.param_groups, saved_groups):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+                )
+        for g, sg in zip(self.param_groups, saved_groups):
+            for k, v in sg.items():
+                if k not in ("params", "param_names"):
+                    g[k] = v
+        by_param: dict[torch.Tensor, dict[str, Any]] = {}
+        for g, sg in zip(self.param_groups, saved_groups):
+            for p, key in zip(g["params"], sg["params"]):
+                if key in state_dict["state"]:
+                    by_param[p] = dict(state_dict["state"][key])
+
+        def load_inner(
+            opt: Optimizer,
+            group_map: list[int],
+            inner_of: Callable[[torch.Tensor], torch.Tensor],
+            outer_of: dict[int, torch.Tensor],
+        ) -> None:
+            groups, state, k = [], {}, 0
+            for inner, gi in zip(opt.param_groups, group_map):
+                ids = []
+                for m in inner["params"]:
+                    p = outer_of[id(m)]
+                    st = by_param.get(p)
+                    if st is not None:
+                        mw = st.pop("master_weight", None)
+                        if mw is not None and inner_of(p) is not p:
+                            inner_of(p).copy_(mw)
+                            hp = self._hp_of.get(p)
+                            if hp is not None:
+                                hp.master_stale = False
+                        if st:
+                            state[k] = st
+                    ids.append(k)
+                    k += 1
+                keep = {kk: vv for kk, vv in inner.items() if kk in _IMPL_KEYS and kk != "params"}
+                groups.append({**self._hyper_of(gi), **keep, "params": ids})
+            opt.state.clear()
+            opt.load_state_dict({"state": state, "param_groups": groups})
+
+        for hp in self._hps:
+            hp.master_stale = hp.same_dtype
+        for b in self._buckets:
+            outer = {id(hp.master): hp.param for hp in b.params}
+            load_inner(b.optimizer, b.group_map, lambda p: self._hp_of[p].master, outer)
+        if self._dev_opt is not None:
+            outer = {id(self._dev_masters.get(p, p)): p for p in self._dev_params}
+            load_inner(self._dev_opt, self._dev_group_map, lambda p: self._dev_masters.get(p, p), outer)
+        self.state.clear()
+        self._link_state()
+
+    # ------------------------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        """Numbers for benchmarks and logs: placement, host memory, and the last step's CPU timing.
+
+        Returns:
+            A dict: ``offloaded_params``, ``offloaded_numel``, ``device_numel``, ``host_bytes`` (masters,
+            host optimizer state, staging, accumulators), ``pinned_bytes``, ``host_bytes_per_offloaded_param``,
+            ``cpu_step_s`` (CPU time of the last step's host work), ``cpu_wait_s`` (time ``step()`` waited for
+            it), ``hidden_fraction`` (1 - wait / CPU time: the share that ran behind other work),
+            ``d2h_bytes``/``h2d_bytes`` of the last step, ``step_in_backward``, ``steps``.
+        """
+        engine = self._engine_()
+        state_bytes = 0
+        for b in self._buckets:
+            for st in b.optimizer.state.values():
+                state_bytes += sum(_nbytes(v) for v in st.values() if isinstance(v, torch.Tensor))
+        off = sum(hp.param.numel() for hp in self._hps)
+        host_bytes = self._host.pinned_bytes + self._host.pageable_bytes + state_bytes + engine.hgrad_bytes
+        out = {
+            "offloaded_params": len(self._hps),
+            "offloaded_numel": off,
+            "device_numel": sum(p.numel() for p in self._dev_params),
+            "host_bytes": host_bytes,
+            "pinned_bytes": self._host.pinned_bytes,
+            "host_bytes_per_offloaded_param": host_bytes / off if off else 0.0,
+            "staging_bytes": self._slot_bytes * (self.num_staging_slots + len(engine.h2d_buffers)),
+            "step_in_backward": self.step_in_backward,
+        }
+        out.update(self._stats)
+        return out
+
+
+def _grad_hook(opt: CPUOffloadOptimizer, hp: _HostParam) -> Callable[[torch.Tensor], None]:
+    ref = weakref.ref(opt)  # the parameter's hook must not keep the optimizer alive
+
+    def hook(param: torch.Tensor) -> None:
+        o = ref()
+        if o is None or param.grad is None:
+            return
+        if o.sync_gradients:
+            o._on_grad(hp, "final", param.grad, early=True)
+        elif o.offload_gradients:
+            o._on_grad(hp, "accumulate", param.grad)
+
+    return hook
