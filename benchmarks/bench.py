@@ -314,30 +314,55 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--accum", type=int, default=0, help="gradient accumulation (0: the workload's)")
     ap.add_argument("--json", default=None, help="append each row as a JSON line to this file")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every mode in this process (default: a fresh process per mode, so that no mode's "
+                         "threads, hooks, pinned memory or allocator state can touch the next one)")
     args = ap.parse_args()
-    if torch.cuda.is_available():
-        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    names = args.modes.split(",")
+    for name in names:
+        if name not in MODES and name not in ("minimal", "trainer"):
+            raise SystemExit(f"unknown mode {name!r}; known: minimal, trainer, {', '.join(MODES)}")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"# {device}, torch {torch.__version__}", flush=True)
     rows = []
-    for name in args.modes.split(","):
-        try:
-            if name == "minimal":
-                row = run_minimal(args.workload, args)
-            elif name == "trainer":
-                row = run_trainer(args.workload, args)
-            elif name in MODES:
-                row = run_mode(name, args.workload, args)
-            else:
-                raise SystemExit(f"unknown mode {name!r}; known: minimal, trainer, {', '.join(MODES)}")
-        except torch.OutOfMemoryError:
-            row = {"workload": args.workload, "mode": name, "error": "OOM"}
-        except Exception as e:  # noqa: BLE001 - a mode failing is itself a result; the others still run
-            row = {"workload": args.workload, "mode": name, "error": f"{type(e).__name__}: {e}"[:300]}
+    for name in names:
+        if args.in_process or len(names) == 1:
+            row = run_one(name, args)
+        else:
+            row = run_child(name, args)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
     print_table(rows)
+
+
+def run_one(name: str, args) -> dict[str, Any]:
+    try:
+        if name == "minimal":
+            return run_minimal(args.workload, args)
+        if name == "trainer":
+            return run_trainer(args.workload, args)
+        return run_mode(name, args.workload, args)
+    except torch.OutOfMemoryError:
+        return {"workload": args.workload, "mode": name, "error": "OOM"}
+    except Exception as e:  # noqa: BLE001 - a mode failing is itself a result; the others still run
+        return {"workload": args.workload, "mode": name, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def run_child(name: str, args) -> dict[str, Any]:
+    """Run one mode in a fresh interpreter and read back its row (the last JSON line it prints)."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--workload", args.workload, "--modes", name, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--accum", str(args.accum)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if rows:
+        return rows[-1]
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"workload": args.workload, "mode": name, "error": f"exit {proc.returncode}: {' / '.join(tail)}"[:300]}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from elbowroom.train.rope import RotaryEmbedding
+
 Arch = Literal["llama", "gpt2"]
 
 
@@ -83,38 +85,6 @@ PRESETS: dict[str, ModelConfig] = {
     "w2": ModelConfig(vocab_size=32000, dim=4096, n_layers=8, n_heads=32, ffn_dim=14336, max_seq_len=8192),
     "7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096),
 }
-
-
-class RotaryEmbedding(nn.Module):
-    """Precomputed RoPE tables (buffers, not parameters), rotate-half convention.
-
-    ``cos`` holds cos(t * f) twice over the head dim, ``sin`` holds (-sin, +sin), so a rotation is
-    ``x * cos + swap_halves(x) * sin``: four elementwise kernels instead of seven.
-    """
-
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
-        super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv)  # (s, hd/2)
-        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
-        self._cast: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def tables(self, s: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the first ``s`` positions in ``dtype``, cast once and cached."""
-        key = (dtype, self.cos.device, self.cos.data_ptr())
-        if key not in self._cast:
-            self._cast = {key: (self.cos.to(dtype), self.sin.to(dtype))}
-        cos, sin = self._cast[key]
-        return cos[:s], sin[:s]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape (b, s, ..., hd) by its position along dim 1."""
-        s, hd = x.shape[1], x.shape[-1]
-        cos, sin = self.tables(s, x.dtype)
-        shape = (s,) + (1,) * (x.dim() - 3) + (hd,)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos.view(shape) + torch.cat((x2, x1), dim=-1) * sin.view(shape)
 
 
 class Attention(nn.Module):
