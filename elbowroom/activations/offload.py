@@ -250,7 +250,7 @@ class _Record:
 
     __slots__ = (
         "engine", "slot", "lo", "nbytes", "gpu", "d2h", "restored", "h2d", "alloc_stream", "handles",
-        "pending_unpacks", "version", "key", "group_id", "keep_gpu", "in_flight", "__weakref__",
+        "pending_unpacks", "version", "key", "group_id", "keep_gpu", "in_flight", "mutated", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, engine: OffloadEngine, slot: _Slot, lo: int, t: torch.Tensor, d2h: Any, key: int,
@@ -272,6 +272,7 @@ class _Record:
         self.group_id = group_id
         self.keep_gpu = False  # backward is near: keep the device copy instead of fetching it back
         self.in_flight = True  # in the engine's pending queue: the copy may not have finished
+        self.mutated = False  # modified in place while we held it (seen when it is released)
 
     def covers(self, lo: int, hi: int, elsize: int) -> bool:
         return self.lo <= lo and hi <= self.lo + self.nbytes and (lo - self.lo) % elsize == 0
@@ -614,6 +615,7 @@ class OffloadEngine:
         self._pending: collections.deque[_Record] = collections.deque()
         self._states: dict[tuple, _RatioState] = {}
         self._stack: list[OffloadGroup] = []
+        self._open: set[int] = set()  # ids of regions being run
         self._last: weakref.ref[OffloadGroup] | None = None
         self._next_id = 0
         self._warned: set[str] = set()
@@ -676,6 +678,7 @@ class OffloadEngine:
             self._refresh_keep_ptrs()  # a new forward pass starts
         self._last = weakref.ref(group)
         self._stack.append(group)
+        self._open.add(group.id)
 
     def _exit(self, group: OffloadGroup) -> None:
         popped = self._stack.pop()
@@ -684,7 +687,9 @@ class OffloadEngine:
             e.finish()
         group._entries.clear()
         group._kept_ptrs.clear()
+        self._open.discard(group.id)
         self._release_before(group.id)
+        self._poll()
 
     def _ratio_state(self, tag: Hashable, kind: str, ratio: float) -> _RatioState:
         key = (tag, kind, ratio)
@@ -734,8 +739,8 @@ class OffloadEngine:
         if t.requires_grad and t.grad_fn is None:
             return False  # a leaf that requires grad: a parameter or an input, alive outside autograd
         base = t._base
-        if base is not None and (base.grad_fn is None or isinstance(base, nn.Parameter)):
-            return False  # a view of a leaf (a transposed weight, a slice of a buffer)
+        if base is not None and (isinstance(base, nn.Parameter) or (base.requires_grad and base.grad_fn is None)):
+            return False  # a view of a parameter or an input (a transposed weight)
         return True
 
     def _pack(self, group: OffloadGroup, t: torch.Tensor, kind: str) -> _Packed | None:
@@ -785,19 +790,22 @@ class OffloadEngine:
         group.records.append(weakref.ref(rec))
         self._counters["offloaded_bytes"] += hi - lo
         self._counters["offloaded_tensors"] += 1
-        self._poll()
         return rec
 
     # -- device memory release ----------------------------------------------------------------------
     def _poll(self) -> None:
         """Release device tensors whose copy has finished (non-blocking event queries, in order)."""
-        pending = self._pending
-        while pending and self._copier.done(pending[0].d2h):
+        # a region's tensors stay until it exits: their storage pointers identify them for dedup,
+        # and an in-place change inside the region is seen at release
+        pending, open_ids = self._pending, self._open
+        while pending and pending[0].group_id not in open_ids and self._copier.done(pending[0].d2h):
             self._release(pending.popleft())
 
     def _release(self, rec: _Record) -> None:
         """``rec`` left the pending queue: its copy finished, or the compute stream waits for it."""
         rec.in_flight = False
+        if rec.gpu is not None and rec.gpu._version != rec.version:
+            rec.mutated = True  # modified in place after the save: unpacking it will raise
         if not rec.keep_gpu:
             self._drop_gpu(rec)
 
@@ -841,9 +849,9 @@ class OffloadEngine:
         """The tensor ``p`` stands for, on the device; and whether it was modified since saved."""
         if p.group is not None:
             p.group.backward_reached()
-        root = p.root()
-        mutated = root is not None and root._version != p.version
         rec = p.record
+        root = p.root()
+        mutated = rec.mutated or (root is not None and root._version != p.version)
         self._poll()
         el = p.dtype.itemsize
         with torch.no_grad():
