@@ -292,8 +292,10 @@ class _Engine:
         scratch: torch.Tensor | None,
         offload_gradients: bool,
         host_memory: _HostMemory,
+        cpu_threads: int | None = None,
     ) -> None:
         self.streams = streams
+        self.cpu_threads = cpu_threads
         self.pool = pool
         self.h2d_buffers = h2d_buffers
         self.h2d_events: list[Any] = [None] * len(h2d_buffers)
@@ -425,6 +427,8 @@ class _Engine:
 
     def _step_loop(self) -> None:
         self.streams.bind_thread()
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)  # per thread with OpenMP: the training thread keeps its own
         waiting: list[_Job] = []
         while True:
             msg = self._step_q.get()
@@ -666,6 +670,9 @@ class CPUOffloadOptimizer(Optimizer):
     """Target gradient bytes of one bucket (one CPU optimizer call, one staging region)."""
     num_staging_slots: ClassVar[int] = 3
     """Slots in the pinned gradient staging pool: copies of later buckets overlap the step of earlier ones."""
+    cpu_threads: ClassVar[int | None] = None
+    """Intra-op threads of the CPU step (torch's default when None: one per core); the training thread keeps
+    its own setting. Leave a core or two for the training thread if it does CPU work."""
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf instead of unscaling
 
@@ -910,7 +917,9 @@ class CPUOffloadOptimizer(Optimizer):
         if any(hp.param.dtype != hp.master.dtype for hp in self._hps):
             scratch = self._host.empty(max(b.scratch_numel for b in self._buckets), torch.float32, pinned=False)
         self._slot_bytes = slot_bytes if self._buckets else 0
-        self._engine = _Engine(self._streams, _SlotPool(slots), h2d, scratch, self.offload_gradients, self._host)
+        self._engine = _Engine(
+            self._streams, _SlotPool(slots), h2d, scratch, self.offload_gradients, self._host, self.cpu_threads
+        )
 
     @staticmethod
     def _shutdown(engine: _Engine | None, hooks: list[Any], host: _HostMemory) -> None:

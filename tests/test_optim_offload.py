@@ -1,0 +1,607 @@
+"""CPUOffloadOptimizer on CPU: the same bookkeeping as on a GPU, checked against torch's own optimizers.
+
+On CPU the "device" parameters and the host masters are both CPU tensors, copies are plain copies and the
+copy and step threads run as on a GPU. Tolerances: exact (bitwise) against torch's fused CPU kernels, which
+the offloaded part runs; 1e-6 absolute where the reference takes another arithmetic path (unfused kernels,
+GradScaler's division inside a fused kernel).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import elbowroom
+from elbowroom.optim import CPUOffloadOptimizer, build_optimizer, first_fraction, last_fraction
+from elbowroom.optim import offload as offload_mod
+
+OPTIMS = {
+    "adam": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95)}),
+    "sgd": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+}
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    # several buckets even for these small models, so bucketing and the slot pool are exercised
+    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 2048)
+    monkeypatch.setattr(CPUOffloadOptimizer, "num_staging_slots", 2)
+    # two OpenMP teams on CI's two cores slow each other down a lot; these models need no threads
+    monkeypatch.setattr(CPUOffloadOptimizer, "cpu_threads", 1)
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
+
+
+def groups_of(model: nn.Module, with_groups: bool) -> list:
+    ps = list(model.parameters())
+    if not with_groups:
+        return ps
+    return [
+        {"params": ps[:4], "wd_mult": 1.0, "lr_mult": 1e-4, "lr": 2e-2},
+        {"params": ps[4:], "wd_mult": 0.0, "lr_mult": 2e-4, "weight_decay": 0.0},
+    ]
+
+
+def batches(n: int, seed: int = 1, bsz: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(bsz, 12, generator=g) for _ in range(n)]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean() + model(x).sum() * 0.01
+
+
+def train(model, opt, data, *, accum: int = 1, clip: float | None = None, torch_clip: bool = False, sched=None):
+    norms = []
+    ours = isinstance(opt, CPUOffloadOptimizer)
+    for s in range(0, len(data), accum):
+        mbs = data[s : s + accum]
+        for i, x in enumerate(mbs):
+            ctx = opt.accumulating(i < len(mbs) - 1) if ours else torch.enable_grad()
+            with ctx:
+                (loss_of(model, x) / len(mbs)).backward()
+        if clip is not None:
+            if ours and not torch_clip:
+                norms.append(opt.clip_grad_norm_(clip))
+            else:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    return norms
+
+
+def assert_same(m1: nn.Module, m2: nn.Module, atol: float = 0.0, rtol: float = 0.0) -> None:
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+# ------------------------------------------------------------------------------------------ numerics
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("with_groups", [False, True])
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
+def test_matches_torch_exactly(name: str, with_groups: bool, fraction: float, overlap: bool) -> None:
+    cls, kw = OPTIMS[name]
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(groups_of(m1, with_groups), cls, offload_fraction=fraction, overlap=overlap, **kw)
+    o2 = cls(groups_of(m2, with_groups), fused=True, **kw)
+    data = batches(10)
+    train(m1, o1, data)
+    train(m2, o2, data)
+    assert_same(m1, m2)  # exact: the same fused CPU kernel on the same values
+    if with_groups:
+        assert o1.param_groups[0]["wd_mult"] == 1.0 and o1.param_groups[1]["lr_mult"] == 2e-4
+        assert o1.param_groups[0]["lr"] == 2e-2 and o1.param_groups[1]["weight_decay"] == 0.0
+    expected = {0.0: 0, 1.0: 8}.get(fraction)
+    if expected is not None:
+        assert o1.stats()["offloaded_params"] == expected
+    o1.close()
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_close_to_unfused_torch(name: str) -> None:
+    cls, kw = OPTIMS[name]
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), cls, offload_fraction=0.5, **kw)
+    o2 = cls(m2.parameters(), **kw)  # torch's default (for-loop) implementation
+    data = batches(10)
+    train(m1, o1, data)
+    train(m2, o2, data)
+    assert_same(m1, m2, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [None, True, False])
+def test_step_in_backward_modes(mode: bool | None) -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, lr=1e-2)
+    o1.step_in_backward = mode
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    data = batches(6)
+    train(m1, o1, data)
+    train(m2, o2, data)
+    assert_same(m1, m2)
+    assert o1.step_in_backward is (True if mode is None else mode)  # learned: nothing needed all grads
+
+
+def test_step_in_backward_learned_off_by_clipping() -> None:
+    m = make_model()
+    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    train(m, o, batches(2), clip=1.0)
+    assert o.step_in_backward is False
+
+
+def test_eager_step_then_clip_raises() -> None:
+    m = make_model()
+    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    o.step_in_backward = True
+    loss_of(m, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="step_in_backward"):
+        o.clip_grad_norm_(1.0)
+
+
+def test_closure() -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.Adam, offload_fraction=0.5, lr=1e-2)
+    o2 = torch.optim.Adam(m2.parameters(), lr=1e-2, fused=True)
+    for x in batches(4):
+        for m, o in ((m1, o1), (m2, o2)):
+
+            def closure(m=m, o=o, x=x):
+                o.zero_grad()
+                loss = loss_of(m, x)
+                loss.backward()
+                return loss
+
+            loss = o.step(closure)
+            assert loss is not None
+    assert_same(m1, m2)
+
+
+# ------------------------------------------------------------------------------------------ accumulation
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_accumulation(fraction: float, offload_gradients: bool, clip: float | None) -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(
+        m1.parameters(), torch.optim.AdamW, offload_fraction=fraction, offload_gradients=offload_gradients, lr=1e-2
+    )
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    data = batches(12)
+    n1 = train(m1, o1, data, accum=4, clip=clip)
+    n2 = train(m2, o2, data, accum=4, clip=clip)
+    # accumulation on the host adds in the same order as on the device; norms may differ in the last bit
+    tol = 0.0 if clip is None else 1e-6
+    assert_same(m1, m2, atol=tol, rtol=tol * 10)
+    for a, b in zip(n1, n2):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_offload_gradients_frees_device_grads() -> None:
+    m = make_model()
+    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, offload_fraction=0.5, offload_gradients=True, lr=1e-2)
+    loss_of(m, batches(1)[0]).backward()
+    offloaded = [p for p in m.parameters() if p in o._hp_of]
+    resident = [p for p in m.parameters() if p not in o._hp_of]
+    assert offloaded and resident
+    assert all(p.grad is None for p in offloaded)  # taken by the hooks as soon as final
+    assert all(p.grad is not None for p in resident)
+    o.step()
+
+
+def test_accumulation_without_signal_raises() -> None:
+    m = make_model()
+    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    x = batches(1)[0]
+    loss_of(m, x).backward()
+    with pytest.raises(RuntimeError, match="accumulating"):
+        loss_of(m, x).backward()
+
+
+def test_sync_gradients_attribute() -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-2)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    data = batches(4)
+    for i, x in enumerate(data):
+        o1.sync_gradients = i == len(data) - 1
+        (loss_of(m1, x) / 4).backward()
+        (loss_of(m2, x) / 4).backward()
+    o1.step()
+    o2.step()
+    assert_same(m1, m2)
+
+
+# ------------------------------------------------------------------------------------------ clipping
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_clip_matches_torch(fraction: float, offload_gradients: bool) -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(
+        m1.parameters(), torch.optim.AdamW, offload_fraction=fraction, offload_gradients=offload_gradients, lr=1e-2
+    )
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    data = batches(6)
+    n1 = train(m1, o1, data, clip=0.05)
+    n2 = train(m2, o2, data, clip=0.05)
+    for a, b in zip(n1, n2):
+        torch.testing.assert_close(a, b, atol=0, rtol=1e-6)
+    assert any(float(n) > 0.05 for n in n2)  # clipping did something
+    assert_same(m1, m2, atol=1e-6, rtol=1e-5)
+
+
+def test_torch_clip_on_model_params_is_seen() -> None:
+    # torch.nn.utils.clip_grad_norm_ edits the device grads in place after the hooks copied them:
+    # the optimizer notices (tensor version counters) and copies them again
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    data = batches(5)
+    train(m1, o1, data, clip=0.05, torch_clip=True)
+    train(m2, o2, data, clip=0.05)
+    assert_same(m1, m2)
+    assert o1.step_in_backward is False
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_skip_if_nonfinite(offload_gradients: bool) -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(
+        m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, offload_gradients=offload_gradients, lr=1e-2
+    )
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    data = batches(4)
+    data[2] = data[2].clone()
+    data[2][0, 0] = float("inf")
+    for i, x in enumerate(data):
+        loss_of(m1, x).backward()
+        n1 = o1.clip_grad_norm_(1.0, skip_if_nonfinite=True)
+        o1.step()
+        o1.zero_grad()
+        loss_of(m2, x).backward()
+        n2 = torch.nn.utils.clip_grad_norm_(m2.parameters(), 1.0)
+        if torch.isfinite(n2):
+            o2.step()
+        o2.zero_grad()
+        assert bool(torch.isfinite(n1)) == bool(torch.isfinite(n2))
+        assert o1.stats()["skipped"] == (i == 2)
+    assert_same(m1, m2, atol=1e-6, rtol=1e-5)
+    assert all(torch.isfinite(p).all() for p in m1.parameters())
+
+
+def test_error_if_nonfinite() -> None:
+    m = make_model()
+    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    x = batches(1)[0].clone()
+    x[0, 0] = float("nan")
+    loss_of(m, x).backward()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        o.clip_grad_norm_(1.0, error_if_nonfinite=True)
+
+
+# ------------------------------------------------------------------------------------------ GradScaler
+@pytest.mark.parametrize("unscale_and_clip", [False, True])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_grad_scaler(fraction: float, unscale_and_clip: bool) -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_fraction=fraction, lr=1e-2)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=False)  # GradScaler unscales its grads in place
+    s1 = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    s2 = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    data = batches(6)
+    data[3] = data[3].clone()
+    data[3][1, 2] = float("inf")
+    scales = []
+    for x in data:
+        for m, o, s in ((m1, o1, s1), (m2, o2, s2)):
+            s.scale(loss_of(m, x)).backward()
+            if unscale_and_clip:
+                s.unscale_(o)
+                if o is o1:
+                    o.clip_grad_norm_(0.05)
+                else:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        assert s1.get_scale() == s2.get_scale()
+        scales.append(s1.get_scale())
+    assert any(b < a for a, b in zip(scales, scales[1:]))  # the inf step was skipped and backed off
+    assert_same(m1, m2, atol=1e-6, rtol=1e-5)
+
+
+def test_grad_scaler_with_offload_gradients_raises() -> None:
+    m = make_model()
+    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-2)
+    s = torch.amp.GradScaler("cpu")
+    s.scale(loss_of(m, batches(1)[0])).backward()
+    with pytest.raises(ValueError, match="GradScaler"):
+        s.step(o)
+
+
+# ------------------------------------------------------------------------------------------ schedulers
+def test_lr_schedulers_take_effect() -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(groups_of(m1, True), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    o2 = torch.optim.AdamW(groups_of(m2, True), lr=1e-2, fused=True)
+    assert isinstance(o1, torch.optim.Optimizer)
+    # OneCycleLR also cycles Adam's beta1: every hyperparameter in param_groups must reach the inner steps
+    s1 = torch.optim.lr_scheduler.OneCycleLR(o1, max_lr=[5e-2, 1e-2], total_steps=10)
+    s2 = torch.optim.lr_scheduler.OneCycleLR(o2, max_lr=[5e-2, 1e-2], total_steps=10)
+    data = batches(10)
+    train(m1, o1, data, sched=s1)
+    train(m2, o2, data, sched=s2)
+    assert_same(m1, m2)
+    assert [g["lr"] for g in o1.param_groups] == [g["lr"] for g in o2.param_groups]
+    assert [g["betas"] for g in o1.param_groups] == [g["betas"] for g in o2.param_groups]
+
+
+def test_step_lr() -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9, fused=True)
+    s1 = torch.optim.lr_scheduler.StepLR(o1, step_size=2, gamma=0.1)
+    s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=2, gamma=0.1)
+    data = batches(6)
+    train(m1, o1, data, sched=s1)
+    train(m2, o2, data, sched=s2)
+    assert_same(m1, m2)
+    assert o1.param_groups[0]["lr"] == pytest.approx(1e-4)
+
+
+# ------------------------------------------------------------------------------------------ state dict
+def test_state_empty_before_first_step_and_layout() -> None:
+    m = make_model()
+    o = CPUOffloadOptimizer(groups_of(m, True), torch.optim.Adam, offload_fraction=0.5, lr=1e-2)
+    assert len(o.state_dict()["state"]) == 0
+    train(m, o, batches(1))
+    sd = o.state_dict()
+    assert set(sd["state"]) == set(range(8))
+    assert [g["params"] for g in sd["param_groups"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert sd["param_groups"][0]["wd_mult"] == 1.0
+    first = sd["state"][0]
+    assert set(first) >= {"step", "exp_avg", "exp_avg_sq"}
+    assert first["exp_avg"].device.type == "cpu" and first["exp_avg"].shape == (24, 12)
+    assert o.state[next(m.parameters())] is sd["state"][0]  # opt.state points at the live state
+
+
+@pytest.mark.parametrize(("src", "dst"), [(1.0, 0.5), (0.5, 0.0), (0.0, 1.0), (0.5, 0.5)])
+def test_state_dict_round_trip(src: float, dst: float) -> None:
+    ma = make_model()
+    oa = CPUOffloadOptimizer(groups_of(ma, True), torch.optim.AdamW, offload_fraction=src, lr=1e-2)
+    data = batches(6)
+    train(ma, oa, data[:3])
+    buf = io.BytesIO()
+    torch.save({"model": ma.state_dict(), "opt": oa.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    mb = make_model(seed=123)  # different weights: the masters must be re-read after loading
+    ob = CPUOffloadOptimizer(groups_of(mb, True), torch.optim.AdamW, offload_fraction=dst, lr=5.0)
+    ob.load_state_dict(ck["opt"])
+    mb.load_state_dict(ck["model"])  # after the optimizer: masters are refreshed at the next step
+    assert ob.param_groups[0]["lr"] == 2e-2 and ob.param_groups[1]["lr"] == 1e-2
+    train(ma, oa, data[3:])
+    train(mb, ob, data[3:])
+    assert_same(ma, mb)
+    sa, sb = oa.state_dict(), ob.state_dict()
+    for k in sa["state"]:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(sa["state"][k][name].cpu(), sb["state"][k][name].cpu(), atol=0, rtol=0)
+
+
+def test_state_dict_interop_with_torch() -> None:
+    m1, m2, m3 = make_model(), make_model(), make_model()
+    ref = torch.optim.AdamW(m1.parameters(), lr=1e-2, fused=True)
+    data = batches(6)
+    train(m1, ref, data[:3])
+    m2.load_state_dict(m1.state_dict())
+    ours = CPUOffloadOptimizer(m2.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch -> ours
+    back = torch.optim.AdamW(m3.parameters(), lr=1e-2, fused=True)
+    train(m2, ours, data[3:5])
+    m3.load_state_dict(m2.state_dict())
+    back.load_state_dict(copy.deepcopy(ours.state_dict()))  # ours -> torch
+    train(m1, ref, data[3:])
+    train(m2, ours, data[5:])
+    train(m3, back, data[5:])
+    assert_same(m1, m2)
+    assert_same(m1, m3)
+
+
+def test_load_state_dict_mismatch_raises() -> None:
+    m = make_model()
+    o = CPUOffloadOptimizer(groups_of(m, True), torch.optim.AdamW, lr=1e-2)
+    other = CPUOffloadOptimizer(make_model().parameters(), torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(ValueError, match="number of parameter groups"):
+        o.load_state_dict(other.state_dict())
+
+
+# ------------------------------------------------------------------------------------------ placement
+def test_offload_params_list_and_predicate() -> None:
+    m1, m2, m3 = make_model(), make_model(), make_model()
+    late = last_fraction(m1.parameters(), 0.3)
+    assert late[-1] is list(m1.parameters())[-1]
+    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_params=late, lr=1e-2)
+    assert set(o1._hp_of) == set(late)
+    o2 = CPUOffloadOptimizer(m2.parameters(), torch.optim.AdamW, offload_params=lambda p: p.dim() == 2, lr=1e-2)
+    assert {tuple(p.shape) for p in o2._hp_of} == {(24, 12), (24, 24), (16, 24), (3, 16)}
+    o3 = torch.optim.AdamW(m3.parameters(), lr=1e-2, fused=True)
+    data = batches(4)
+    for m, o in ((m1, o1), (m2, o2), (m3, o3)):
+        train(m, o, data)
+    assert_same(m1, m3)
+    assert_same(m2, m3)
+
+
+def test_fraction_split_is_by_bytes_in_order() -> None:
+    m = make_model()
+    ps = list(m.parameters())
+    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    assert set(o._hp_of) == set(first_fraction(ps, 0.5)) == set(ps[:3])  # 288+24+576 >= half of 1587
+
+
+def test_add_param_group() -> None:
+    m1, m2 = make_model(), make_model()
+    p1, p2 = list(m1.parameters()), list(m2.parameters())
+    o1 = CPUOffloadOptimizer(p1[:4], torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    o2 = torch.optim.AdamW(p2[:4], lr=1e-2, fused=True)
+    data = batches(6)
+    train(m1, o1, data[:2])
+    train(m2, o2, data[:2])
+    o1.add_param_group({"params": p1[4:], "lr": 3e-2})
+    o2.add_param_group({"params": p2[4:], "lr": 3e-2})
+    train(m1, o1, data[2:])
+    train(m2, o2, data[2:])
+    assert_same(m1, m2)
+
+
+def test_master_weights_bf16() -> None:
+    # device params in bf16, fp32 masters (host for offloaded, device for the rest): equal to a hand-written
+    # mixed-precision loop that steps fp32 copies with the bf16 model's grads and casts back
+    m1 = make_model().to(torch.bfloat16)
+    m2 = make_model().to(torch.bfloat16)
+    masters = [p.detach().float() for p in m2.parameters()]
+    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, master_weights=True, lr=1e-2)
+    o2 = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    for x in batches(5):
+        loss_of(m1, x.bfloat16()).float().backward()
+        o1.step()
+        o1.zero_grad()
+        loss_of(m2, x.bfloat16()).float().backward()
+        for w, p in zip(masters, m2.parameters()):
+            w.grad = p.grad.float()
+        o2.step()
+        with torch.no_grad():
+            for w, p in zip(masters, m2.parameters()):
+                p.copy_(w)
+                p.grad = None
+    assert all(p.dtype == torch.bfloat16 for p in m1.parameters())
+    assert_same(m1, m2)
+    sd = o1.state_dict()
+    for i, w in enumerate(masters):
+        torch.testing.assert_close(sd["state"][i]["master_weight"].cpu(), w, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------ memory, stats
+def test_host_memory_within_13_bytes_per_param(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 64 << 10)
+    model = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(48)])  # 786k params
+    o = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    before = o.stats()["host_bytes_per_offloaded_param"]
+    assert before <= 4.5  # set-up: masters and the staging pool only; moments come with the first step
+    model(torch.randn(2, 128)).sum().backward()
+    o.step()
+    s = o.stats()
+    assert 12.0 <= s["host_bytes_per_offloaded_param"] <= 13.0, s
+    assert s["offloaded_numel"] == 48 * 128 * 128 and s["device_numel"] == 0
+    for key in ("cpu_step_s", "cpu_wait_s", "hidden_fraction", "d2h_bytes", "h2d_bytes", "pinned_bytes"):
+        assert key in s
+    assert s["d2h_bytes"] == s["h2d_bytes"] == 4 * 48 * 128 * 128
+
+
+def test_threads_stop_when_optimizer_is_collected() -> None:
+    def workers() -> int:
+        return sum(t.name.startswith("elbowroom-optim") for t in threading.enumerate())
+
+    n0 = workers()
+    m = make_model()
+    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    train(m, o, batches(1))
+    assert workers() == n0 + 2
+    del o
+    gc.collect()
+    assert workers() == n0
+    loss_of(m, batches(1)[0]).backward()  # the hooks are gone with it
+
+
+def test_build_optimizer() -> None:
+    m = make_model()
+    kw = {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "fused": None}
+    plain = build_optimizer(m.parameters(), offload_fraction=0.0, offload_gradients=False, **kw)
+    assert type(plain) is torch.optim.AdamW
+    ours = build_optimizer(m.parameters(), offload_fraction=0.0, offload_gradients=True, **kw)
+    assert isinstance(ours, CPUOffloadOptimizer) and ours.param_groups[0]["betas"] == (0.9, 0.95)
+    half = build_optimizer(m.parameters(), offload_fraction=0.5, offload_gradients=False, **{**kw, "fused": True})
+    assert isinstance(half, CPUOffloadOptimizer)
+    assert elbowroom.CPUOffloadOptimizer is CPUOffloadOptimizer
+
+
+# ------------------------------------------------------------------------------------------ bad settings
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan"), "0.5", True])
+def test_bad_fraction(fraction: object) -> None:
+    with pytest.raises(ValueError, match="offload_fraction"):
+        CPUOffloadOptimizer(make_model().parameters(), offload_fraction=fraction)  # type: ignore[arg-type]
+
+
+def test_not_an_optimizer_class() -> None:
+    with pytest.raises(TypeError, match="optimizer_class"):
+        CPUOffloadOptimizer(make_model().parameters(), object)  # type: ignore[arg-type]
+
+
+class _DeviceOnlySGD(torch.optim.SGD):
+    """Stands for an optimizer with no CPU implementation (apex / TE fused optimizers)."""
+
+    def __init__(self, params, lr=0.1, **kw):  # no `fused` keyword
+        super().__init__(params, lr=lr)
+
+    def step(self, closure=None):
+        if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("expected CUDA tensors")
+        return super().step(closure)
+
+
+def test_optimizer_class_not_runnable_on_cpu() -> None:
+    with pytest.raises(ValueError, match="cannot step CPU tensors"):
+        CPUOffloadOptimizer(make_model().parameters(), _DeviceOnlySGD)
+
+
+def test_bad_optimizer_kwargs_raise_the_class_error() -> None:
+    with pytest.raises(ValueError, match="learning rate"):
+        CPUOffloadOptimizer(make_model().parameters(), torch.optim.AdamW, lr=-1.0)
+
+
+def test_offload_params_conflicts() -> None:
+    m = make_model()
+    with pytest.raises(ValueError, match="offload_params"):
+        CPUOffloadOptimizer(m.parameters(), offload_fraction=0.5, offload_params=list(m.parameters())[:2])
+    with pytest.raises(ValueError, match="not parameters"):
+        CPUOffloadOptimizer(list(m.parameters())[:2], offload_params=[torch.zeros(3, requires_grad=True)])
+
+
+def test_params_on_two_devices() -> None:
+    a = nn.Parameter(torch.zeros(3))
+    b = nn.Parameter(torch.zeros(3, device="meta"))
+    with pytest.raises(ValueError, match="one device"):
+        CPUOffloadOptimizer([a, b])
+
+
+def test_host_memory_too_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(offload_mod, "_available_host_bytes", lambda: 10_000)
+    with pytest.raises(RuntimeError, match="host memory"):
+        CPUOffloadOptimizer(make_model().parameters(), torch.optim.AdamW)
+
+
+def test_pinned_alloc_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    class FakeCudart:
+        @staticmethod
+        def cudaHostRegister(ptr: int, n: int, flags: int) -> int:
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart)
+    mem = offload_mod._HostMemory(pin=True)
+    with pytest.raises(RuntimeError, match="could not pin"):
+        mem.empty((1024,), torch.float32, pinned=True)
