@@ -205,11 +205,12 @@ def test_offload_gradients_frees_device_grads() -> None:
 
 def test_accumulation_without_signal_raises() -> None:
     m = make_model()
-    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)  # alive: its hooks check
     x = batches(1)[0]
     loss_of(m, x).backward()
     with pytest.raises(RuntimeError, match="accumulating"):
         loss_of(m, x).backward()
+    o.close()
 
 
 def test_sync_gradients_attribute() -> None:
