@@ -288,3 +288,26 @@ def test_fp16_with_grad_scaler(tmp_path: Path) -> None:
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
     state = CheckpointManager(out / "checkpoints").load_latest().state
     assert state["scaler"] is not None and state["scaler"]["scale"] > 0
+
+
+def test_tensorboard_scalars(tmp_path: Path, monkeypatch) -> None:
+    """With logging.tensorboard on, every logged number reaches a SummaryWriter (a recording stand-in here)."""
+    import types
+
+    written: list[tuple[str, float, int]] = []
+
+    class Writer:
+        def __init__(self, logdir: str) -> None:
+            assert logdir.endswith("tensorboard")
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            written.append((tag, value, step))
+
+        def close(self) -> None:
+            written.append(("closed", 0, 0))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    assert run(tmp_path / "run", "--steps", "2", "--logging.tensorboard") == 0
+    tags = {t for t, _, _ in written}
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "closed"} <= tags
+    assert ("loss", train_losses(tmp_path / "run")[2], 2) in written
