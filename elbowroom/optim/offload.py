@@ -929,7 +929,9 @@ class CPUOffloadOptimizer(Optimizer):
         if engine is not None:
             engine.stop()
             if engine.streams.cuda:
-                torch.cuda.synchronize(engine.streams.device)  # host-device sync: no copy may touch freed pins
+                with contextlib.suppress(Exception):  # at interpreter exit CUDA may already be torn down
+                    # host-device sync: no copy may still read or write the memory unpinned below
+                    torch.cuda.synchronize(engine.streams.device)
         host.release()
 
     def close(self) -> None:

@@ -1,0 +1,288 @@
+"""CPUOffloadOptimizer on a GPU: the checks of Megatron-LM's HybridDeviceOptimizer tests, in our own code.
+
+Run on the lent GPU with ``pytest -m gpu tests/test_optim_offload_gpu.py``. Reference: the plain torch
+optimizer on the GPU. Tolerance: ``allclose(atol=1e-3)`` with equal NaN positions (as Megatron's tests): the
+CPU and CUDA kernels round differently.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elbowroom.optim import CPUOffloadOptimizer, last_fraction
+
+pytestmark = pytest.mark.gpu
+
+
+class LeNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 5)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = torch.flatten(x, 1)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class BigNet(nn.Module):
+    """The same convolutions and a ~34M-parameter MLP head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 5)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 2048)
+        self.fc2 = nn.Linear(2048, 8192)
+        self.fc3 = nn.Linear(8192, 2048)
+        self.fc4 = nn.Linear(2048, 100)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = torch.flatten(x, 1)
+        return self.fc4(F.relu(self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))))
+
+
+def seeded(cls: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(42)
+    torch.cuda.manual_seed_all(42)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    a, b = cls().cuda(), cls().cuda()
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def groups(params: list[torch.Tensor], with_groups: bool) -> list:
+    if not with_groups:
+        return params
+    h = len(params) // 2
+    return [
+        {"params": params[:h], "wd_mult": 1.0, "lr_mult": 1e-4},
+        {"params": params[h:], "wd_mult": 0.0, "lr_mult": 2e-4},
+    ]
+
+
+CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+
+
+def assert_weights_close(net: nn.Module, ref: nn.Module) -> None:
+    ours, theirs = net.state_dict(), ref.state_dict()
+    for k, v in ours.items():
+        r = theirs[k]
+        assert (v.isnan() == r.isnan()).all(), k
+        v, r = torch.nan_to_num(v, 0), torch.nan_to_num(r, 0)
+        assert torch.allclose(v, r, atol=1e-3), f"{k}: max error {(v - r).abs().max()}"
+
+
+def check_first_step(opt: CPUOffloadOptimizer, name: str, fraction: float) -> None:
+    sd = opt.state_dict()
+    if name != "sgd":  # torch SGD without momentum keeps no state
+        assert len(sd["state"]) != 0
+    if name == "adam":
+        first = sd["param_groups"][0]["params"][0]
+        last = sd["param_groups"][-1]["params"][-1]
+        if fraction > 0:
+            assert not sd["state"][first]["exp_avg"].is_cuda
+        if fraction < 1:
+            assert sd["state"][last]["exp_avg"].is_cuda
+
+
+@pytest.mark.parametrize("n_steps", [1, 10])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("fraction", [0, 0.5, 1.0])
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+@pytest.mark.parametrize("with_groups", [False, True])
+def test_hybrid_matches_gpu_optimizer(with_groups: bool, name: str, fraction: float, overlap: bool, n_steps: int):
+    net, ref_net = seeded(LeNet)
+    opt = CPUOffloadOptimizer(
+        groups(list(net.parameters()), with_groups), CLASSES[name], offload_fraction=fraction, overlap=overlap, lr=1e-3
+    )
+    ref = CLASSES[name](groups(list(ref_net.parameters()), with_groups), lr=1e-3)
+    assert len(opt.state_dict()["state"]) == 0  # nothing before the first step
+    for step in range(n_steps):
+        x = torch.randn(1, 3, 32, 32, device="cuda")
+        net(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ref_net(x).sum().backward()
+        ref.step()
+        ref.zero_grad()
+        if step == 0:
+            check_first_step(opt, name, fraction)
+    assert_weights_close(net, ref_net)
+    opt.close()
+
+
+@pytest.mark.parametrize("n_steps", [1, 10])
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0])
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+@pytest.mark.parametrize("with_groups", [False, True])
+def test_race_detector(with_groups: bool, name: str, fraction: float, n_steps: int) -> None:
+    # all offloaded steps back to back, no host sync in between: a missing stream wait (forward reading a
+    # weight before its H2D copy landed, a D2H copy reading a grad before backward wrote it) shows up here
+    net, ref_net = seeded(BigNet)
+    opt = CPUOffloadOptimizer(
+        groups(list(net.parameters()), with_groups), CLASSES[name], offload_fraction=fraction, overlap=True, lr=1e-3
+    )
+    ref = CLASSES[name](groups(list(ref_net.parameters()), with_groups), lr=1e-3)
+    assert len(opt.state_dict()["state"]) == 0
+    x0 = torch.randn(1, 3, 32, 32, device="cuda")
+    net(x0).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    ref_net(x0).sum().backward()
+    ref.step()
+    ref.zero_grad()
+    check_first_step(opt, name, fraction)
+    inputs = [torch.randn(1, 3, 32, 32, device="cuda") for _ in range(1, n_steps)]
+    for x in inputs:
+        net(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for x in inputs:
+        ref_net(x).sum().backward()
+        ref.step()
+        ref.zero_grad()
+    assert_weights_close(net, ref_net)
+    opt.close()
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_late_blocks_accumulation_and_clipping(offload_gradients: bool, clip: float | None) -> None:
+    net, ref_net = seeded(BigNet)
+    late = last_fraction(net.parameters(), 0.6)
+    opt = CPUOffloadOptimizer(
+        net.parameters(), torch.optim.AdamW, offload_params=late, offload_gradients=offload_gradients, lr=1e-4
+    )
+    ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-4, fused=True)
+    for _ in range(4):
+        xs = [torch.randn(4, 3, 32, 32, device="cuda") for _ in range(3)]
+        for i, x in enumerate(xs):
+            with opt.accumulating(i < 2):
+                net(x).pow(2).mean().backward()
+            ref_net(x).pow(2).mean().backward()
+        if offload_gradients:
+            assert all(p.grad is None for p in late)  # freed once copied to the host
+        if clip is not None:
+            n1 = opt.clip_grad_norm_(clip)
+            n2 = torch.nn.utils.clip_grad_norm_(ref_net.parameters(), clip)
+            torch.testing.assert_close(n1, n2, rtol=1e-4, atol=1e-5)
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+        ref.zero_grad()
+    assert_weights_close(net, ref_net)
+    assert opt.step_in_backward is (clip is None)
+
+
+def test_host_buffers_are_pinned_and_bounded() -> None:
+    net, _ = seeded(BigNet)
+    opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-4)
+    for hp in opt._hps:
+        assert hp.master.is_pinned() and hp.master.device.type == "cpu"
+    net(torch.randn(2, 3, 32, 32, device="cuda")).sum().backward()
+    opt.step()
+    s = opt.stats()
+    n = s["offloaded_numel"]
+    # masters + moments = 12 B/param; the staging pool holds 3 slots of the largest gradient (fc2/fc3: 64 MiB)
+    assert s["host_bytes"] <= 12 * n + s["staging_bytes"] + (1 << 20), s
+    assert s["pinned_bytes"] <= 4 * n + s["staging_bytes"] + (1 << 20), s
+
+
+def test_offload_gradients_saves_device_memory() -> None:
+    net, ref_net = seeded(BigNet)
+    opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-4)
+    ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-4, fused=True)
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    peaks = []
+    for n, o in ((net, opt), (ref_net, ref)):
+        for _ in range(2):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            n(x).sum().backward()
+            o.step()
+            o.zero_grad()
+            torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    grads = sum(p.numel() * 4 for p in net.parameters())
+    # ours: no moments on the GPU and grads freed as they are copied; plain: moments (2x) and all grads
+    assert peaks[0] < peaks[1] - grads, peaks
+
+
+def test_no_implicit_sync_in_overlapped_steps() -> None:
+    net, _ = seeded(BigNet)
+    opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-4)
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    net(x).sum().backward()
+    opt.step()  # the first step learns that CPU steps may start during backward
+    opt.zero_grad()
+    assert opt.step_in_backward is True
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(net.fc2.weight).all()
+
+
+def test_master_weights_bf16() -> None:
+    net, ref_net = seeded(BigNet)
+    net.bfloat16()
+    ref_net.bfloat16()
+    masters = [p.detach().float() for p in ref_net.parameters()]
+    opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, offload_fraction=0.5, master_weights=True, lr=1e-4)
+    ref = torch.optim.AdamW(masters, lr=1e-4, fused=True)
+    for _ in range(5):
+        x = torch.randn(2, 3, 32, 32, device="cuda", dtype=torch.bfloat16)
+        net(x).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ref_net(x).float().sum().backward()
+        for w, p in zip(masters, ref_net.parameters()):
+            w.grad = p.grad.float()
+            p.grad = None
+        ref.step()
+        with torch.no_grad():
+            for w, p in zip(masters, ref_net.parameters()):
+                p.copy_(w)
+    sd = opt.state_dict()
+    for i, w in enumerate(masters):
+        torch.testing.assert_close(sd["state"][i]["master_weight"].float().cuda(), w, atol=1e-4, rtol=1e-3)
+    assert all(p.dtype == torch.bfloat16 for p in net.parameters())
+    assert_weights_close(net, ref_net)
+
+
+def test_state_dict_round_trip_across_fractions() -> None:
+    net, ref_net = seeded(LeNet)
+    a = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, offload_fraction=1.0, lr=1e-3)
+    for _ in range(3):
+        net(torch.randn(2, 3, 32, 32, device="cuda")).sum().backward()
+        a.step()
+        a.zero_grad()
+    ref_net.load_state_dict(net.state_dict())
+    b = CPUOffloadOptimizer(ref_net.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-3)
+    b.load_state_dict(a.state_dict())
+    sd = b.state_dict()
+    assert not sd["state"][0]["exp_avg"].is_cuda and sd["state"][len(sd["state"]) - 1]["exp_avg"].is_cuda
+    for _ in range(3):
+        x = torch.randn(2, 3, 32, 32, device="cuda")
+        for n, o in ((net, a), (ref_net, b)):
+            n(x).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert_weights_close(net, ref_net)
