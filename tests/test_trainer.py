@@ -311,3 +311,18 @@ def test_tensorboard_scalars(tmp_path: Path, monkeypatch) -> None:
     tags = {t for t, _, _ in written}
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "closed"} <= tags
     assert ("loss", train_losses(tmp_path / "run")[2], 2) in written
+
+
+@pytest.mark.parametrize("extra", [[], ["--optimizer.offload_gradients"]])
+def test_offloaded_optimizer_follows_the_plain_curve(tmp_path: Path, extra: list[str]) -> None:
+    """The trainer with half the optimizer offloaded (accumulation 2, clipping on) tracks the plain run."""
+    args = ["--steps", "6", "--train.gradient_accumulation_steps", "2", "--train.max_grad_norm", "0.5"]
+    assert run(tmp_path / "plain", *args) == 0
+    assert run(tmp_path / "off", *args, "--optimizer.offload_fraction", "0.5", *extra) == 0
+    a, b = train_losses(tmp_path / "plain"), train_losses(tmp_path / "off")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6)
+    ga = [r["grad_norm"] for r in rows(tmp_path / "plain") if "loss" in r]
+    gb = [r["grad_norm"] for r in rows(tmp_path / "off") if "loss" in r]
+    assert gb == pytest.approx(ga, rel=1e-5)

@@ -143,23 +143,38 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate_gradients(
-    model: nn.Module, micro_batches: list[dict[str, Any]], autocast: Any, scaler: Any = None
+    model: nn.Module,
+    micro_batches: list[dict[str, Any]],
+    autocast: Any,
+    scaler: Any = None,
+    optimizer: Any = None,
 ) -> torch.Tensor:
     """Forward and backward over the micro-batches of one optimizer step; returns the step's loss (detached).
 
     Each micro-batch's summed token loss is divided by the target tokens of the *whole step*, so k
     micro-batches of b samples give the gradients of one batch of k*b samples, padded batches included.
-    ``num_tokens`` are host ints counted by the collate function: no device sync here.
+    ``num_tokens`` are host ints counted by the collate function: no device sync here. An optimizer with
+    an ``accumulating()`` context (the CPU-offloaded one) is told which backward passes are not the last,
+    so that it moves gradients to the host only once they are final.
     """
     step_tokens = sum(b["num_tokens"] for b in micro_batches)
     total = None
-    for b in micro_batches:
+    marks = getattr(optimizer, "accumulating", None)
+    for i, b in enumerate(micro_batches):
         with autocast:
             logits = model(b["input_ids"])
         loss = token_loss_sum(logits, b["targets"]) / step_tokens
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        with marks(i < len(micro_batches) - 1) if marks is not None else contextlib.nullcontext():
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
+
+
+def clip_gradients(params: list[torch.Tensor], optimizer: Any, max_norm: float) -> torch.Tensor:
+    """Global-norm clipping; an optimizer that holds gradients itself (``clip_grad_norm_``) does it."""
+    if hasattr(optimizer, "clip_grad_norm_"):
+        return optimizer.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -363,7 +378,7 @@ def train(cfg: Config) -> TrainResult:
             while step < cfg.train.steps:
                 model.train()
                 micro = [next(batches) for _ in range(accum)]
-                loss_acc += accumulate_gradients(fwd_model, micro, autocast, scaler)
+                loss_acc += accumulate_gradients(fwd_model, micro, autocast, scaler, optimizer)
                 samples_seen += accum * bsz
                 tokens_since_log += sum(b["input_ids"].numel() for b in micro)
 
@@ -372,9 +387,9 @@ def train(cfg: Config) -> TrainResult:
                 last = step + 1 == cfg.train.steps or stop.received is not None
                 log_now = (step + 1) % cfg.logging.log_every == 0 or step == 0 or last
                 if cfg.train.max_grad_norm:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+                    grad_norm = clip_gradients(params, optimizer, cfg.train.max_grad_norm)
                 elif log_now:  # without clipping the norm is computed only when it is logged
-                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                    grad_norm = clip_gradients(params, optimizer, math.inf)
                 else:
                     grad_norm = None
                 lr = optimizer.param_groups[0]["lr"]
