@@ -326,3 +326,21 @@ def test_offloaded_optimizer_follows_the_plain_curve(tmp_path: Path, extra: list
     ga = [r["grad_norm"] for r in rows(tmp_path / "plain") if "loss" in r]
     gb = [r["grad_norm"] for r in rows(tmp_path / "off") if "loss" in r]
     assert gb == pytest.approx(ga, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--activations.checkpoint", "full"],
+        ["--activations.checkpoint", "selective", "--activations.every", "2"],
+        ["--activations.offload_ratio", "1.0"],
+        ["--activations.checkpoint", "full", "--activations.offload_checkpoint_inputs"],
+    ],
+)
+def test_activation_switches_keep_the_loss_curve(tmp_path: Path, mode: list[str]) -> None:
+    """Recompute and offload switches of the CLI change memory, not the numbers (fp32, dropout on)."""
+    args = ["--steps", "3", "--model.arch", "gpt2", "--model.dropout", "0.1"]
+    assert run(tmp_path / "plain", *args) == 0
+    assert run(tmp_path / "mode", *args, *mode) == 0
+    a, b = train_losses(tmp_path / "plain"), train_losses(tmp_path / "mode")
+    assert a.keys() == b.keys() and all(b[k] == pytest.approx(a[k], rel=1e-6) for k in a)
