@@ -885,15 +885,17 @@ class OffloadEngine:
         self._counters["reloaded_bytes"] += rec.nbytes
 
     def _prefetch(self, group: OffloadGroup) -> None:
-        self._poll()
-        for ref in reversed(group.records):  # backward wants the last-saved first
-            rec = ref()
-            if rec is None or rec.slot is None or rec.pending_unpacks == 0 or rec.restored is not None:
-                continue
+        recs = [r for r in map(weakref.ref.__call__, reversed(group.records))  # last-saved first
+                if r is not None and r.slot is not None and r.pending_unpacks > 0 and r.restored is None]
+        for rec in recs:
             if rec.gpu is not None:
-                rec.keep_gpu = True  # still on the device: no round trip, and poll must not free it
-                continue
-            self._fetch(rec)
+                # still on the device (its region ended just before backward began): keep it there,
+                # no round trip; the poll below must not free it
+                rec.keep_gpu = True
+        self._poll()
+        for rec in recs:
+            if rec.gpu is None:
+                self._fetch(rec)
 
     def _drop_handle(self, rec: _Record, was_unpacked: bool) -> None:
         rec.handles -= 1
