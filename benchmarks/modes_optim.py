@@ -1,0 +1,155 @@
+"""Optimizer-offload modes for ``bench.py``: elbowroom's CPUOffloadOptimizer, whole and hybrid.
+
+    python benchmarks/bench.py --workload w1 --modes plain,torchao_optim,er_optim,er_optim_late0.4
+    python benchmarks/bench.py --workload w3 --modes er_optim+ckpt,er_optim_late0.4+ckpt,torchao_optim+ckpt
+    ELBOWROOM_BENCH_OFFLOAD_FRACTION=0.35 python benchmarks/bench.py --workload w3 --modes er_optim_late+ckpt
+
+Modes (each also with ``+ckpt``: per-block checkpoint, and ``+clip``: global-norm clipping at 1.0 in a
+step pre-hook, as a training run would):
+
+- ``er_optim``: everything offloaded (``offload_fraction=1.0``), fused CPU AdamW.
+- ``er_optim_grads``: the same with ``offload_gradients=True`` (device gradients freed once copied).
+- ``er_optim_late<F>``: hybrid, the last F of the parameter bytes (the late blocks and the head) on the
+  host, the rest fused AdamW on the GPU; ``er_optim_late`` takes F from ``--offload-fraction`` when the
+  harness has it, else from ``ELBOWROOM_BENCH_OFFLOAD_FRACTION`` (default 0.4).
+- ``plain+clip``: the plain fused AdamW baseline with the same clipping.
+
+Each of our rows adds the optimizer's numbers: the CPU step time of the last step, how much of it ran
+behind GPU work (``hidden_fraction``), host and pinned memory and bytes per offloaded parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from elbowroom.optim import CPUOffloadOptimizer, last_fraction  # noqa: E402
+
+LATE_FRACTIONS = (0.25, 0.4, 0.5, 0.6, 0.75)
+DEFAULT_LATE_FRACTION = 0.4
+
+
+def _bench() -> Any:
+    """The harness module: ``__main__`` when bench.py runs as a script (importing it again would recurse)."""
+    main = sys.modules.get("__main__")
+    if main is not None and hasattr(main, "Setup") and hasattr(main, "WORKLOADS"):
+        return main
+    import bench
+
+    return bench
+
+
+def _accum(args: Any) -> int:
+    acc = getattr(args, "accum", 0) or 0
+    if not acc:
+        acc = _bench().WORKLOADS.get(getattr(args, "workload", ""), (None, None, None, 1))[3]
+    return max(1, int(acc))
+
+
+class _MicroBatches:
+    """The harness enters ``Setup.context`` around each micro-batch's forward and runs backward just after:
+    mark all but the last micro-batch of a step as accumulating (the flag stays set through that backward)."""
+
+    def __init__(self, opt: CPUOffloadOptimizer, accum: int) -> None:
+        self.opt, self.accum, self.i = opt, accum, 0
+        opt.register_step_post_hook(lambda *_: self._reset())
+
+    def _reset(self) -> None:
+        self.i = 0
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        self.opt.sync_gradients = self.i % self.accum == self.accum - 1
+        self.i += 1
+        return contextlib.nullcontext()
+
+
+def _stats(opt: CPUOffloadOptimizer) -> Callable[[], dict[str, Any]]:
+    def read() -> dict[str, Any]:
+        s = opt.stats()
+        total = s["offloaded_numel"] + s["device_numel"]
+        return {
+            "offloaded_share": round(s["offloaded_numel"] / total, 3) if total else 0.0,
+            "cpu_step_s": round(s.get("cpu_step_s", 0.0), 4),
+            "cpu_wait_s": round(s.get("cpu_wait_s", 0.0), 4),
+            "hidden_fraction": round(s.get("hidden_fraction", 0.0), 3),
+            "step_in_backward": s["step_in_backward"],
+            "host_GiB": round(s["host_bytes"] / 2**30, 2),
+            "pinned_GiB": round(s["pinned_bytes"] / 2**30, 2),
+            "host_B_per_offloaded_param": round(s["host_bytes_per_offloaded_param"], 2),
+            "d2h_GB": round(s.get("d2h_bytes", 0) / 1e9, 2),
+            "h2d_GB": round(s.get("h2d_bytes", 0) / 1e9, 2),
+        }
+
+    return read
+
+
+def _late_fraction(args: Any) -> float:
+    f = getattr(args, "offload_fraction", None)
+    if f is None:
+        f = float(os.environ.get("ELBOWROOM_BENCH_OFFLOAD_FRACTION", DEFAULT_LATE_FRACTION))
+    return float(f)
+
+
+def _ours(model: torch.nn.Module, args: Any, *, late: float | None = None, offload_gradients: bool = False) -> Any:
+    params = list(model.parameters())
+    kwargs: dict[str, Any] = {"lr": 1e-4, "fused": True, "offload_gradients": offload_gradients}
+    if late is not None:
+        kwargs["offload_params"] = last_fraction(params, late)
+    opt = CPUOffloadOptimizer(params, torch.optim.AdamW, **kwargs)
+    accum = _accum(args)
+    context = _MicroBatches(opt, accum) if accum > 1 else contextlib.nullcontext
+    return _bench().Setup(opt, context=context, stats=_stats(opt), notes={"late_fraction": late})
+
+
+def _with_ckpt(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.nn.Module, Any], Any]:
+    def setup(model: torch.nn.Module, args: Any) -> Any:
+        _bench().setup_torch_ckpt(model, args)  # wraps each block in torch's non-reentrant checkpoint
+        return make(model, args)
+
+    return setup
+
+
+def _with_clip(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.nn.Module, Any], Any]:
+    def setup(model: torch.nn.Module, args: Any) -> Any:
+        s = make(model, args)
+        opt = s.optimizer
+
+        def clip(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
+            if isinstance(o, CPUOffloadOptimizer):
+                o.clip_grad_norm_(1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+        opt.register_step_pre_hook(clip)
+        return s
+
+    return setup
+
+
+def _plain(model: torch.nn.Module, args: Any) -> Any:
+    return _bench().Setup(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+
+
+_BASE: dict[str, Callable[[torch.nn.Module, Any], Any]] = {
+    "er_optim": lambda m, a: _ours(m, a),
+    "er_optim_grads": lambda m, a: _ours(m, a, offload_gradients=True),
+    "er_optim_late": lambda m, a: _ours(m, a, late=_late_fraction(a)),
+}
+for _f in LATE_FRACTIONS:
+    _BASE[f"er_optim_late{_f:g}"] = lambda m, a, _f=_f: _ours(m, a, late=_f)
+
+MODES: dict[str, Callable[[torch.nn.Module, Any], Any]] = {"plain+clip": _with_clip(_plain)}
+for _name, _make in _BASE.items():
+    MODES[_name] = _make
+    MODES[f"{_name}+ckpt"] = _with_ckpt(_make)
+    MODES[f"{_name}+clip"] = _with_clip(_make)
+    MODES[f"{_name}+ckpt+clip"] = _with_clip(_with_ckpt(_make))
+MODES["plain+ckpt+clip"] = _with_clip(_with_ckpt(_plain))
