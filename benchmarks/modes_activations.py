@@ -1,0 +1,269 @@
+"""elbowroom's activation-memory modes for ``benchmarks/bench.py`` (and a copy/compute overlap trace).
+
+    python benchmarks/bench.py --workload w1 --modes plain,torch_ckpt,torch_sac,save_on_cpu,\\
+ours_offload_all,ours_offload_ckpt_inputs,ours_mix,ours_selective_offload
+    python benchmarks/modes_activations.py --workload w1 --mode ours_offload_all --trace trace.json
+
+Modes (each wraps the model's blocks in place; nothing is entered per step):
+- ``ours_ckpt`` / ``ours_selective``: our per-block full / selective recompute (parity with torch's).
+- ``ours_offload_all``: every block but the last offloads all it saves (the link-bound end).
+- ``ours_offload_ckpt_inputs``: per-block checkpoint, and the input each block saves goes to host.
+- ``ours_mix``: per block, offload what the link hides, keep the last blocks whole, recompute (with
+  offloaded inputs) the rest. Knobs: ``ELBOWROOM_MIX="offload=4,keep=2,ratio=1.0"`` (first ``offload``
+  blocks offload ``ratio`` of their activations, last ``keep`` blocks are kept whole).
+- ``ours_selective_offload``: selective recompute everywhere, with ``ratio`` of the kept matmul and
+  attention outputs (largest first) and the inputs of the first ``blocks`` blocks offloaded. Knobs:
+  ``ELBOWROOM_SEL_OFFLOAD="ratio=0.4,blocks=16"`` (blocks=-1: all but the last).
+
+Environment variables are read here, in the benchmark script, and passed to the library as arguments.
+After a run each mode reports the bytes its engine moved per optimizer step and its host pool size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from elbowroom.activations import (  # noqa: E402
+    BlockPolicy,
+    apply_activation_policy,
+    apply_block_policies,
+    get_offload_engine,
+)
+
+
+@dataclass
+class Setup:
+    """What bench.py reads from a mode (the same fields as its own ``Setup``)."""
+
+    optimizer: Any
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    stats: Callable[[], dict[str, Any]] | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=torch.cuda.is_available())
+
+
+def _knobs(var: str, defaults: dict[str, float]) -> dict[str, float]:
+    """``KEY=VALUE,...`` from environment variable ``var`` over ``defaults``."""
+    out = dict(defaults)
+    for item in filter(None, os.environ.get(var, "").split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() not in defaults:
+            raise SystemExit(f"{var}: unknown knob {key!r}; known: {', '.join(defaults)}")
+        out[key.strip()] = float(value)
+    return out
+
+
+def _setup(model: torch.nn.Module, args: Any, notes: dict[str, Any] | None = None) -> Setup:
+    steps = max(1, getattr(args, "steps", 1))
+
+    def stats() -> dict[str, Any]:
+        eng = get_offload_engine(model)
+        if eng is None:
+            return {}
+        s = eng.stats()
+        return {
+            "offload_GB_per_step": round(s.offloaded_bytes / steps / 1e9, 2),
+            "reload_GB_per_step": round(s.reloaded_bytes / steps / 1e9, 2),
+            "host_pool_GiB": round(s.host_pool_bytes / 2**30, 2),
+            "host_allocations": s.host_allocations,
+        }
+
+    return Setup(_adamw(model), stats=stats, notes=notes or {})
+
+
+def mix_plan(n_blocks: int, *, offload: int = 4, keep: int = 2, ratio: float = 1.0) -> list[BlockPolicy]:
+    """The hand-chosen mix: the first ``offload`` blocks offload ``ratio`` of what they save (their tensors
+    are needed last in backward, so they have the longest time to travel both ways), the last ``keep``
+    blocks stay whole (needed first), the blocks between recompute with their inputs offloaded. Counts are
+    clamped to the model (small models in smoke runs)."""
+    keep = max(1, min(keep, n_blocks - 1))
+    offload = max(0, min(offload, n_blocks - keep))
+    plan = []
+    for i in range(n_blocks):
+        if i < offload:
+            plan.append(BlockPolicy(offload_ratio=ratio))
+        elif i >= n_blocks - keep:
+            plan.append(BlockPolicy())
+        else:
+            plan.append(BlockPolicy("full", offload_input=True))
+    return plan
+
+
+def selective_offload_plan(n_blocks: int, *, ratio: float = 0.4, blocks: int = 16) -> list[BlockPolicy]:
+    """Selective recompute everywhere; the first ``blocks`` blocks (-1: all but the last) offload their
+    inputs and ``ratio`` of their kept matmul/attention outputs."""
+    k = n_blocks - 1 if blocks < 0 else min(blocks, n_blocks - 1)
+    return [
+        BlockPolicy("selective", offload_ratio=ratio, offload_input=True) if i < k else BlockPolicy("selective")
+        for i in range(n_blocks)
+    ]
+
+
+def setup_ours_ckpt(model: torch.nn.Module, args: Any) -> Setup:
+    apply_activation_policy(model, checkpoint="full")
+    return _setup(model, args)
+
+
+def setup_ours_selective(model: torch.nn.Module, args: Any) -> Setup:
+    apply_activation_policy(model, checkpoint="selective")
+    return _setup(model, args)
+
+
+def setup_ours_offload_all(model: torch.nn.Module, args: Any) -> Setup:
+    apply_activation_policy(model, offload_ratio=1.0)
+    return _setup(model, args)
+
+
+def setup_ours_offload_ckpt_inputs(model: torch.nn.Module, args: Any) -> Setup:
+    apply_activation_policy(model, checkpoint="full", offload_checkpoint_inputs=True)
+    return _setup(model, args)
+
+
+def setup_ours_mix(model: torch.nn.Module, args: Any) -> Setup:
+    k = _knobs("ELBOWROOM_MIX", {"offload": 4, "keep": 2, "ratio": 1.0})
+    plan = mix_plan(len(model.blocks), offload=int(k["offload"]), keep=int(k["keep"]), ratio=k["ratio"])
+    apply_block_policies(model, plan)
+    return _setup(model, args, notes={"mix": k})
+
+
+def setup_ours_selective_offload(model: torch.nn.Module, args: Any) -> Setup:
+    k = _knobs("ELBOWROOM_SEL_OFFLOAD", {"ratio": 0.4, "blocks": 16})
+    apply_block_policies(model, selective_offload_plan(len(model.blocks), ratio=k["ratio"], blocks=int(k["blocks"])))
+    return _setup(model, args, notes={"selective_offload": k})
+
+
+MODES: dict[str, Callable[..., Setup]] = {
+    "ours_ckpt": setup_ours_ckpt,
+    "ours_selective": setup_ours_selective,
+    "ours_offload_all": setup_ours_offload_all,
+    "ours_offload_ckpt_inputs": setup_ours_offload_ckpt_inputs,
+    "ours_mix": setup_ours_mix,
+    "ours_selective_offload": setup_ours_selective_offload,
+}
+
+
+# ---------------------------------------------------------------- copy/compute overlap from a trace
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            total += e - s
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def overlap_report(events: list[Any], d2h_bytes: int, h2d_bytes: int) -> dict[str, float]:
+    """From profiler device events: busy time of copies each way, how much of it overlaps compute
+    kernels, and the bandwidth achieved while copying (bytes / busy time)."""
+    d2h, h2d, compute = [], [], []
+    for ev in events:
+        tr = ev.time_range
+        iv = (tr.start, tr.end)
+        name = ev.name
+        if "Memcpy DtoH" in name:
+            d2h.append(iv)
+        elif "Memcpy HtoD" in name:
+            h2d.append(iv)
+        elif "Memcpy" not in name and "Memset" not in name:
+            compute.append(iv)
+    d2h, h2d, compute = _union(d2h), _union(h2d), _union(compute)
+    out = {}
+    for name, ivs, nbytes in (("d2h", d2h, d2h_bytes), ("h2d", h2d, h2d_bytes)):
+        busy = _length(ivs)
+        out[f"{name}_busy_ms"] = round(busy / 1e3, 2)
+        out[f"{name}_overlap_with_compute"] = round(_intersection(ivs, compute) / busy, 3) if busy else 0.0
+        out[f"{name}_GBps_while_busy"] = round(nbytes / (busy / 1e6) / 1e9, 1) if busy else 0.0
+    out["both_directions_at_once_ms"] = round(_intersection(d2h, h2d) / 1e3, 2)
+    out["compute_busy_ms"] = round(_length(compute) / 1e3, 2)
+    return out
+
+
+def trace(workload: str, mode: str, steps: int, path: str | None) -> dict[str, float]:
+    """Run ``steps`` warm steps of ``mode`` under the profiler; write a Chrome trace; report overlap."""
+    import bench  # the harness beside this file: its workloads and model config
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from elbowroom.train.models import build_model
+
+    preset, bsz, seq, accum = bench.WORKLOADS[workload]
+    cfg = bench.model_config(preset, seq)
+    model = build_model(cfg, device="cuda")
+    setup = MODES[mode](model, argparse.Namespace(steps=steps))
+    idx = torch.randint(0, cfg.vocab_size, (bsz, seq), device="cuda")
+
+    def one_step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(idx)
+        F.cross_entropy(logits.float().view(-1, logits.size(-1)), idx.view(-1)).backward()
+        setup.optimizer.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # the first step grows the pinned pool
+        one_step()
+    torch.cuda.synchronize()
+    eng = get_offload_engine(model)
+    before = eng.stats() if eng else None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            one_step()
+        torch.cuda.synchronize()
+    if path:
+        prof.export_chrome_trace(path)
+    after = eng.stats() if eng else None
+    d2h = after.offloaded_bytes - before.offloaded_bytes if eng else 0
+    h2d = after.reloaded_bytes - before.reloaded_bytes if eng else 0
+    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    report = overlap_report(device_events, d2h, h2d)
+    report.update(mode=mode, workload=workload, steps=steps, d2h_GB=round(d2h / 1e9, 2), h2d_GB=round(h2d / 1e9, 2))
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="w1")
+    ap.add_argument("--mode", default="ours_offload_all", choices=sorted(MODES))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--trace", default=None, help="write a Chrome trace here")
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import json
+
+    print(json.dumps(trace(args.workload, args.mode, args.steps, args.trace)))
+
+
+if __name__ == "__main__":
+    main()
