@@ -416,6 +416,21 @@ def test_deferred_release_bounds_what_is_in_flight() -> None:
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
 
 
+def test_more_regions_in_flight_when_asked() -> None:
+    model = tiny_model(n_layers=5)
+    idx = torch.randint(0, 256, (2, 32))
+    ref = lm_step(model, idx)
+    eng = engine(_cpu_event_delay=1000, max_inflight_regions=2)
+    apply_block_policies(model, [BlockPolicy(offload_ratio=1.0)] * 4 + [BlockPolicy()], engine=eng)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+    groups = _wrap.get_policy(model.blocks[0]).chain.groups[:4]
+    assert {r.group_id for r in eng._pending} == {groups[2].id, groups[3].id}
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref, rtol=0, atol=0)
+
+
 def test_backward_prefetches_one_block_ahead() -> None:
     model = tiny_model(n_layers=5)
     idx = torch.randint(0, 256, (2, 32))
@@ -513,6 +528,7 @@ def test_graph_freed_without_backward_returns_slots() -> None:
     [
         (lambda: OffloadEngine(min_offload_bytes=-1), "min_offload_bytes"),
         (lambda: OffloadEngine(host_memory_limit_bytes=0), "host_memory_limit_bytes"),
+        (lambda: OffloadEngine(max_inflight_regions=0), "max_inflight_regions"),
         (lambda: OffloadEngine().group(ratio=1.5), r"ratio must be in \[0, 1\], got 1.5"),
         (lambda: elbowroom.offload(-0.1), r"must be in \[0, 1\]"),
         (lambda: offload_module(nn.Linear(2, 2), 2.0), r"must be in \[0, 1\]"),

@@ -400,15 +400,19 @@ class OffloadGroup:
         self.backward_started = False
         self._entries: dict[str, _Entry] = {}
         self._kept_ptrs: set[int] = set()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, engine._unpack)
+        self._too_small = 0
+        self._hooks: Any = None
 
     def __enter__(self) -> OffloadGroup:
         self.engine._enter(self)
+        # made here and dropped at exit: the hooks hold this region, which must not hold them back
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self.engine._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        self._hooks = None
         self.engine._exit(self)
 
     def entry(self, kind: str) -> _Entry:
@@ -582,6 +586,10 @@ class OffloadEngine:
         keep_module: a module whose parameters and buffers are never offloaded (they stay on the
             device anyway; copying them would only cost bandwidth).
         chunk_bytes: size of each host allocation the pool carves slots from.
+        max_inflight_regions: how many regions' copies may still run while the next region computes.
+            At the end of a region, older ones are released by making the compute stream wait for
+            their copies: 1 bounds the device memory in flight to about one region; more lets a
+            region's copies overlap more compute (useful when few regions offload a lot each).
     """
 
     def __init__(
@@ -592,6 +600,7 @@ class OffloadEngine:
         host_memory_limit_bytes: int | None = None,
         keep_module: nn.Module | None = None,
         chunk_bytes: int = _DEFAULT_CHUNK_BYTES,
+        max_inflight_regions: int = 1,
         _cpu_event_delay: int = 0,
     ) -> None:
         if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
@@ -602,6 +611,9 @@ class OffloadEngine:
             raise ValueError(f"host_memory_limit_bytes must be a positive int or None, got {host_memory_limit_bytes!r}")
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if not isinstance(max_inflight_regions, int) or max_inflight_regions < 1:
+            raise ValueError(f"max_inflight_regions must be an int >= 1, got {max_inflight_regions!r}")
+        self.max_inflight_regions = max_inflight_regions
         self.device = torch.device(device) if device is not None else None
         self.min_offload_bytes = min_offload_bytes
         self.host_memory_limit_bytes = host_memory_limit_bytes
@@ -683,12 +695,18 @@ class OffloadEngine:
     def _exit(self, group: OffloadGroup) -> None:
         popped = self._stack.pop()
         assert popped is group, "offload regions must be exited in the order they were entered"
+        if group._too_small and not group.records and (group.ratio > 0 or group.cache_ratio > 0):
+            self._warn_once(
+                "too-small",
+                f"an offload region saved {group._too_small} tensor(s), all below min_offload_bytes="
+                f"{self.min_offload_bytes}: nothing was offloaded; lower min_offload_bytes to offload them",
+            )
         for e in group._entries.values():
             e.finish()
         group._entries.clear()
         group._kept_ptrs.clear()
         self._open.discard(group.id)
-        self._release_before(group.id)
+        self._release_before(group.id + 1 - self.max_inflight_regions)
         self._poll()
 
     def _ratio_state(self, tag: Hashable, kind: str, ratio: float) -> _RatioState:
@@ -758,6 +776,7 @@ class OffloadEngine:
             lo = t.storage_offset() * el
             hi = lo + el * (1 + sum((s - 1) * d for s, d in zip(t.size(), t.stride())))
             if hi - lo < self.min_offload_bytes:
+                group._too_small += 1
                 self._counters["kept"] += 1
                 return None
             rec = self._live.get(ptr)

@@ -221,6 +221,7 @@ def apply_block_policies(
     use_reentrant: bool = False,
     host_memory_limit_bytes: int | None = None,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    max_inflight_regions: int = 1,
 ) -> nn.Module:
     """Give each block of ``model`` its own :class:`BlockPolicy`, in place.
 
@@ -231,6 +232,8 @@ def apply_block_policies(
         use_reentrant: torch's reentrant checkpoint for "full" blocks.
         host_memory_limit_bytes: cap of a new engine's host pool.
         min_offload_bytes: smallest tensor a new engine offloads.
+        max_inflight_regions: blocks whose copies may still run while the next block computes (see
+            :class:`~elbowroom.activations.offload.OffloadEngine`).
 
     Returns:
         ``model`` itself.
@@ -257,7 +260,10 @@ def apply_block_policies(
     offloads = any(p.offloads for p in plan)
     if offloads and engine is None:
         engine = OffloadEngine(
-            min_offload_bytes=min_offload_bytes, host_memory_limit_bytes=host_memory_limit_bytes, keep_module=model
+            min_offload_bytes=min_offload_bytes,
+            host_memory_limit_bytes=host_memory_limit_bytes,
+            keep_module=model,
+            max_inflight_regions=max_inflight_regions,
         )
     chain = _wrap.PrefetchChain(n) if offloads else None
     for i, (blk, p) in enumerate(zip(blocks, plan)):
