@@ -12,6 +12,9 @@ step pre-hook, as a training run would):
 - ``er_optim_late<F>``: hybrid, the last F of the parameter bytes (the late blocks and the head) on the
   host, the rest fused AdamW on the GPU; ``er_optim_late`` takes F from ``--offload-fraction`` when the
   harness has it, else from ``ELBOWROOM_BENCH_OFFLOAD_FRACTION`` (default 0.4).
+- ``er_optim_late<F>_fwd``: the same with ``overlap_with_forward(model)``: ``step()`` returns at once and
+  each block waits for its own weights in the next forward (hides the CPU step of the late blocks behind
+  the forward of the early ones, also when clipping makes the CPU step wait for the whole backward).
 - ``plain+clip``: the plain fused AdamW baseline with the same clipping.
 
 Each of our rows adds the optimizer's numbers: the CPU step time of the last step, how much of it ran
@@ -98,12 +101,16 @@ def _late_fraction(args: Any) -> float:
     return float(f)
 
 
-def _ours(model: torch.nn.Module, args: Any, *, late: float | None = None, offload_gradients: bool = False) -> Any:
+def _ours(
+    model: torch.nn.Module, args: Any, *, late: float | None = None, offload_gradients: bool = False, lazy: bool = False
+) -> Any:
     params = list(model.parameters())
     kwargs: dict[str, Any] = {"lr": 1e-4, "fused": True, "offload_gradients": offload_gradients}
     if late is not None:
         kwargs["offload_params"] = last_fraction(params, late)
     opt = CPUOffloadOptimizer(params, torch.optim.AdamW, **kwargs)
+    if lazy:
+        opt.overlap_with_forward(model)  # the next forward waits per module, not step()
     accum = _accum(args)
     context = _MicroBatches(opt, accum) if accum > 1 else contextlib.nullcontext
     return _bench().Setup(opt, context=context, stats=_stats(opt), notes={"late_fraction": late})
@@ -145,6 +152,8 @@ _BASE: dict[str, Callable[[torch.nn.Module, Any], Any]] = {
 }
 for _f in LATE_FRACTIONS:
     _BASE[f"er_optim_late{_f:g}"] = lambda m, a, _f=_f: _ours(m, a, late=_f)
+    _BASE[f"er_optim_late{_f:g}_fwd"] = lambda m, a, _f=_f: _ours(m, a, late=_f, lazy=True)
+_BASE["er_optim_late_fwd"] = lambda m, a: _ours(m, a, late=_late_fraction(a), lazy=True)
 
 MODES: dict[str, Callable[[torch.nn.Module, Any], Any]] = {"plain+clip": _with_clip(_plain)}
 for _name, _make in _BASE.items():

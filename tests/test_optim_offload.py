@@ -12,6 +12,8 @@ import copy
 import gc
 import io
 import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -35,6 +37,14 @@ def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CPUOffloadOptimizer, "num_staging_slots", 2)
     # two OpenMP teams on CI's two cores slow each other down a lot; these models need no threads
     monkeypatch.setattr(CPUOffloadOptimizer, "cpu_threads", 1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the training thread's own team (OpenMP thread counts are per thread)
+    yield
+    torch.set_num_threads(n)
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -495,6 +505,58 @@ def test_master_weights_bf16() -> None:
     sd = o1.state_dict()
     for i, w in enumerate(masters):
         torch.testing.assert_close(sd["state"][i]["master_weight"].cpu(), w, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------ overlap with forward
+class _SlowAdamW(torch.optim.AdamW):
+    """AdamW whose step takes a while: a forward that does not wait for its weights reads stale ones."""
+
+    def step(self, closure=None):
+        if any(p.device.type == "cpu" and not p.requires_grad for g in self.param_groups for p in g["params"]):
+            time.sleep(0.003)  # host masters only (they do not require grad)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_overlap_with_forward(clip: float | None, offload_gradients: bool, accum: int) -> None:
+    m1, m2 = make_model(), make_model()
+    late = last_fraction(m1.parameters(), 0.6)
+    o1 = CPUOffloadOptimizer(
+        m1.parameters(), _SlowAdamW, offload_params=late, offload_gradients=offload_gradients, lr=1e-2
+    )
+    o1.overlap_with_forward(m1)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    data = batches(9)
+    train(m1, o1, data, accum=accum, clip=clip)
+    train(m2, o2, data, accum=accum, clip=clip)
+    o1.wait_for_weights()
+    tol = 0.0 if clip is None else 1e-6
+    assert_same(m1, m2, atol=tol, rtol=tol * 10)
+    assert o1.step_in_backward is (clip is None)
+    assert o1.stats()["steps"] == 9 // accum
+
+
+def test_overlap_with_forward_state_dict_waits() -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), _SlowAdamW, offload_fraction=1.0, lr=1e-2)
+    o1.overlap_with_forward(m1)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    data = batches(3)
+    train(m1, o1, data, clip=1.0)
+    train(m2, o2, data, clip=1.0)
+    sa, sb = o1.state_dict(), o2.state_dict()  # waits for the last CPU step
+    assert_same(m1, m2, atol=1e-6, rtol=1e-5)
+    for k in sb["state"]:
+        torch.testing.assert_close(sa["state"][k]["exp_avg"], sb["state"][k]["exp_avg"], atol=1e-6, rtol=1e-5)
+
+
+def test_overlap_with_forward_needs_the_model() -> None:
+    m = make_model()
+    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(ValueError, match="not parameters of the given model"):
+        o.overlap_with_forward(make_model())
 
 
 # ------------------------------------------------------------------------------------------ memory, stats

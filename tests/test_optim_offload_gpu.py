@@ -286,3 +286,35 @@ def test_state_dict_round_trip_across_fractions() -> None:
             o.step()
             o.zero_grad()
     assert_weights_close(net, ref_net)
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_overlap_with_forward_race_detector(clip: float | None, offload_gradients: bool) -> None:
+    # step() returns before the CPU updates land; each module's forward pre-hook waits for its weights.
+    # Steps back to back with no host sync: a missing wait would feed stale weights to the next forward.
+    net, ref_net = seeded(BigNet)
+    opt = CPUOffloadOptimizer(
+        net.parameters(),
+        torch.optim.AdamW,
+        offload_params=last_fraction(net.parameters(), 0.6),
+        offload_gradients=offload_gradients,
+        lr=1e-4,
+    )
+    opt.overlap_with_forward(net)
+    ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-4, fused=True)
+    inputs = [torch.randn(8, 3, 32, 32, device="cuda") for _ in range(10)]
+    for x in inputs:
+        net(x).pow(2).mean().backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_weights()
+    for x in inputs:
+        ref_net(x).pow(2).mean().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref_net.parameters(), clip)
+        ref.step()
+        ref.zero_grad()
+    assert_weights_close(net, ref_net)

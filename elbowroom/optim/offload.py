@@ -254,7 +254,7 @@ class _Plan:
     hyper: list[dict[str, Any]]
     mults: list[torch.Tensor] = dataclasses.field(default_factory=list)  # CPU fp32 scalars, in order
     skip: bool = False
-    recopy: frozenset[int] = frozenset()  # indices of params whose device grad changed after hand-over
+    recopy: dict[int, torch.Tensor | None] = dataclasses.field(default_factory=dict)  # param index -> edited grad
     ready: Any = None  # compute-stream event after which re-copies may read
 
 
@@ -279,6 +279,7 @@ class _Job:
     slot: torch.Tensor | None = None
     copied: Any = None
     pre_done: bool = False
+    finished: bool = False
 
 
 class _Engine:
@@ -341,6 +342,13 @@ class _Engine:
                 self._cv.wait()
         self.raise_error()
 
+    def wait_jobs(self, jobs: list[_Job]) -> None:
+        """Host wait until these jobs are done (their H2D copies enqueued)."""
+        with self._cv:
+            while not all(j.finished for j in jobs) and self.error is None:
+                self._cv.wait()
+        self.raise_error()
+
     def wait_pre(self) -> None:
         """Host wait until every submitted job went through its pre-gate phase."""
         with self._cv:
@@ -366,6 +374,7 @@ class _Engine:
             job.slot = None
         with self._cv:
             self._outstanding -= 1
+            job.finished = True
             if not job.pre_done:
                 job.pre_done = True
                 self._pre_outstanding -= 1
@@ -415,15 +424,15 @@ class _Engine:
             for hp, g in todo:
                 hp.staging(job.slot).copy_(g, non_blocking=True)
                 self.d2h_bytes += _nbytes(g)
-                if self.offload_gradients and s.cuda:
-                    # lifetime extension: the caching allocator reuses the grad's block only after this copy
+                if s.cuda:
+                    # lifetime extension: whoever frees the grad (offload_gradients, zero_grad), the caching
+                    # allocator reuses its block only after this copy
                     g.record_stream(s.d2h)
             for hp in job.refresh:
                 hp.master.copy_(hp.param.detach(), non_blocking=True)
             job.copied = s.record(s.d2h)
-        if self.offload_gradients:
-            # drop our references: with offload_gradients the device grads are freed now
-            job.grads = [None] * len(job.grads)
+        # drop our references: the device grads may be freed now (record_stream keeps the copy safe)
+        job.grads = [None] * len(job.grads)
 
     def _step_loop(self) -> None:
         self.streams.bind_thread()
@@ -435,6 +444,8 @@ class _Engine:
             if msg is None:
                 return
             if isinstance(msg, _Gate):
+                # forward order: the next forward needs the first offloaded weights first
+                waiting.sort(key=lambda j: j.params[0].index)
                 for job in waiting:
                     self._run(self._post, job)
                 waiting.clear()
@@ -520,11 +531,13 @@ class _Engine:
                 s.stream_wait(s.d2h, plan.ready)  # stream wait: after the edits
                 for i in recopy:
                     hp = job.params[i]
-                    g = hp.param.grad
+                    g = plan.recopy[hp.index]
                     fresh[i] = g is not None
                     if g is not None:
                         hp.staging(job.slot).copy_(g, non_blocking=True)
                         self.recopy_bytes += _nbytes(g)
+                        if s.cuda:
+                            g.record_stream(s.d2h)  # lifetime extension, as for the first copy
                 ev = s.record(s.d2h)
             s.host_wait(ev)  # host wait (this thread) for the re-copy
         t0 = time.perf_counter()
@@ -748,6 +761,11 @@ class CPUOffloadOptimizer(Optimizer):
         self._marks = (0.0, 0, 0)  # engine counters at the end of the last step
         self._state_ratio = state_ratio
         self._engine: _Engine | None = None
+        self._lazy = False  # set by overlap_with_forward()
+        self._held: list[_Job] = []  # lazy + deferred: final jobs submitted in forward order at step()
+        self._step_jobs: list[_Job] = []  # final jobs of the current step
+        self._inflight: dict[_Bucket, list[_Job]] = {}  # lazy: last step's jobs not yet waited for
+        self._lazy_wait_s = 0.0
 
         offloaded = _select_offloaded(all_params, self.offload_fraction, offload_params)
         self._check_host_memory(all_params, offloaded)
@@ -1020,6 +1038,11 @@ class CPUOffloadOptimizer(Optimizer):
             gate=self._gate if kind == "final" else None,
             refresh=refresh,
         )
+        if kind == "final":
+            self._step_jobs.append(job)
+            if self._lazy and not self.offload_gradients and not (job.gate is not None and job.gate.open):
+                self._held.append(job)  # copied at step() in forward order (see overlap_with_forward)
+                return
         self._engine_().submit(job)
 
     def _open_step(self) -> None:
@@ -1170,14 +1193,14 @@ class CPUOffloadOptimizer(Optimizer):
             if clip.skip_if_nonfinite and not math.isfinite(float(clip.total_norm)):  # synced just above
                 skip = True
         hyper = self._hyper()
-        changed: set[int] = set()
+        changed: dict[int, torch.Tensor | None] = {}
         if not self.offload_gradients:
             unscaled_in_place = found_inf is not None and grad_scale is None  # scaler.unscale_(opt) ran
             for hp in self._hps:
                 if hp.final and hp.grad_ref is not None:
                     g = hp.param.grad
                     if (unscaled_in_place and hp.early) or g is not hp.grad_ref or g._version != hp.grad_version:
-                        changed.add(hp.index)
+                        changed[hp.index] = g  # a reference: zero_grad() may drop .grad before the re-copy
         hyper_changed = self._hook_hyper is not None and not all(
             a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a) for a, b in zip(hyper, self._hook_hyper)
         )
@@ -1187,7 +1210,6 @@ class CPUOffloadOptimizer(Optimizer):
             self._learning["edited"] = True
 
         if eager:
-            engine.wait_idle()
             problems = [
                 name
                 for name, bad in (
@@ -1199,6 +1221,7 @@ class CPUOffloadOptimizer(Optimizer):
                 if bad
             ]
             if problems:
+                engine.wait_idle()
                 raise RuntimeError(
                     f"this step used {', '.join(problems)}, but its CPU updates already ran during backward; "
                     "set opt.step_in_backward = False for steps that need every gradient before any update"
@@ -1208,10 +1231,13 @@ class CPUOffloadOptimizer(Optimizer):
                 hyper=hyper,
                 mults=mults,
                 skip=skip,
-                recopy=frozenset(changed),
+                recopy=changed,
                 ready=self._streams.record() if changed else None,
             )
             engine.open_gate(gate, plan)  # the CPU steps start now, while the device steps below
+            held, self._held = self._held, []
+            for job in sorted(held, key=lambda j: j.params[0].index):  # forward order
+                engine.submit(job)
 
         # --- the device part, on the compute stream, concurrent with the CPU steps
         if self._dev_opt is not None and not skip:
@@ -1231,14 +1257,30 @@ class CPUOffloadOptimizer(Optimizer):
                 m.grad = None
                 p.detach().copy_(m)
 
-        t_wait = time.perf_counter()
-        engine.wait_idle()  # host wait for the CPU steps (their H2D copies are enqueued, maybe not done)
-        wait_s = time.perf_counter() - t_wait
-        if self._streams.cuda:
-            # stream wait: later work on the compute stream (the next forward) reads the new weights
-            torch.cuda.current_stream(self.device).wait_stream(self._streams.h2d)
+        jobs, self._step_jobs = self._step_jobs, []
+        wait_s: float | None = None
+        if self._lazy:
+            # return now: each module waits for its own buckets in a forward pre-hook (overlap_with_forward)
+            for b in list(self._inflight):
+                self._inflight[b] = [j for j in self._inflight[b] if not j.finished]
+            for job in jobs:
+                self._inflight.setdefault(job.bucket, []).append(job)
+        else:
+            t_wait = time.perf_counter()
+            engine.wait_idle()  # host wait for the CPU steps (their H2D copies are enqueued, maybe not done)
+            wait_s = time.perf_counter() - t_wait
+            if self._streams.cuda:
+                # stream wait: later work on the compute stream (the next forward) reads the new weights
+                torch.cuda.current_stream(self.device).wait_stream(self._streams.h2d)
 
         self._end_step()
+        self._record_stats(skip, wait_s, t_start)
+        return loss
+
+    def _record_stats(self, skip: bool, wait_s: float | None, t_start: float) -> None:
+        engine = self._engine_()
+        if wait_s is None:  # lazy: what forward pre-hooks waited since the last step (one step behind)
+            wait_s, self._lazy_wait_s = self._lazy_wait_s, 0.0
         # per-step numbers count from the end of the last step: CPU steps may run during backward
         cpu0, d2h0, h2d0 = self._marks
         self._marks = (engine.cpu_s, engine.d2h_bytes + engine.recopy_bytes, engine.h2d_bytes)
@@ -1253,7 +1295,6 @@ class CPUOffloadOptimizer(Optimizer):
             d2h_bytes=engine.d2h_bytes + engine.recopy_bytes - d2h0,
             h2d_bytes=engine.h2d_bytes - h2d0,
         )
-        return loss
 
     def _end_step(self) -> None:
         for hp in self._hps:
@@ -1269,7 +1310,73 @@ class CPUOffloadOptimizer(Optimizer):
                 "during backward" if self.step_in_backward else "in step() (the step needs all gradients first)",
             )
         self._learning.clear()
-        self._link_state()
+        if not self._lazy:
+            self._link_state()  # lazy: the CPU steps still run; state_dict() links after waiting
+
+    def _settle(self) -> None:
+        """Wait for all CPU work; later work on the compute stream sees the updated weights."""
+        self._engine_().wait_idle()  # host wait for the CPU steps
+        self._inflight.clear()
+        if self._streams.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._streams.h2d)  # stream wait
+
+    def _await(self, buckets: list[_Bucket]) -> None:
+        """Forward pre-hook of the lazy mode: this module's offloaded weights must have landed."""
+        jobs = [j for b in buckets for j in self._inflight.pop(b, ())]
+        if not jobs:
+            return
+        t0 = time.perf_counter()
+        self._engine_().wait_jobs(jobs)  # host wait for these buckets' CPU steps (not a device sync)
+        self._lazy_wait_s += time.perf_counter() - t0
+        if self._streams.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            for b in buckets:
+                if b.h2d_event is not None:
+                    cur.wait_event(b.h2d_event)  # stream wait: the forward reads the weights after their copy
+
+    def overlap_with_forward(self, model: torch.nn.Module) -> None:
+        """Let ``step()`` return before the CPU updates land; each module waits for its own weights.
+
+        Every module of ``model`` that owns offloaded parameters gets a forward pre-hook that waits (on
+        the host, then with a stream wait) for the CPU step of exactly those parameters, and steps that
+        need all gradients first (clipping, GradScaler) copy and step the buckets in forward order. So
+        the CPU step of the late blocks runs behind the next forward of the early ones: offload the late
+        blocks (``offload_params=last_fraction(...)``) for this to pay.
+
+        Anything that reads offloaded weights outside the forward of the module that owns them (a
+        functional use of a tied weight, saving ``model.state_dict()``, evaluation code that bypasses
+        ``forward``) must call :meth:`wait_for_weights` first. ``state_dict()``, ``load_state_dict()``
+        and ``zero_grad(set_to_none=False)`` wait by themselves. The numbers of :meth:`stats` lag one
+        step. Without ``offload_gradients``, gradients of offloaded parameters stay on the device until
+        their copy (which may now run into the next forward).
+
+        Args:
+            model: the module whose forward uses this optimizer's parameters.
+
+        Raises:
+            ValueError: an offloaded parameter is not owned by any module of ``model``.
+        """
+        owned: set[int] = set()
+        for mod in model.modules():
+            buckets: list[_Bucket] = []
+            for p in mod.parameters(recurse=False):
+                hp = self._hp_of.get(p)
+                if hp is not None:
+                    owned.add(id(p))
+                    if hp.bucket not in buckets:
+                        buckets.append(hp.bucket)
+            if buckets:
+                self._hooks.append(mod.register_forward_pre_hook(_forward_hook(self, buckets)))
+        missing = [hp.index for hp in self._hps if id(hp.param) not in owned]
+        if missing:
+            raise ValueError(f"offloaded parameters {missing[:8]} are not parameters of the given model")
+        self._lazy = True
+
+    def wait_for_weights(self) -> None:
+        """Wait until every offloaded weight is updated (only needed with :meth:`overlap_with_forward`)."""
+        t0 = time.perf_counter()
+        self._settle()
+        self._lazy_wait_s += time.perf_counter() - t0
 
     def _link_state(self) -> None:
         """Point ``self.state[p]`` at the inner optimizers' state (the same dicts, no copies)."""
@@ -1290,14 +1397,20 @@ class CPUOffloadOptimizer(Optimizer):
             set_to_none: free the gradients instead of zeroing them (as torch's default).
         """
         if self._ready:
-            self._engine_().wait_idle()
-            for b in self._buckets:
-                for hp, _ in b.arrived:
-                    hp.in_arrival = False
-                b.arrived = []
+            pending = bool(self._held) or any(hp.accumulated or hp.in_arrival for hp in self._hps)
+            if not self._lazy or not set_to_none or pending:
+                # (lazy mode, the usual case: in-flight copies own references to the grads they read and
+                # record_stream protects their memory, so dropping .grad here needs no wait)
+                self._settle()
+                for b in self._buckets:
+                    for hp, _ in b.arrived:
+                        hp.in_arrival = False
+                    b.arrived = []
+                self._held, self._step_jobs = [], []
+                for hp in self._hps:
+                    hp.hgrad_valid = False  # discard gradients accumulated on the host
             for hp in self._hps:
-                hp.hgrad_valid = False
-                hp.final = hp.accumulated = False
+                hp.final = hp.accumulated = hp.early = False
                 hp.grad_ref = hp.norm = None
             self._gate = None
         super().zero_grad(set_to_none=set_to_none)
@@ -1312,7 +1425,7 @@ class CPUOffloadOptimizer(Optimizer):
         super().add_param_group(param_group)
         if not getattr(self, "_ready", False):
             return  # during __init__: placement happens once all groups are known
-        self._engine_().wait_idle()
+        self._settle()
         gi = len(self.param_groups) - 1
         params = self.param_groups[gi]["params"]
         offloaded = _select_offloaded(params, self.offload_fraction, self._offload_params)
@@ -1338,7 +1451,7 @@ class CPUOffloadOptimizer(Optimizer):
             ``{"state": {index: {...}}, "param_groups": [...]}``, loadable by this class or by
             ``optimizer_class`` itself.
         """
-        self._engine_().wait_idle()
+        self._settle()
         self._link_state()
         sd = super().state_dict()
         if self.master_weights:
@@ -1360,7 +1473,7 @@ class CPUOffloadOptimizer(Optimizer):
         Args:
             state_dict: as returned by :meth:`state_dict`.
         """
-        self._engine_().wait_idle()
+        self._settle()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -1448,6 +1561,17 @@ class CPUOffloadOptimizer(Optimizer):
         }
         out.update(self._stats)
         return out
+
+
+def _forward_hook(opt: CPUOffloadOptimizer, buckets: list[_Bucket]) -> Callable[..., None]:
+    ref = weakref.ref(opt)  # a module's hook must not keep the optimizer alive
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        o = ref()
+        if o is not None and o._inflight:
+            o._await(buckets)
+
+    return hook
 
 
 def _grad_hook(opt: CPUOffloadOptimizer, hp: _HostParam) -> Callable[[torch.Tensor], None]:
