@@ -467,7 +467,8 @@ def test_backward_prefetches_one_block_ahead() -> None:
     assert order == sorted(order, reverse=True)
 
 
-def test_context_manager_form_per_block() -> None:
+@pytest.mark.parametrize("tag", ["block", None])
+def test_context_manager_form_per_block(tag: str | None) -> None:
     model = tiny_model()
     idx = torch.randint(0, 256, (2, 32))
     ref = lm_step(model, idx)
@@ -478,7 +479,7 @@ def test_context_manager_form_per_block() -> None:
         x = model.tok_emb(idx)
         x = F.dropout(x, model.config.dropout, True)
         for i, blk in enumerate(model.blocks):
-            with elbowroom.offload(0.5 if i < 3 else 0.0, tag="block", engine=eng):
+            with elbowroom.offload(0.5 if i < 3 else 0.0, tag=tag, engine=eng):
                 x = blk(x)
         return model.output(model.norm(x))
 
@@ -491,6 +492,9 @@ def test_context_manager_form_per_block() -> None:
         for p, g in zip(model.parameters(), ref_grads):
             torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
     assert eng.stats().offloaded_tensors > 0 and eng.stats().host_pool_in_use_bytes == 0
+    tags = {key[0] for key in eng._states}
+    # without a tag, the k-th region of a pass shares the k-th region's measurement
+    assert tags == ({"block"} if tag else {("#region", k) for k in range(4)})
 
 
 def test_retain_graph_backward_twice() -> None:

@@ -630,6 +630,7 @@ class OffloadEngine:
         self._open: set[int] = set()  # ids of regions being run
         self._last: weakref.ref[OffloadGroup] | None = None
         self._next_id = 0
+        self._pass_index = 0  # position of the current region in its forward pass
         self._warned: set[str] = set()
         self._counters = dict(offloaded_bytes=0, offloaded_tensors=0, reloaded_bytes=0, deduplicated=0, kept=0)
 
@@ -642,9 +643,9 @@ class OffloadEngine:
         """A new offload region (context manager) for one piece of forward.
 
         Args:
-            tag: regions with one tag share one ratio measurement (haiscale semantics); None gives
-                every call its own tag... which then measures on every entry, so pass a tag with
-                ``ratio < 1``.
+            tag: regions with one tag share one ratio measurement (haiscale semantics); with None,
+                the k-th region of each forward pass shares the measurement of the k-th region of
+                the first pass.
             ratio: fraction of the saved bytes to offload, largest tensors first.
             cache_ratio: same for the outputs a selective checkpoint keeps (default: ``ratio``).
 
@@ -671,14 +672,6 @@ class OffloadEngine:
             **self._counters,
         )
 
-    def synchronize(self) -> None:
-        """Release every device tensor whose copy finished, waiting on the stream (no host sync)."""
-        if self._pending:
-            # STREAM WAIT: the compute stream orders itself after the last device-to-host copy
-            self._copier.wait(self._pending[-1].d2h)
-            while self._pending:
-                self._release(self._pending.popleft())
-
     # -- regions -----------------------------------------------------------------------------------
     def _enter(self, group: OffloadGroup) -> None:
         group.id = self._next_id
@@ -686,8 +679,12 @@ class OffloadEngine:
         last = self._last() if self._last is not None else None
         if last is not None and not last.backward_started:
             group.prev = last
+            self._pass_index += 1
         else:
             self._refresh_keep_ptrs()  # a new forward pass starts
+            self._pass_index = 0
+        if group.tag is None:
+            group.tag = ("#region", self._pass_index)
         self._last = weakref.ref(group)
         self._stack.append(group)
         self._open.add(group.id)
@@ -735,6 +732,8 @@ class OffloadEngine:
     def _setup(self, device: torch.device) -> None:
         if self._copier is not None:
             return
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         if device.type == "cuda":
             self._copier = _CudaCopier(device)
@@ -749,11 +748,14 @@ class OffloadEngine:
         if t.layout is not torch.strided or t.is_conj() or t.is_neg() or t.device.type == "meta":
             return False
         if self.device is None:
-            if t.device.type not in ("cuda", "cpu"):
+            # a CUDA model may save small CPU tensors (RNG seeds) first: adopt the CPU only without CUDA
+            if t.device.type != "cuda" and (t.device.type != "cpu" or torch.cuda.is_available()):
                 return False
             self._setup(t.device)
         elif t.device != self.device:
             return False
+        elif self._copier is None:
+            self._setup(self.device)
         if t.requires_grad and t.grad_fn is None:
             return False  # a leaf that requires grad: a parameter or an input, alive outside autograd
         base = t._base

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from elbowroom.activations import _wrap
@@ -260,6 +261,7 @@ def apply_block_policies(
     offloads = any(p.offloads for p in plan)
     if offloads and engine is None:
         engine = OffloadEngine(
+            device=_model_device(model),
             min_offload_bytes=min_offload_bytes,
             host_memory_limit_bytes=host_memory_limit_bytes,
             keep_module=model,
@@ -286,6 +288,13 @@ def apply_block_policies(
         sum(p.offloads for p in plan), n,
     )
     return model
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return None  # the engine adopts the device of the first tensor it sees
 
 
 def remove_activation_policy(model: nn.Module) -> nn.Module:
