@@ -433,6 +433,23 @@ def test_state_dict_interop_with_torch() -> None:
     assert_same(m1, m3)
 
 
+def test_reload_weights() -> None:
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    data = batches(4)
+    train(m1, o1, data[:2])
+    train(m2, o2, data[:2])
+    with torch.no_grad():
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            a.mul_(0.5)
+            b.mul_(0.5)
+    o1.reload_weights()
+    train(m1, o1, data[2:])
+    train(m2, o2, data[2:])
+    assert_same(m1, m2)
+
+
 def test_load_state_dict_mismatch_raises() -> None:
     m = make_model()
     o = CPUOffloadOptimizer(groups_of(m, True), torch.optim.AdamW, lr=1e-2)

@@ -1372,6 +1372,22 @@ class CPUOffloadOptimizer(Optimizer):
             raise ValueError(f"offloaded parameters {missing[:8]} are not parameters of the given model")
         self._lazy = True
 
+    def reload_weights(self) -> None:
+        """Re-read the offloaded master weights from the device parameters.
+
+        Call it after changing the weights outside the optimizer once training started (loading a model
+        checkpoint without ``load_state_dict``, an EMA swap); otherwise the next CPU step would write the
+        old masters back. (Before the first step, and after ``load_state_dict``, this happens by itself.)
+        """
+        self._settle()
+        for hp in self._hps:
+            if hp.same_dtype:
+                hp.master_stale = True  # copied in the next step, on the D2H stream
+            else:
+                hp.master.copy_(hp.param.detach())  # host-device sync; fp32 masters from low-precision weights
+        for p, m in self._dev_masters.items():
+            m.copy_(p.detach())
+
     def wait_for_weights(self) -> None:
         """Wait until every offloaded weight is updated (only needed with :meth:`overlap_with_forward`)."""
         t0 = time.perf_counter()
@@ -1422,6 +1438,8 @@ class CPUOffloadOptimizer(Optimizer):
         Args:
             param_group: the group, as for any torch optimizer.
         """
+        if getattr(self, "_lazy", False):
+            raise ValueError("add_param_group after overlap_with_forward: add all groups first")
         super().add_param_group(param_group)
         if not getattr(self, "_ready", False):
             return  # during __init__: placement happens once all groups are known
