@@ -19,7 +19,13 @@ The pipeline for an offloaded parameter, when ``overlap=True``:
 
 When the step needs every gradient before any update (gradient clipping, GradScaler, gradients edited
 after backward), the CPU steps start in ``step()``; otherwise they start during backward. Which of the two
-applies is learned from the first step, or set with :attr:`CPUOffloadOptimizer.step_in_backward`.
+applies is learned from the first step, or set with :attr:`CPUOffloadOptimizer.step_in_backward`. With
+:meth:`CPUOffloadOptimizer.overlap_with_forward`, ``step()`` does not wait at all: each module waits for
+its own weights in a forward pre-hook, so the CPU step of the late blocks runs behind the next forward.
+
+Host memory per offloaded fp32 parameter (AdamW): 12 bytes (4 master, pinned; 8 moments, pageable), plus
+``num_staging_slots`` pinned slots of the largest bucket; +4 bytes with ``offload_gradients`` when
+gradients must wait on the host (accumulation, or clipping before the CPU step).
 
 On a CPU-only machine the same code runs with the "device" parameters on the CPU: copies are plain copies
 and events are ``None``, so the bookkeeping is the same and is what the CPU tests exercise.
@@ -998,6 +1004,7 @@ class CPUOffloadOptimizer(Optimizer):
             hp.final = True
             self._open_step()
             if grad is not None and not self.offload_gradients:
+                # lifetime extension until the end of step(): the reference detects edits after backward
                 hp.grad_ref, hp.grad_version = grad, grad._version
                 hp.early = early
         else:
@@ -1120,6 +1127,7 @@ class CPUOffloadOptimizer(Optimizer):
                             self._engine_().wait_pre()  # host wait: accumulated grads are on the host
                             host_waited = True
                         if hp.hgrad is not None and hp.hgrad_valid:
+                            # a host norm back to the device: a tiny copy from pageable memory (syncs)
                             entries.append((idx, torch.linalg.vector_norm(hp.hgrad).to(self.device)))
                 elif p.grad is not None:
                     dev_grads.setdefault((p.grad.device, p.grad.dtype), []).append((idx, p.grad))
