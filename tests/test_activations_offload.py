@@ -158,13 +158,15 @@ def test_small_slice_copies_only_its_extent() -> None:
 def test_view_restored_with_its_own_size_stride_offset() -> None:
     # pack/unpack by hand: views of one storage, restored from one transfer
     eng = engine()
-    base = torch.randn(6, 10).exp()  # not a leaf view; a real activation-like tensor
-    base = base * 1.0
+    base = torch.randn(6, 10, requires_grad=True).exp()  # an activation (it has a grad_fn)
     views = [base, base.t(), base[1:4, 2:9:3], base.view(60)[5:50:5], base[2]]
     with eng.group() as g:
         packed = [eng._pack(g, v, "saved") for v in views]
     assert all(p is not None for p in packed)
     assert eng.stats().offloaded_tensors == 1 and eng.stats().deduplicated == 4
+    cached_table = torch.randn(6, 10)  # a leaf without grad: its views stay where they are
+    with eng.group() as g:
+        assert eng._pack(g, cached_table[:3], "saved") is None
     for p, v in zip(packed, views):
         out = eng._unpack(p)
         assert out.shape == v.shape and out.stride() == v.stride() and out.storage_offset() == v.storage_offset()

@@ -759,8 +759,10 @@ class OffloadEngine:
         if t.requires_grad and t.grad_fn is None:
             return False  # a leaf that requires grad: a parameter or an input, alive outside autograd
         base = t._base
-        if base is not None and (isinstance(base, nn.Parameter) or (base.requires_grad and base.grad_fn is None)):
-            return False  # a view of a parameter or an input (a transposed weight)
+        if base is not None and base.grad_fn is None:
+            # a view of a leaf: a transposed weight, a slice of an input, a buffer or a cached table.
+            # The leaf stays alive outside autograd, so moving the view would free nothing
+            return False
         return True
 
     def _pack(self, group: OffloadGroup, t: torch.Tensor, kind: str) -> _Packed | None:
