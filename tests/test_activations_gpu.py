@@ -92,6 +92,20 @@ def test_fp32_gradients_match_plain(arch: str, mode: str) -> None:
         assert eng._pool.chunk.is_pinned()
 
 
+def test_selective_cache_is_offloaded_on_this_torch() -> None:
+    # torch keeps selective checkpoint's outputs in a private cache; the engine swaps it for an offloading
+    # one. If this torch's cache is not recognised, a warning is logged and this fails.
+    model = make("llama", dim=512, layers=4)
+    idx = batch(2, 1024)
+    ref_loss = step(model, idx, bf16=True)
+    apply_block_policies(model, [BlockPolicy("selective", offload_ratio=1.0)] * 3 + [BlockPolicy("selective")],
+                         min_offload_bytes=1 << 16)
+    for _ in range(2):
+        torch.testing.assert_close(step(model, idx, bf16=True), ref_loss, rtol=1e-3, atol=0)
+    s = get_offload_engine(model).stats()
+    assert s.offloaded_tensors > 0 and s.reloaded_bytes == s.offloaded_bytes
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_bf16_loss_and_grad_norm_agree(mode: str) -> None:
     model = make("llama")

@@ -107,6 +107,23 @@ def test_mixed_per_block_plan_matches_plain() -> None:
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
 
 
+def test_selective_cache_itself_is_offloaded() -> None:
+    # only the kept matmul/attention outputs move (not the block inputs): they go through torch's
+    # selective-checkpoint cache, which the engine swaps for an offloading one
+    model = model_for("llama")
+    ref_loss, ref = step_grads(model, 1)
+    apply_block_policies(model, [BlockPolicy("selective", offload_ratio=1.0)] * 3 + [BlockPolicy()],
+                         min_offload_bytes=0)
+    loss, got = step_grads(model, 2)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=0)
+    s = get_offload_engine(model).stats()
+    assert s.offloaded_tensors > 0 and s.reloaded_bytes == s.offloaded_bytes
+    kinds = {(kind, ratio) for _, kind, ratio in get_offload_engine(model)._states}
+    assert ("cache", 1.0) in kinds and ("saved", 1.0) not in kinds  # the inputs stayed
+
+
 def test_last_block_never_offloads_and_policy_is_removable() -> None:
     model = model_for("gpt2")
     keys = list(model.state_dict())
