@@ -234,8 +234,11 @@ class _HostPool:
                     f"activation offload needs {nbytes} more bytes of host memory, above "
                     f"host_memory_limit_bytes={self.limit}; raise the limit"
                 )
-            size = min(size, room)
-        # HOST ALLOCATION: pinned memory is slow to allocate; this happens during the first step only
+            if size > room:
+                # torch's pinned allocator rounds up to a power of two: ask for one that fits
+                size = max(nbytes, 1 << (room.bit_length() - 1))
+        # HOST ALLOCATION (and, for pinned memory, possibly a device sync inside cudaHostAlloc): slow,
+        # ~0.5 s per GiB pinned; it happens while the first step runs, never after for fixed shapes
         self.chunk = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
         self.chunk_off = 0
         self.reserved_bytes += size
@@ -262,7 +265,9 @@ class _Record:
         # LIFETIME EXTENSION: the device tensor lives until its device-to-host copy finished
         self.gpu: torch.Tensor | None = t
         self.d2h = d2h
-        self.restored: torch.Tensor | None = None  # device bytes copied back (prefetch or unpack)
+        # LIFETIME EXTENSION: device bytes copied back (prefetch or unpack), held until every view of
+        # them has been handed to autograd
+        self.restored: torch.Tensor | None = None
         self.h2d: Any = None
         self.alloc_stream: Any = None
         self.handles = 0
@@ -912,8 +917,8 @@ class OffloadEngine:
                 if r is not None and r.slot is not None and r.pending_unpacks > 0 and r.restored is None]
         for rec in recs:
             if rec.gpu is not None:
-                # still on the device (its region ended just before backward began): keep it there,
-                # no round trip; the poll below must not free it
+                # LIFETIME EXTENSION: still on the device (its region ended just before backward
+                # began): keep it there until unpacked, no round trip; the poll below must not free it
                 rec.keep_gpu = True
         self._poll()
         for rec in recs:
