@@ -593,6 +593,17 @@ def test_host_memory_within_13_bytes_per_param(monkeypatch: pytest.MonkeyPatch) 
     assert s["d2h_bytes"] == s["h2d_bytes"] == 4 * 48 * 128 * 128
 
 
+def test_offload_gradients_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 64 << 10)
+    model = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(48)])
+    o = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-3)
+    model(torch.randn(2, 128)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    o.step()
+    b = o.stats()["host_bytes_per_offloaded_param"]
+    assert 16.0 <= b <= 17.0, b  # 12 + a 4-byte host gradient per parameter + the staging pool
+
+
 def test_threads_stop_when_optimizer_is_collected() -> None:
     def workers() -> int:
         return sum(t.name.startswith("elbowroom-optim") for t in threading.enumerate())

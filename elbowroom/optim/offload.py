@@ -24,8 +24,9 @@ applies is learned from the first step, or set with :attr:`CPUOffloadOptimizer.s
 its own weights in a forward pre-hook, so the CPU step of the late blocks runs behind the next forward.
 
 Host memory per offloaded fp32 parameter (AdamW): 12 bytes (4 master, pinned; 8 moments, pageable), plus
-``num_staging_slots`` pinned slots of the largest bucket; +4 bytes with ``offload_gradients`` when
-gradients must wait on the host (accumulation, or clipping before the CPU step).
+``num_staging_slots`` pinned slots of the largest bucket; ``offload_gradients`` adds a pinned host gradient
+(+4 bytes: 16 in all), so that gradients leave the device at link speed whatever the CPU step's pace, and
+accumulate there over micro-batches.
 
 On a CPU-only machine the same code runs with the "device" parameters on the CPU: copies are plain copies
 and events are ``None``, so the bookkeeping is the same and is what the CPU tests exercise.
@@ -225,8 +226,10 @@ class _HostParam:
         self.grad_version = -1
         self.norm: torch.Tensor | None = None  # norm of the final grad, computed on the device in the hook
         # step-thread state
-        self.hgrad: torch.Tensor | None = None  # host accumulator (offload_gradients only)
-        self.hgrad_valid = False
+        # pinned host gradient in the param's dtype (offload_gradients only): the first copy of a step lands
+        # here directly, at link speed; later micro-batches stage in a slot and are added to it
+        self.hgrad: torch.Tensor | None = None
+        self.hgrad_valid = False  # holds this step's gradient (set by the copy thread, reset after the step)
 
     def staging(self, slot: torch.Tensor) -> torch.Tensor:
         n = _nbytes(self.param)
@@ -280,6 +283,7 @@ class _Job:
     grads: list[torch.Tensor | None]  # device grads (a reference keeps each alive until it is copied)
     fresh: list[bool]
     ready: Any  # compute-stream event: the grads are complete on the device
+    staged: list[bool]  # set by the copy thread: this grad went to the slot (not to its host buffer)
     gate: _Gate | None
     refresh: list[_HostParam]
     slot: torch.Tensor | None = None
@@ -321,7 +325,6 @@ class _Engine:
         self.d2h_bytes = 0  # copy thread
         self.recopy_bytes = 0  # step thread
         self.h2d_bytes = 0  # step thread
-        self.hgrad_bytes = 0  # step thread
         self._threads = [
             threading.Thread(target=self._copy_loop, name="elbowroom-optim-d2h", daemon=True),
             threading.Thread(target=self._step_loop, name="elbowroom-optim-step", daemon=True),
@@ -418,17 +421,25 @@ class _Engine:
 
     def _copy(self, job: _Job) -> None:
         s = self.streams
-        todo = [(hp, g) for hp, g in zip(job.params, job.grads) if g is not None]
-        if todo:
-            job.slot = self.pool.acquire()  # may block until the step thread frees a slot
-            if job.slot is None:
-                raise RuntimeError("optimizer closed")
+        todo = [(i, hp, g) for i, (hp, g) in enumerate(zip(job.params, job.grads)) if g is not None]
         if not todo and not job.refresh:
             return
+        dests = []
+        for i, hp, _ in todo:
+            if hp.hgrad is not None and not hp.hgrad_valid:
+                dests.append(hp.hgrad)  # offload_gradients, first copy of this step: straight into place
+                hp.hgrad_valid = True
+            else:
+                if job.slot is None:
+                    job.slot = self.pool.acquire()  # may block until the step thread frees a slot
+                    if job.slot is None:
+                        raise RuntimeError("optimizer closed")
+                dests.append(hp.staging(job.slot))
+                job.staged[i] = True
         with s.on(s.d2h):
             s.stream_wait(s.d2h, job.ready)  # stream wait: copy only once backward has produced the grads
-            for hp, g in todo:
-                hp.staging(job.slot).copy_(g, non_blocking=True)
+            for (_, _hp, g), dest in zip(todo, dests):
+                dest.copy_(g, non_blocking=True)
                 self.d2h_bytes += _nbytes(g)
                 if s.cuda:
                     # lifetime extension: whoever frees the grad (offload_gradients, zero_grad), the caching
@@ -477,37 +488,19 @@ class _Engine:
             return False
         return True
 
-    def _ensure_hgrad(self, hp: _HostParam) -> torch.Tensor:
-        if hp.hgrad is None:
-            hp.hgrad = torch.empty(hp.master.shape, dtype=hp.master.dtype)
-            self.hgrad_bytes += _nbytes(hp.hgrad)
-        return hp.hgrad
-
     def _pre(self, job: _Job) -> None:
         """Before the gate: wait for the copy; move grads into host accumulators where they must wait."""
         self.streams.host_wait(job.copied)  # host wait (this thread) for the bucket's D2H copy
         t0 = time.perf_counter()
-        to_accumulator = job.kind == "accumulate" or (
-            self.offload_gradients
-            and job.kind == "final"
-            and (not (job.gate is not None and job.gate.open) or any(hp.hgrad_valid for hp in job.params))
-        )
-        if to_accumulator:
-            # the grads leave the slot now: with offload_gradients a gated step must not hold slots,
-            # which would stall the copy thread and leave the device grads un-freed
-            for hp, fresh in zip(job.params, job.fresh):
-                if not fresh:
-                    continue
-                staged = hp.staging(job.slot)
-                acc = self._ensure_hgrad(hp)
-                if hp.hgrad_valid:
-                    acc.add_(staged)
-                else:
-                    acc.copy_(staged)
-                hp.hgrad_valid = True
-            if job.slot is not None:
-                self.pool.release(job.slot)
-                job.slot = None
+        if self.offload_gradients and job.slot is not None:
+            # later micro-batches: add into the host gradient (the sum torch would form on the device) and
+            # free the slot at once, so that a step waiting at its gate never holds slots
+            for hp, staged in zip(job.params, job.staged):
+                if staged:
+                    assert hp.hgrad is not None
+                    hp.hgrad.add_(hp.staging(job.slot))
+            self.pool.release(job.slot)
+            job.slot = None
         self.cpu_s += time.perf_counter() - t0
         self._pre_done(job)
 
@@ -527,7 +520,7 @@ class _Engine:
         s = self.streams
         bucket = job.bucket
         fresh = list(job.fresh)
-        recopy = [i for i, hp in enumerate(job.params) if hp.index in plan.recopy and not hp.hgrad_valid]
+        recopy = [i for i, hp in enumerate(job.params) if hp.index in plan.recopy and hp.hgrad is None]
         if recopy:
             # the device grads were edited after they were handed over (torch's clip_grad_norm_, a
             # GradScaler.unscale_): copy them again, after the compute stream's position at step()
@@ -649,11 +642,11 @@ class CPUOffloadOptimizer(Optimizer):
 
     Host memory per offloaded fp32 parameter with AdamW: 12 bytes (master weight, two moments), plus a
     bounded pinned staging pool (``num_staging_slots`` slots of ``max(bucket_bytes, largest offloaded
-    gradient)``). ``offload_gradients=True`` adds a host gradient accumulator (4 more bytes per offloaded
-    parameter) when gradients must wait on the host: under gradient accumulation, or when the step needs
-    every gradient before any update (clipping, GradScaler). With ``master_weights=True`` and bf16 device
-    parameters the device keeps 2 bytes per offloaded parameter and the host the same 12, plus a second
-    pinned staging pair for the bf16 weights on their way back.
+    gradient)``). ``offload_gradients=True`` adds a host gradient (4 more bytes per offloaded parameter,
+    pinned, allocated at set-up): gradients leave the device at link speed, whatever the pace of the CPU
+    step, and later micro-batches are added to it on the host. With ``master_weights=True`` and bf16
+    device parameters the device keeps 2 bytes per offloaded parameter and the host the same 12, plus a
+    second pinned staging pair for the bf16 weights on their way back.
 
     Limits: with DDP, gradients are final only after their all-reduce, which the post-accumulate-grad
     hooks do not wait for; use ``overlap=False`` there. A parameter read by backward after its own
@@ -860,6 +853,9 @@ class CPUOffloadOptimizer(Optimizer):
                     with torch.no_grad():
                         master.copy_(p.detach())  # host-device sync, at set-up only
                 hp = _HostParam(base + j, gi, p, master)
+                if self.offload_gradients:
+                    # gradients leave the device at link speed, whatever the CPU step's pace: +4 B/param
+                    hp.hgrad = self._host.empty(p.shape, p.dtype, pinned=True)
                 host.append(hp)
             else:
                 dev.append(p)
@@ -1044,6 +1040,7 @@ class CPUOffloadOptimizer(Optimizer):
             ready=self._streams.record(),  # the grads are complete at this point of the compute stream
             gate=self._gate if kind == "final" else None,
             refresh=refresh,
+            staged=[False] * len(items),
         )
         if kind == "final":
             self._step_jobs.append(job)
@@ -1574,7 +1571,7 @@ class CPUOffloadOptimizer(Optimizer):
             for st in b.optimizer.state.values():
                 state_bytes += sum(_nbytes(v) for v in st.values() if isinstance(v, torch.Tensor))
         off = sum(hp.param.numel() for hp in self._hps)
-        host_bytes = self._host.pinned_bytes + self._host.pageable_bytes + state_bytes + engine.hgrad_bytes
+        host_bytes = self._host.pinned_bytes + self._host.pageable_bytes + state_bytes
         out = {
             "offloaded_params": len(self._hps),
             "offloaded_numel": off,
