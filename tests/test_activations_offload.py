@@ -469,6 +469,37 @@ def test_backward_prefetches_one_block_ahead() -> None:
     assert order == sorted(order, reverse=True)
 
 
+def test_one_region_around_the_whole_model_comes_back_through_a_window() -> None:
+    model = tiny_model()
+    idx = torch.randint(0, 256, (2, 32))
+    ref = lm_step(model, idx)
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    window = 200 << 10
+    eng = engine(prefetch_window_bytes=window)
+    peak_ahead, biggest = 0, 0
+    fetch = eng._fetch
+
+    def spy(rec):  # noqa: ANN001
+        nonlocal peak_ahead, biggest
+        fetch(rec)
+        biggest = max(biggest, rec.nbytes)
+        ahead = sum(r().nbytes for r in region.records if r() is not None and r().restored is not None)
+        peak_ahead = max(peak_ahead, ahead)
+
+    eng._fetch = spy
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    with eng.group(ratio=1.0) as region:  # like save_on_cpu: one region, no blocks
+        loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+    loss.backward()
+    offloaded = eng.stats().offloaded_bytes
+    assert offloaded > 4 * window  # the region is much larger than the window...
+    assert 0 < peak_ahead <= window + biggest  # ...but never more than the window came back at once
+    torch.testing.assert_close(loss.detach(), ref, rtol=0, atol=0)
+    for p, g in zip(model.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("tag", ["block", None])
 def test_context_manager_form_per_block(tag: str | None) -> None:
     model = tiny_model()
@@ -535,6 +566,7 @@ def test_graph_freed_without_backward_returns_slots() -> None:
         (lambda: OffloadEngine(min_offload_bytes=-1), "min_offload_bytes"),
         (lambda: OffloadEngine(host_memory_limit_bytes=0), "host_memory_limit_bytes"),
         (lambda: OffloadEngine(max_inflight_regions=0), "max_inflight_regions"),
+        (lambda: OffloadEngine(prefetch_window_bytes=0), "prefetch_window_bytes"),
         (lambda: OffloadEngine().group(ratio=1.5), r"ratio must be in \[0, 1\], got 1.5"),
         (lambda: elbowroom.offload(-0.1), r"must be in \[0, 1\]"),
         (lambda: offload_module(nn.Linear(2, 2), 2.0), r"must be in \[0, 1\]"),

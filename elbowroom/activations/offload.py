@@ -60,6 +60,9 @@ __all__ = [
 DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
 """Saved tensors smaller than this stay on the device: a copy this small is latency, not bandwidth."""
 
+DEFAULT_PREFETCH_WINDOW_BYTES = 2 << 30
+"""How many bytes of one region travel back ahead of backward (a W1, W2 or 7B block fits whole)."""
+
 _ALIGN = 512  # slot alignment inside a host chunk (bytes)
 _DEFAULT_CHUNK_BYTES = 256 << 20  # a power of two: torch's pinned allocator rounds sizes up to one
 
@@ -253,7 +256,8 @@ class _Record:
 
     __slots__ = (
         "engine", "slot", "lo", "nbytes", "gpu", "d2h", "restored", "h2d", "alloc_stream", "handles",
-        "pending_unpacks", "version", "key", "group_id", "keep_gpu", "in_flight", "mutated", "__weakref__",
+        "pending_unpacks", "version", "key", "group_id", "keep_gpu", "in_flight", "mutated", "window",
+        "__weakref__",
     )  # fmt: skip
 
     def __init__(self, engine: OffloadEngine, slot: _Slot, lo: int, t: torch.Tensor, d2h: Any, key: int,
@@ -278,6 +282,7 @@ class _Record:
         self.keep_gpu = False  # backward is near: keep the device copy instead of fetching it back
         self.in_flight = True  # in the engine's pending queue: the copy may not have finished
         self.mutated = False  # modified in place while we held it (seen when it is released)
+        self.window: OffloadGroup | None = None  # the region whose prefetch window counts this record
 
     def covers(self, lo: int, hi: int, elsize: int) -> bool:
         return self.lo <= lo and hi <= self.lo + self.nbytes and (lo - self.lo) % elsize == 0
@@ -407,6 +412,8 @@ class OffloadGroup:
         self._kept_ptrs: set[int] = set()
         self._too_small = 0
         self._hooks: Any = None
+        self._cursor = 0  # prefetch: records[_cursor:] have been looked at (walking back from the end)
+        self._ahead = 0  # prefetch: bytes fetched and not yet handed to autograd
 
     def __enter__(self) -> OffloadGroup:
         self.engine._enter(self)
@@ -595,6 +602,8 @@ class OffloadEngine:
             At the end of a region, older ones are released by making the compute stream wait for
             their copies: 1 bounds the device memory in flight to about one region; more lets a
             region's copies overlap more compute (useful when few regions offload a lot each).
+        prefetch_window_bytes: how far ahead of backward a region is copied back: a block's region
+            usually fits whole; a region around a whole model comes back piece by piece.
     """
 
     def __init__(
@@ -606,6 +615,7 @@ class OffloadEngine:
         keep_module: nn.Module | None = None,
         chunk_bytes: int = _DEFAULT_CHUNK_BYTES,
         max_inflight_regions: int = 1,
+        prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES,
         _cpu_event_delay: int = 0,
     ) -> None:
         if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
@@ -619,6 +629,9 @@ class OffloadEngine:
         if not isinstance(max_inflight_regions, int) or max_inflight_regions < 1:
             raise ValueError(f"max_inflight_regions must be an int >= 1, got {max_inflight_regions!r}")
         self.max_inflight_regions = max_inflight_regions
+        if not isinstance(prefetch_window_bytes, int) or prefetch_window_bytes < 1:
+            raise ValueError(f"prefetch_window_bytes must be a positive int, got {prefetch_window_bytes!r}")
+        self.prefetch_window_bytes = prefetch_window_bytes
         self.device = torch.device(device) if device is not None else None
         self.min_offload_bytes = min_offload_bytes
         self.host_memory_limit_bytes = host_memory_limit_bytes
@@ -901,6 +914,10 @@ class OffloadEngine:
                 rec.keep_gpu = False
                 if not rec.in_flight:
                     self._drop_gpu(rec)
+                window, rec.window = rec.window, None
+                if window is not None:
+                    window._ahead -= rec.nbytes
+                    self._advance(window)  # backward moved on: the window slides back
         return out, mutated
 
     def _fetch(self, rec: _Record) -> None:
@@ -913,17 +930,29 @@ class OffloadEngine:
         self._counters["reloaded_bytes"] += rec.nbytes
 
     def _prefetch(self, group: OffloadGroup) -> None:
-        recs = [r for r in map(weakref.ref.__call__, reversed(group.records))  # last-saved first
-                if r is not None and r.slot is not None and r.pending_unpacks > 0 and r.restored is None]
-        for rec in recs:
-            if rec.gpu is not None:
+        for ref in group.records:
+            rec = ref()
+            if rec is not None and rec.gpu is not None and rec.pending_unpacks > 0:
                 # LIFETIME EXTENSION: still on the device (its region ended just before backward
                 # began): keep it there until unpacked, no round trip; the poll below must not free it
                 rec.keep_gpu = True
         self._poll()
-        for rec in recs:
-            if rec.gpu is None:
-                self._fetch(rec)
+        group._cursor = len(group.records)
+        self._advance(group)
+
+    def _advance(self, group: OffloadGroup) -> None:
+        """Fetch the region's records, last-saved first, while less than the window is in flight."""
+        records = group.records
+        while group._cursor > 0 and group._ahead < self.prefetch_window_bytes:
+            group._cursor -= 1
+            rec = records[group._cursor]()
+            if rec is None or rec.slot is None or rec.pending_unpacks == 0 or rec.restored is not None:
+                continue
+            if rec.gpu is not None:
+                continue  # kept on the device (see _prefetch)
+            self._fetch(rec)
+            rec.window = group
+            group._ahead += rec.nbytes
 
     def _drop_handle(self, rec: _Record, was_unpacked: bool) -> None:
         rec.handles -= 1
