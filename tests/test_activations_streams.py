@@ -135,13 +135,15 @@ PLANS = {
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("plan", [*PLANS, "offload-all-small-window"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_async_schedule_gives_exact_gradients(arch: str, plan: str, seed: int) -> None:
     model = lm(arch)
     idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
     refs = [step(model, idx, s) for s in range(3)]
     eng, sim = sim_engine(seed)
+    if plan.endswith("small-window"):
+        plan, eng.prefetch_window_bytes = "offload-all", 24 << 10  # regions come back piece by piece
     apply_block_policies(model, PLANS[plan], engine=eng)
     for s in range(3):  # slots are reused from step 2 on: the slot-reuse ordering is exercised
         loss, grads = step(model, idx, s)
