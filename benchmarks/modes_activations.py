@@ -7,6 +7,9 @@ ours_offload_all,ours_offload_ckpt_inputs,ours_mix,ours_selective_offload
 Modes (each wraps the model's blocks in place; nothing is entered per step):
 - ``ours_ckpt`` / ``ours_selective``: our per-block full / selective recompute (parity with torch's).
 - ``ours_offload_all``: every block but the last offloads all it saves (the link-bound end).
+- ``ours_offload_everything``: ``ours_offload_all`` plus one outer region around the whole forward and
+  loss (the harness's per-step context), so the last block, the LM head and the loss's saved logits go
+  to host memory too, like ``save_on_cpu``; their copies back are exposed at the start of backward.
 - ``ours_offload_ckpt_inputs``: per-block checkpoint, and the input each block saves goes to host.
 - ``ours_mix``: per block, offload what the link hides, keep the last blocks whole, recompute (with
   offloaded inputs) the rest. Knobs: ``ELBOWROOM_MIX="offload=8,keep=2,ratio=0.4,inflight=2"`` (the
@@ -134,6 +137,15 @@ def setup_ours_offload_all(model: torch.nn.Module, args: Any) -> Setup:
     return _setup(model, args)
 
 
+def setup_ours_offload_everything(model: torch.nn.Module, args: Any) -> Setup:
+    apply_activation_policy(model, offload_ratio=1.0)
+    engine = get_offload_engine(model)
+    setup = _setup(model, args)
+    # the blocks' own regions are inner (innermost hooks win); this one catches everything else
+    setup.context = lambda: engine.group("outside-blocks", ratio=1.0)
+    return setup
+
+
 def setup_ours_offload_ckpt_inputs(model: torch.nn.Module, args: Any) -> Setup:
     apply_activation_policy(model, checkpoint="full", offload_checkpoint_inputs=True)
     return _setup(model, args)
@@ -157,6 +169,7 @@ MODES: dict[str, Callable[..., Setup]] = {
     "ours_ckpt": setup_ours_ckpt,
     "ours_selective": setup_ours_selective,
     "ours_offload_all": setup_ours_offload_all,
+    "ours_offload_everything": setup_ours_offload_everything,
     "ours_offload_ckpt_inputs": setup_ours_offload_ckpt_inputs,
     "ours_mix": setup_ours_mix,
     "ours_selective_offload": setup_ours_selective_offload,

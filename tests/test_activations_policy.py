@@ -107,6 +107,24 @@ def test_mixed_per_block_plan_matches_plain() -> None:
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
 
 
+def test_outer_region_around_forward_and_loss_composes_with_block_regions() -> None:
+    model = model_for("gpt2")
+    ref_loss, ref = step_grads(model, 1)
+    apply_activation_policy(model, checkpoint="selective", every=2, offload_ratio=1.0, min_offload_bytes=0)
+    eng = get_offload_engine(model)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(42)
+        with eng.group("outside-blocks"):  # the head, the loss and the kept last block
+            loss = F.cross_entropy(model(IDX).flatten(0, 1), IDX.flatten())
+        loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=0, atol=0)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[k], rtol=1e-6, atol=0)
+    assert any(key[0] == "outside-blocks" for key in eng._states)
+    assert eng.stats().host_pool_in_use_bytes == 0
+
+
 def test_selective_cache_itself_is_offloaded() -> None:
     # only the kept matmul/attention outputs move (not the block inputs): they go through torch's
     # selective-checkpoint cache, which the engine swaps for an offloading one
