@@ -316,3 +316,53 @@ def test_select_blocks_and_find_blocks_fallback() -> None:
 
     m = HFLike()
     assert find_blocks(m) is m.layers
+
+
+class _TwoDropouts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = h * torch.bernoulli(torch.full_like(h, 0.5))  # a random op the policy below keeps
+        return F.dropout(self.b(h.tanh()), 0.5).sigmoid()
+
+
+def test_selective_never_keeps_an_op_that_draws_random_numbers() -> None:
+    # A kept random op would not draw in the recompute, so a later dropout of the region would replay
+    # with another mask. On CUDA this is fp32 attention with dropout (the efficient kernel's philox
+    # draw); here a policy that keeps a bernoulli draw shows the same thing on the CPU.
+    torch.manual_seed(0)
+    mod = _TwoDropouts()
+    x = torch.randn(64, 16, requires_grad=True)
+
+    def run() -> list[torch.Tensor]:
+        mod.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(1)
+        mod(x).square().sum().backward()
+        return [p.grad.clone() for p in mod.parameters()] + [x.grad.clone()]
+
+    ref = run()
+    elbowroom.checkpoint(mod, "selective", policy=[torch.ops.aten.bernoulli.default, torch.ops.aten.addmm.default])
+    for a, b in zip(run(), ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_policy_recomputes_attention_only_when_it_has_dropout() -> None:
+    from elbowroom.activations.checkpoint import _resolve_policy, draws_random_numbers
+
+    policy = _resolve_policy("selective", None)
+    aten = torch.ops.aten
+    for name, at in (("_scaled_dot_product_efficient_attention", 5), ("_scaled_dot_product_flash_attention", 3)):
+        op = getattr(aten, name).default
+        args = [None] * at
+        assert policy(None, op, *args, 0.0) == CheckpointPolicy.MUST_SAVE
+        assert policy(None, op, *args, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+        assert policy(None, op, *args, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+        assert policy(None, op, *args[:3]) == CheckpointPolicy.MUST_SAVE  # default dropout_p=0
+    assert draws_random_numbers(aten.native_dropout.default, (None, 0.1, True), {})
+    assert not draws_random_numbers(aten.mm.default, (None, None), {})
+    assert policy(None, aten.mm.default, None, None) == CheckpointPolicy.MUST_SAVE

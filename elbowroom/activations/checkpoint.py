@@ -4,7 +4,11 @@ Built on :func:`torch.utils.checkpoint.checkpoint` (non-reentrant by default) an
 ``mode="selective"``, on :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`: the
 outputs of matmuls and attention kernels are kept, norms and pointwise ops are recomputed. Dropout
 and any other RNG inside a recomputed region replay exactly (``preserve_rng_state=True``), so the
-gradients equal a plain run's.
+gradients equal a plain run's. For that, an op that draws random numbers (dropout, an attention
+kernel with ``dropout_p > 0``) is never kept, whatever the policy says: the recompute restores the
+RNG state and replays the region's draws in order, and a kept op would skip its draw there, so every
+later dropout in the region would get another mask (on CUDA, fp32 attention with dropout runs the
+efficient kernel, whose philox draw made the gradients of a "selective" block wrong).
 
 The module keeps its class, its parameters and its ``state_dict`` keys: only the instance's
 ``forward`` is replaced (see :mod:`elbowroom.activations._wrap`), so a checkpoint saved from a
@@ -38,6 +42,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_blocks",
     "default_selective_ops",
+    "draws_random_numbers",
     "find_blocks",
     "gradient_checkpointing_disable",
     "gradient_checkpointing_enable",
@@ -105,6 +110,61 @@ def selective_policy(keep: Iterable | None = None) -> Policy:
     return policy
 
 
+_SAVE_DECISIONS = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+
+# op -> position of its ``dropout_p`` argument, None where it has none, -1 where the op draws no random
+# numbers at all (filled once per op: the policy runs for every op of every forward)
+_RANDOM_OPS: dict[Any, int | None] = {}
+
+
+def _dropout_index(op: Any) -> int | None:
+    idx = _RANDOM_OPS.get(op, -2)
+    if idx == -2:
+        idx = -1
+        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+            idx = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dropout_p"), None)
+        _RANDOM_OPS[op] = idx
+    return idx
+
+
+def draws_random_numbers(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether running ``op(*args, **kwargs)`` consumes the RNG (dropout; attention with dropout_p > 0).
+
+    Args:
+        op: an aten ``OpOverload``.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+
+    Returns:
+        True for ops tagged ``nondeterministic_seeded``, unless their ``dropout_p`` argument is 0.
+    """
+    idx = _dropout_index(op)
+    if idx == -1:
+        return False
+    if idx is None:
+        return True
+    p = args[idx] if idx < len(args) else kwargs.get("dropout_p", 0.0)
+    return bool(p)
+
+
+def _rng_safe(policy: Policy) -> Policy:
+    """``policy``, except that ops drawing random numbers are recomputed (see the module docstring)."""
+    if getattr(policy, "rng_safe", False):
+        return policy
+
+    def safe(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        decision = policy(ctx, op, *args, **kwargs)
+        if decision in _SAVE_DECISIONS and draws_random_numbers(op, args, kwargs):
+            # kept, it would not draw in the recompute: every later draw of the region would shift
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return decision
+
+    safe.rng_safe = True  # type: ignore[attr-defined]
+    safe.keep_ops = getattr(policy, "keep_ops", None)  # type: ignore[attr-defined]
+    safe.inner = policy  # type: ignore[attr-defined]
+    return safe
+
+
 def _resolve_policy(mode: str, policy: Policy | Iterable | None) -> Policy | None:
     if mode == "full":
         if policy is not None:
@@ -112,10 +172,10 @@ def _resolve_policy(mode: str, policy: Policy | Iterable | None) -> Policy | Non
                              "with mode='selective'")
         return None
     if policy is None:
-        return selective_policy()
+        return _rng_safe(selective_policy())
     if callable(policy):
-        return policy
-    return selective_policy(policy)
+        return _rng_safe(policy)
+    return _rng_safe(selective_policy(policy))
 
 
 def checkpoint(
@@ -142,7 +202,8 @@ def checkpoint(
         use_reentrant: use torch's reentrant implementation (no keyword arguments, no "selective").
         preserve_rng_state: replay RNG (dropout) exactly in the recompute.
         policy: for "selective" only: a policy callable ``(ctx, op, *args, **kwargs) ->
-            CheckpointPolicy | bool`` or an iterable of aten OpOverloads to keep.
+            CheckpointPolicy | bool`` or an iterable of aten OpOverloads to keep. Ops that draw random
+            numbers are recomputed whatever it says (see the module docstring).
         determinism_check: passed to torch's non-reentrant checkpoint ("default" or "none").
 
     Returns:
