@@ -12,12 +12,15 @@ Modes (each wraps the model's blocks in place; nothing is entered per step):
   to host memory too, like ``save_on_cpu``; their copies back are exposed at the start of backward.
 - ``ours_offload_ckpt_inputs``: per-block checkpoint, and the input each block saves goes to host.
 - ``ours_mix``: per block, offload what the link hides, keep the last blocks whole, recompute (with
-  offloaded inputs) the rest. Knobs: ``ELBOWROOM_MIX="offload=8,keep=2,ratio=0.4,inflight=2"`` (the
-  first ``offload`` blocks offload ``ratio`` of their activations, the last ``keep`` blocks are kept
-  whole, ``inflight`` blocks' copies may run under later blocks' compute).
+  offloaded inputs) the rest. Knobs: ``ELBOWROOM_MIX="offload=8,keep=2,ratio=0.4,inflight=2,sel=0,
+  sel_ratio=1"`` (the first ``offload`` blocks offload ``ratio`` of their activations, the last ``keep``
+  blocks are kept whole, ``sel`` of the recomputed blocks are selective and offload ``sel_ratio`` of
+  what they keep, ``inflight`` blocks' copies may run under later blocks' compute).
 - ``ours_selective_offload``: selective recompute everywhere, with ``ratio`` of the kept matmul and
-  attention outputs (largest first) and the inputs of the first ``blocks`` blocks offloaded. Knobs:
-  ``ELBOWROOM_SEL_OFFLOAD="ratio=0.4,blocks=16,inflight=2"`` (blocks=-1: all but the last).
+  attention outputs (largest first) and the inputs of ``blocks`` blocks offloaded. Knobs:
+  ``ELBOWROOM_SEL_OFFLOAD="ratio=0.4,blocks=16,inflight=2,input=1,even=0"`` (blocks=-1: all but the
+  last; input=0 keeps the inputs on the device; even=1 spreads the offloading blocks over the model
+  instead of taking the first ones).
 
 Sizing the knobs (W1 on an H100): a block's forward takes ~5 ms and saves ~1.4 GB (selective keeps
 ~0.9 GB); the link moves ~55 GB/s one way, ~0.27 GB per block of forward. What a block offloads beyond
@@ -94,30 +97,54 @@ def _setup(model: torch.nn.Module, args: Any, notes: dict[str, Any] | None = Non
     return Setup(_adamw(model), stats=stats, notes=notes or {})
 
 
-def mix_plan(n_blocks: int, *, offload: int = 8, keep: int = 2, ratio: float = 0.4) -> list[BlockPolicy]:
+def spread(k: int, n: int) -> list[int]:
+    """``k`` indices spread evenly over ``range(n)`` (0 and ... n-1 where k allows)."""
+    k = max(0, min(k, n))
+    if k == 0:
+        return []
+    if k == 1:
+        return [0]
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def mix_plan(
+    n_blocks: int, *, offload: int = 8, keep: int = 2, ratio: float = 0.4, sel: int = 0, sel_ratio: float = 1.0
+) -> list[BlockPolicy]:
     """The hand-chosen mix: the first ``offload`` blocks offload ``ratio`` of what they save (their tensors
     are needed last in backward, so they have the longest time to travel both ways), the last ``keep``
-    blocks stay whole (needed first), the blocks between recompute with their inputs offloaded. Counts are
-    clamped to the model (small models in smoke runs)."""
+    blocks stay whole (needed first), the blocks between recompute with their inputs offloaded: ``sel`` of
+    them (spread evenly) selectively, offloading ``sel_ratio`` of their kept matmul/attention outputs (the
+    link has room in a recomputing forward: an input is ~1/10 of a block's activations), the rest fully.
+    Counts are clamped to the model (small models in smoke runs)."""
     keep = max(1, min(keep, n_blocks - 1))
     offload = max(0, min(offload, n_blocks - keep))
+    middle = list(range(offload, n_blocks - keep))
+    selective = {middle[j] for j in spread(sel, len(middle))}
     plan = []
     for i in range(n_blocks):
         if i < offload:
             plan.append(BlockPolicy(offload_ratio=ratio))
         elif i >= n_blocks - keep:
             plan.append(BlockPolicy())
+        elif i in selective:
+            plan.append(BlockPolicy("selective", offload_ratio=sel_ratio, offload_input=True))
         else:
             plan.append(BlockPolicy("full", offload_input=True))
     return plan
 
 
-def selective_offload_plan(n_blocks: int, *, ratio: float = 0.4, blocks: int = 16) -> list[BlockPolicy]:
-    """Selective recompute everywhere; the first ``blocks`` blocks (-1: all but the last) offload their
-    inputs and ``ratio`` of their kept matmul/attention outputs."""
+def selective_offload_plan(
+    n_blocks: int, *, ratio: float = 0.4, blocks: int = 16, offload_input: bool = True, even: bool = False
+) -> list[BlockPolicy]:
+    """Selective recompute everywhere; ``blocks`` blocks (-1: all but the last) offload ``ratio`` of their kept
+    matmul/attention outputs (largest first) and, with ``offload_input``, their inputs. They are the first
+    ones, or with ``even`` spread evenly over all but the last block (so that each block's copies have the
+    next blocks' compute to hide under: a selective forward is short)."""
     k = n_blocks - 1 if blocks < 0 else min(blocks, n_blocks - 1)
+    chosen = set(spread(k, n_blocks - 1)) if even else set(range(k))
     return [
-        BlockPolicy("selective", offload_ratio=ratio, offload_input=True) if i < k else BlockPolicy("selective")
+        BlockPolicy("selective", offload_ratio=ratio, offload_input=offload_input) if i in chosen
+        else BlockPolicy("selective")
         for i in range(n_blocks)
     ]
 
@@ -152,15 +179,17 @@ def setup_ours_offload_ckpt_inputs(model: torch.nn.Module, args: Any) -> Setup:
 
 
 def setup_ours_mix(model: torch.nn.Module, args: Any) -> Setup:
-    k = _knobs("ELBOWROOM_MIX", {"offload": 8, "keep": 2, "ratio": 0.4, "inflight": 2})
-    plan = mix_plan(len(model.blocks), offload=int(k["offload"]), keep=int(k["keep"]), ratio=k["ratio"])
+    k = _knobs("ELBOWROOM_MIX", {"offload": 8, "keep": 2, "ratio": 0.4, "inflight": 2, "sel": 0, "sel_ratio": 1.0})
+    plan = mix_plan(len(model.blocks), offload=int(k["offload"]), keep=int(k["keep"]), ratio=k["ratio"],
+                    sel=int(k["sel"]), sel_ratio=k["sel_ratio"])
     apply_block_policies(model, plan, max_inflight_regions=int(k["inflight"]))
     return _setup(model, args, notes={"mix": k})
 
 
 def setup_ours_selective_offload(model: torch.nn.Module, args: Any) -> Setup:
-    k = _knobs("ELBOWROOM_SEL_OFFLOAD", {"ratio": 0.4, "blocks": 16, "inflight": 2})
-    plan = selective_offload_plan(len(model.blocks), ratio=k["ratio"], blocks=int(k["blocks"]))
+    k = _knobs("ELBOWROOM_SEL_OFFLOAD", {"ratio": 0.4, "blocks": 16, "inflight": 2, "input": 1, "even": 0})
+    plan = selective_offload_plan(len(model.blocks), ratio=k["ratio"], blocks=int(k["blocks"]),
+                                  offload_input=bool(k["input"]), even=bool(k["even"]))
     apply_block_policies(model, plan, max_inflight_regions=int(k["inflight"]))
     return _setup(model, args, notes={"selective_offload": k})
 
@@ -272,16 +301,72 @@ def trace(workload: str, mode: str, steps: int, path: str | None) -> dict[str, f
     return report
 
 
+def memline(workload: str, mode: str) -> dict[str, Any]:
+    """Where one warm step of ``mode`` reaches its peak: device memory at each block's forward end and
+    backward start (a hook on the block's output gradient), with the peak of the stretch before it.
+    Reads the allocator's host-side counters only: no sync, nothing changes in the step."""
+    import bench
+    import torch.nn.functional as F
+
+    from elbowroom.train.models import build_model
+
+    preset, bsz, seq, _ = bench.WORKLOADS[workload]
+    cfg = bench.model_config(preset, seq)
+    model = build_model(cfg, device="cuda")
+    setup = MODES[mode](model, argparse.Namespace(steps=1)) if mode in MODES else bench.MODES[mode](model, None)
+    idx = torch.randint(0, cfg.vocab_size, (bsz, seq), device="cuda")
+    marks: list[tuple[str, float, float]] = []
+
+    def mark(name: str) -> None:
+        marks.append((name, torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30))
+        torch.cuda.reset_peak_memory_stats()
+
+    def fwd_hook(i: int):
+        def hook(mod: Any, inp: Any, out: torch.Tensor) -> None:
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                mark(f"f{i}")
+                if out.requires_grad:
+                    out.register_hook(lambda g: mark(f"b{i}"))
+        return hook
+
+    handles = [blk.register_forward_hook(fwd_hook(i)) for i, blk in enumerate(model.blocks)]
+    for _ in range(3):  # the last one is reported: the first grows the pinned pool
+        marks.clear()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16), setup.context():
+            logits = model(idx)
+            mark("logits")
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), idx.view(-1))
+            mark("loss")
+        del logits
+        loss.backward()
+        mark("backward_end")
+        setup.optimizer.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+        mark("opt_end")
+    for h in handles:
+        h.remove()
+    top = sorted(marks, key=lambda m: -m[2])[:6]
+    return {"mode": mode, "peak_before": [(n, round(p, 2)) for n, _, p in top],
+            "line": " ".join(f"{n}:{a:.1f}/{p:.1f}" for n, a, p in marks)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="w1")
-    ap.add_argument("--mode", default="ours_offload_all", choices=sorted(MODES))
+    ap.add_argument("--mode", default="ours_offload_all", help=f"one of {', '.join(sorted(MODES))} (or a peer's)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
+    ap.add_argument("--memline", action="store_true",
+                    help="instead: device memory per block in forward and backward, and where the peak is")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import json
 
+    if args.memline:
+        print(json.dumps(memline(args.workload, args.mode)))
+        return
     print(json.dumps(trace(args.workload, args.mode, args.steps, args.trace)))
 
 

@@ -228,7 +228,7 @@ def test_200_steps_flat_device_and_host_memory(kwargs: dict) -> None:
     eng = get_offload_engine(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = batch(4, 1024)
-    allocated, peaks, pools = [], [], []
+    allocated, peaks, pools, held = [], [], [], []
     for i in range(200):
         torch.cuda.reset_peak_memory_stats()
         step(model, idx, bf16=True, seed=i)
@@ -237,7 +237,10 @@ def test_200_steps_flat_device_and_host_memory(kwargs: dict) -> None:
         allocated.append(torch.cuda.memory_allocated())
         peaks.append(torch.cuda.max_memory_allocated())
         pools.append(eng.stats().host_pool_bytes)
-    assert max(allocated[5:]) - min(allocated[5:]) <= 1 << 20, (min(allocated[5:]), max(allocated[5:]))
+        held.append((eng.stats().pending, len(eng._live)))
+    base = sorted(allocated[5:])[len(allocated[5:]) // 2]
+    odd = [(i, allocated[i] - base, held[i]) for i in range(5, 200) if allocated[i] != base]
+    assert max(allocated[5:]) - min(allocated[5:]) <= 1 << 20, (base, held[5], odd[:40])
     assert max(peaks[5:]) - min(peaks[5:]) <= 16 << 20, (min(peaks[5:]), max(peaks[5:]))
     assert len(set(pools[1:])) == 1
     assert eng.stats().host_pool_in_use_bytes == 0
