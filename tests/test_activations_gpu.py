@@ -236,11 +236,22 @@ def test_200_steps_flat_device_and_host_memory(kwargs: dict) -> None:
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
         peaks.append(torch.cuda.max_memory_allocated())
-        pools.append(eng.stats().host_pool_bytes)
-        held.append((eng.stats().pending, len(eng._live)))
-    base = sorted(allocated[5:])[len(allocated[5:]) // 2]
-    odd = [(i, allocated[i] - base, held[i]) for i in range(5, 200) if allocated[i] != base]
-    assert max(allocated[5:]) - min(allocated[5:]) <= 1 << 20, (base, held[5], odd[:40])
+        s = eng.stats()
+        pools.append(s.host_pool_bytes)
+        held.append((s.pending, len(eng._live), s.host_pool_in_use_bytes))
+    # the engine holds nothing between steps: no device tensor waiting for a copy, no host slot in use
+    assert set(held) == {(0, 0, 0)}, [(i, h) for i, h in enumerate(held) if h != (0, 0, 0)][:10]
+    # The device memory left after a step is not bit-exact from step to step: on the H100 it moved by up
+    # to 768 KiB either way at a handful of steps (never two in a row), with the engine holding nothing
+    # (above). So a leak is judged by what cannot be noise: the median must not rise from the first 50
+    # steps to the last 50 (a leak of one 16 KiB tensor per step would add 2.4 MiB), and no step may hold
+    # a whole offloaded tensor more (4 MiB here: 4 x 1024 tokens x 512 bf16).
+    def median(xs: list[int]) -> int:
+        return sorted(xs)[len(xs) // 2]
+
+    first, last = median(allocated[5:55]), median(allocated[150:])
+    assert last - first <= 256 << 10, (first, last)
+    odd = [(i, allocated[i] - first) for i in range(5, 200) if allocated[i] != first]
+    assert max(abs(d) for _, d in odd or [(0, 0)]) < idx.numel() * model.config.dim * 2, odd[:20]
     assert max(peaks[5:]) - min(peaks[5:]) <= 16 << 20, (min(peaks[5:]), max(peaks[5:]))
     assert len(set(pools[1:])) == 1
-    assert eng.stats().host_pool_in_use_bytes == 0
