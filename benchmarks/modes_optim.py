@@ -16,9 +16,17 @@ step pre-hook, as a training run would):
   each block waits for its own weights in the next forward (hides the CPU step of the late blocks behind
   the forward of the early ones, also when clipping makes the CPU step wait for the whole backward).
 - ``plain+clip``: the plain fused AdamW baseline with the same clipping.
+- ``...+nocache`` (after ``+ckpt``): bf16 autocast without its weight cache. With per-block checkpoint
+  the cache keeps a bf16 copy of every fp32 weight from its first use to the end of forward (2 B/param:
+  12.6 GiB on the 7B, while accumulated gradients are resident); without it each block casts its weights
+  when it runs (forward and recompute cast once each either way). A memory choice outside the optimizer,
+  named in the row so that it is never mistaken for one.
 
 Each of our rows adds the optimizer's numbers: the CPU step time of the last step, how much of it ran
-behind GPU work (``hidden_fraction``), host and pinned memory and bytes per offloaded parameter.
+behind GPU work (``hidden_fraction``), host and pinned memory and bytes per offloaded parameter as the
+optimizer counts them, and as the process's resident set shows them (``rss_*``: growth of VmRSS now and of
+its high-water mark VmHWM over the RSS just before the optimizer was built, per offloaded parameter: the
+steady-state and set-up footprints).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from elbowroom.optim import CPUOffloadOptimizer, last_fraction  # noqa: E402
 
-LATE_FRACTIONS = (0.25, 0.4, 0.5, 0.6, 0.75)
+LATE_FRACTIONS = (0.25, 0.3, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
 DEFAULT_LATE_FRACTION = 0.4
 
 
@@ -74,10 +82,24 @@ class _MicroBatches:
         return contextlib.nullcontext()
 
 
-def _stats(opt: CPUOffloadOptimizer) -> Callable[[], dict[str, Any]]:
+def _proc_status_bytes(key: str) -> int:
+    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM) in bytes; 0 where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _stats(opt: CPUOffloadOptimizer, rss0: int) -> Callable[[], dict[str, Any]]:
     def read() -> dict[str, Any]:
         s = opt.stats()
         total = s["offloaded_numel"] + s["device_numel"]
+        n_off = max(s["offloaded_numel"], 1)
+        rss, hwm = _proc_status_bytes("VmRSS"), _proc_status_bytes("VmHWM")
         return {
             "offloaded_share": round(s["offloaded_numel"] / total, 3) if total else 0.0,
             "cpu_step_s": round(s.get("cpu_step_s", 0.0), 4),
@@ -89,6 +111,11 @@ def _stats(opt: CPUOffloadOptimizer) -> Callable[[], dict[str, Any]]:
             "host_B_per_offloaded_param": round(s["host_bytes_per_offloaded_param"], 2),
             "d2h_GB": round(s.get("d2h_bytes", 0) / 1e9, 2),
             "h2d_GB": round(s.get("h2d_bytes", 0) / 1e9, 2),
+            "rss_before_opt_GiB": round(rss0 / 2**30, 2),
+            "rss_GiB": round(rss / 2**30, 2),
+            "rss_peak_GiB": round(hwm / 2**30, 2),
+            "rss_B_per_offloaded_param": round((rss - rss0) / n_off, 2),
+            "rss_peak_B_per_offloaded_param": round((hwm - rss0) / n_off, 2),
         }
 
     return read
@@ -108,12 +135,13 @@ def _ours(
     kwargs: dict[str, Any] = {"lr": 1e-4, "fused": True, "offload_gradients": offload_gradients}
     if late is not None:
         kwargs["offload_params"] = last_fraction(params, late)
+    rss0 = _proc_status_bytes("VmRSS")  # the host footprint before the optimizer (CUDA context, model code)
     opt = CPUOffloadOptimizer(params, torch.optim.AdamW, **kwargs)
     if lazy:
         opt.overlap_with_forward(model)  # the next forward waits per module, not step()
     accum = _accum(args)
     context = _MicroBatches(opt, accum) if accum > 1 else contextlib.nullcontext
-    return _bench().Setup(opt, context=context, stats=_stats(opt), notes={"late_fraction": late})
+    return _bench().Setup(opt, context=context, stats=_stats(opt, rss0), notes={"late_fraction": late})
 
 
 def _with_ckpt(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.nn.Module, Any], Any]:
@@ -141,6 +169,25 @@ def _with_clip(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.n
     return setup
 
 
+def _with_nocache(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.nn.Module, Any], Any]:
+    def setup(model: torch.nn.Module, args: Any) -> Any:
+        s = make(model, args)
+        inner = s.context
+        device = next(model.parameters()).device.type
+
+        def context() -> contextlib.AbstractContextManager:
+            stack = contextlib.ExitStack()
+            stack.enter_context(inner())
+            # nested inside the harness's autocast: same dtype, no weight cache (restored on exit)
+            stack.enter_context(torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False))
+            return stack
+
+        s.context = context
+        return s
+
+    return setup
+
+
 def _plain(model: torch.nn.Module, args: Any) -> Any:
     return _bench().Setup(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
 
@@ -162,3 +209,6 @@ for _name, _make in _BASE.items():
     MODES[f"{_name}+clip"] = _with_clip(_make)
     MODES[f"{_name}+ckpt+clip"] = _with_clip(_with_ckpt(_make))
 MODES["plain+ckpt+clip"] = _with_clip(_with_ckpt(_plain))
+for _name in [n for n in MODES if n.endswith("+ckpt") or n.endswith("+ckpt+clip")]:
+    _parts = _name.split("+")
+    MODES["+".join([*_parts[:2], "nocache", *_parts[2:]])] = _with_nocache(MODES[_name])

@@ -414,6 +414,37 @@ def test_state_dict_round_trip(src: float, dst: float) -> None:
             torch.testing.assert_close(sa["state"][k][name].cpu(), sb["state"][k][name].cpu(), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize(("src", "dst"), [(1.0, 0.5), (0.0, 0.5), (0.5, 0.5)])
+def test_load_state_dict_copies_instead_of_sharing(src: float, dst: float) -> None:
+    # b.load_state_dict(a.state_dict()) without a save in between: torch keeps a state tensor that is
+    # already where it belongs, so without copies a and b would advance the same moments and step counts
+    ma, mb = make_model(), make_model()
+    oa = CPUOffloadOptimizer(ma.parameters(), torch.optim.AdamW, offload_fraction=src, lr=1e-2)
+    train(ma, oa, batches(3))
+    mb.load_state_dict(ma.state_dict())
+    ob = CPUOffloadOptimizer(mb.parameters(), torch.optim.AdamW, offload_fraction=dst, lr=1e-2)
+    ob.load_state_dict(oa.state_dict())
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    for k in sa:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert sa[k][name].data_ptr() != sb[k][name].data_ptr(), (k, name)
+    data = batches(3, seed=7)
+    train(ma, oa, data)
+    train(mb, ob, data)
+    assert_same(ma, mb)
+
+
+def test_host_norm_is_accurate_for_big_gradients() -> None:
+    # torch's CPU vector_norm of 16.7M float32 values is ~7e-4 too small; the GPU kernel is not
+    g = torch.Generator().manual_seed(0)
+    for n in (2**24 + 3, 4096, 5, 0):
+        x = torch.randn(n, generator=g) * 1e-3
+        got = offload_mod._host_norm(x.view(-1, 1) if n else x)
+        want = torch.linalg.vector_norm(x.double())
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
 def test_state_dict_interop_with_torch() -> None:
     m1, m2, m3 = make_model(), make_model(), make_model()
     ref = torch.optim.AdamW(m1.parameters(), lr=1e-2, fused=True)
