@@ -224,10 +224,11 @@ def test_no_pinned_allocation_after_step_one() -> None:
 )
 def test_200_steps_flat_device_and_host_memory(kwargs: dict) -> None:
     model = make("llama", dim=512, layers=4)
+    idx = batch(4, 1024)
+    block_bytes = _saved_bytes_per_block(model, idx)  # before wrapping: the block's own hooks would see them
     apply_activation_policy(model, **with_offload_kwargs(kwargs))
     eng = get_offload_engine(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    idx = batch(4, 1024)
     allocated, peaks, pools, held = [], [], [], []
     for i in range(200):
         torch.cuda.reset_peak_memory_stats()
@@ -253,5 +254,8 @@ def test_200_steps_flat_device_and_host_memory(kwargs: dict) -> None:
     assert last - first <= 256 << 10, (first, last)
     odd = [(i, allocated[i] - first) for i in range(5, 200) if allocated[i] != first]
     assert max(abs(d) for _, d in odd or [(0, 0)]) < idx.numel() * model.config.dim * 2, odd[:20]
-    assert max(peaks[5:]) - min(peaks[5:]) <= 16 << 20, (min(peaks[5:]), max(peaks[5:]))
+    # the peak depends on timing (how many of a region's copies finished before it): on the H100 it
+    # moved by up to 26 MiB between steps. A leak raises the median; timing moves it by less than a block
+    assert median(peaks[150:]) - median(peaks[5:55]) <= 1 << 20, (median(peaks[5:55]), median(peaks[150:]))
+    assert max(peaks[5:]) - min(peaks[5:]) <= block_bytes, (min(peaks[5:]), max(peaks[5:]), block_bytes)
     assert len(set(pools[1:])) == 1

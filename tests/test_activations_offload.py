@@ -576,3 +576,24 @@ def test_graph_freed_without_backward_returns_slots() -> None:
 def test_bad_offload_settings(call, match: str) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_autocast_weight_casts_stay() -> None:
+    # autocast keeps its cast of each weight alive until the region exits: moving it would free nothing
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    eng = engine(keep_module=m, min_offload_bytes=0)
+    offloaded: list[torch.Tensor] = []
+    orig = eng._offload
+
+    def spy(t, *a):  # noqa: ANN001, ANN002
+        offloaded.append(t)
+        return orig(t, *a)
+
+    eng._offload = spy
+    offload_module(m, engine=eng)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(x)
+    out.float().square().sum().backward()
+    assert offloaded and all(t.shape[0] == 32 for t in offloaded)  # activations only, no (64, 64) weight

@@ -4,8 +4,8 @@ The engine (:class:`OffloadEngine`) works through ``torch.autograd.graph.saved_t
 offload *region* (:meth:`OffloadEngine.group`, usually one transformer block's forward) packs each
 tensor autograd saves:
 
-- parameters, views of leaves, module buffers, tensors below ``min_offload_bytes`` and tensors of
-  other devices stay where they are;
+- parameters, views of leaves, casts of parameters (autocast keeps them alive anyway), module
+  buffers, tensors below ``min_offload_bytes`` and tensors of other devices stay where they are;
 - views of one storage travel once: the storage (or the used extent of it) is copied, and every view
   comes back with its own dtype, size, stride and offset (a tensor and its transpose, q/k/v slices
   of one projection, a tensor saved by two ops);
@@ -781,6 +781,13 @@ class OffloadEngine:
             # a view of a leaf: a transposed weight, a slice of an input, a buffer or a cached table.
             # The leaf stays alive outside autograd, so moving the view would free nothing
             return False
+        fn = t.grad_fn if base is None else base.grad_fn
+        if fn is not None and fn.name() == "ToCopyBackward0":
+            nxt = fn.next_functions
+            if nxt and nxt[0][0] is not None and nxt[0][0].name() == "torch::autograd::AccumulateGrad":
+                # a dtype cast of a parameter (or its transpose): autocast caches it until the autocast
+                # region exits, so moving it frees nothing and costs link time (W1: ~0.1 GB per block)
+                return False
         return True
 
     def _pack(self, group: OffloadGroup, t: torch.Tensor, kind: str) -> _Packed | None:
