@@ -12,6 +12,8 @@ step pre-hook, as a training run would):
 - ``er_optim_late<F>``: hybrid, the last F of the parameter bytes (the late blocks and the head) on the
   host, the rest fused AdamW on the GPU; ``er_optim_late`` takes F from ``--offload-fraction`` when the
   harness has it, else from ``ELBOWROOM_BENCH_OFFLOAD_FRACTION`` (default 0.4).
+- ``er_optim_grads_late<F>[_fwd]``: the hybrid with ``offload_gradients=True``: the device gradients of
+  the offloaded part leave as they are copied (less device memory, so a smaller F fits; +4 B/param host).
 - ``er_optim_late<F>_fwd``: the same with ``overlap_with_forward(model)``: ``step()`` returns at once and
   each block waits for its own weights in the next forward (hides the CPU step of the late blocks behind
   the forward of the early ones, also when clipping makes the CPU step wait for the whole backward).
@@ -200,6 +202,10 @@ _BASE: dict[str, Callable[[torch.nn.Module, Any], Any]] = {
 for _f in LATE_FRACTIONS:
     _BASE[f"er_optim_late{_f:g}"] = lambda m, a, _f=_f: _ours(m, a, late=_f)
     _BASE[f"er_optim_late{_f:g}_fwd"] = lambda m, a, _f=_f: _ours(m, a, late=_f, lazy=True)
+    _BASE[f"er_optim_grads_late{_f:g}"] = lambda m, a, _f=_f: _ours(m, a, late=_f, offload_gradients=True)
+    _BASE[f"er_optim_grads_late{_f:g}_fwd"] = lambda m, a, _f=_f: _ours(
+        m, a, late=_f, offload_gradients=True, lazy=True
+    )
 _BASE["er_optim_late_fwd"] = lambda m, a: _ours(m, a, late=_late_fraction(a), lazy=True)
 
 MODES: dict[str, Callable[[torch.nn.Module, Any], Any]] = {"plain+clip": _with_clip(_plain)}

@@ -213,6 +213,10 @@ class _HostMemory:
         self._registered.clear()
 
 
+class _Closed(Exception):
+    """The optimizer was closed (or collected) while a worker waited for a staging slot: not a failure."""
+
+
 class _SlotPool:
     """A fixed set of pinned staging slots for gradients on their way to the host (bounded memory)."""
 
@@ -221,11 +225,14 @@ class _SlotPool:
         self._cv = threading.Condition()
         self._closed = False
 
-    def acquire(self) -> torch.Tensor | None:
+    def acquire(self) -> torch.Tensor:
+        """A free slot; raises ``_Closed`` once the pool is closed and none is free."""
         with self._cv:
             while not self._free and not self._closed:
                 self._cv.wait()
-            return self._free.pop() if self._free else None
+            if not self._free:
+                raise _Closed
+            return self._free.pop()
 
     def release(self, slot: torch.Tensor) -> None:
         with self._cv:
@@ -431,11 +438,16 @@ class _Engine:
             self._cv.notify_all()
 
     def _fail(self, exc: BaseException, job: _Job) -> None:
+        if isinstance(exc, _Closed):  # shutting down (close(), or the optimizer was collected mid-step)
+            if not job.finished:
+                self._done(job)
+            return
         logger.error("CPUOffloadOptimizer worker failed: %r", exc)
         with self._cv:
             if self.error is None:
                 self.error = exc
-        self._done(job)
+        if not job.finished:  # _post's own finally may have finished it already
+            self._done(job)
 
     def _copy_loop(self) -> None:
         self.streams.bind_thread()
@@ -467,8 +479,6 @@ class _Engine:
             else:
                 if job.slot is None:
                     job.slot = self.pool.acquire()  # may block until the step thread frees a slot
-                    if job.slot is None:
-                        raise RuntimeError("optimizer closed")
                 dests.append(hp.staging(job.slot))
                 job.staged[i] = True
         with s.on(s.d2h):
