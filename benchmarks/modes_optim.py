@@ -11,7 +11,8 @@ step pre-hook, as a training run would):
 - ``er_optim_grads``: the same with ``offload_gradients=True`` (device gradients freed once copied).
 - ``er_optim_late<F>``: hybrid, the last F of the parameter bytes (the late blocks and the head) on the
   host, the rest fused AdamW on the GPU; ``er_optim_late`` takes F from ``--offload-fraction`` when the
-  harness has it, else from ``ELBOWROOM_BENCH_OFFLOAD_FRACTION`` (default 0.4).
+  harness has it, else from ``ELBOWROOM_BENCH_OFFLOAD_FRACTION`` (default 0.4). ``ELBOWROOM_BENCH_CPU_THREADS=N`` sets the CPU
+  step's threads (``CPUOffloadOptimizer.cpu_threads``) for any of our modes.
 - ``er_optim_grads_late<F>[_fwd]``: the hybrid with ``offload_gradients=True``: the device gradients of
   the offloaded part leave as they are copied (less device memory, so a smaller F fits; +4 B/param host).
 - ``er_optim_late<F>_fwd``: the same with ``overlap_with_forward(model)``: ``step()`` returns at once and
@@ -113,6 +114,7 @@ def _stats(opt: CPUOffloadOptimizer, rss0: int) -> Callable[[], dict[str, Any]]:
             "host_B_per_offloaded_param": round(s["host_bytes_per_offloaded_param"], 2),
             "d2h_GB": round(s.get("d2h_bytes", 0) / 1e9, 2),
             "h2d_GB": round(s.get("h2d_bytes", 0) / 1e9, 2),
+            "cpu_threads": CPUOffloadOptimizer.cpu_threads or torch.get_num_threads(),
             "rss_before_opt_GiB": round(rss0 / 2**30, 2),
             "rss_GiB": round(rss / 2**30, 2),
             "rss_peak_GiB": round(hwm / 2**30, 2),
@@ -137,6 +139,9 @@ def _ours(
     kwargs: dict[str, Any] = {"lr": 1e-4, "fused": True, "offload_gradients": offload_gradients}
     if late is not None:
         kwargs["offload_params"] = last_fraction(params, late)
+    threads = os.environ.get("ELBOWROOM_BENCH_CPU_THREADS")
+    if threads:  # one mode per process: setting the class default here touches no other row
+        CPUOffloadOptimizer.cpu_threads = int(threads)
     rss0 = _proc_status_bytes("VmRSS")  # the host footprint before the optimizer (CUDA context, model code)
     opt = CPUOffloadOptimizer(params, torch.optim.AdamW, **kwargs)
     if lazy:
