@@ -11,8 +11,8 @@ step pre-hook, as a training run would):
 - ``er_optim_grads``: the same with ``offload_gradients=True`` (device gradients freed once copied).
 - ``er_optim_late<F>``: hybrid, the last F of the parameter bytes (the late blocks and the head) on the
   host, the rest fused AdamW on the GPU; ``er_optim_late`` takes F from ``--offload-fraction`` when the
-  harness has it, else from ``ELBOWROOM_BENCH_OFFLOAD_FRACTION`` (default 0.4). ``ELBOWROOM_BENCH_CPU_THREADS=N`` sets the CPU
-  step's threads (``CPUOffloadOptimizer.cpu_threads``) for any of our modes.
+  harness has it, else from ``ELBOWROOM_BENCH_OFFLOAD_FRACTION`` (default 0.4).
+  ``ELBOWROOM_BENCH_CPU_THREADS=N`` sets the CPU step's threads (``cpu_threads``) for any of our modes.
 - ``er_optim_grads_late<F>[_fwd]``: the hybrid with ``offload_gradients=True``: the device gradients of
   the offloaded part leave as they are copied (less device memory, so a smaller F fits; +4 B/param host).
 - ``er_optim_late<F>_fwd``: the same with ``overlap_with_forward(model)``: ``step()`` returns at once and
