@@ -114,7 +114,7 @@ def _stats(opt: CPUOffloadOptimizer, rss0: int) -> Callable[[], dict[str, Any]]:
             "host_B_per_offloaded_param": round(s["host_bytes_per_offloaded_param"], 2),
             "d2h_GB": round(s.get("d2h_bytes", 0) / 1e9, 2),
             "h2d_GB": round(s.get("h2d_bytes", 0) / 1e9, 2),
-            "cpu_threads": CPUOffloadOptimizer.cpu_threads or torch.get_num_threads(),
+            "cpu_threads": s["cpu_threads"],
             "rss_before_opt_GiB": round(rss0 / 2**30, 2),
             "rss_GiB": round(rss / 2**30, 2),
             "rss_peak_GiB": round(hwm / 2**30, 2),

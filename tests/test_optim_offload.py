@@ -650,6 +650,23 @@ def test_threads_stop_when_optimizer_is_collected() -> None:
     loss_of(m, batches(1)[0]).backward()  # the hooks are gone with it
 
 
+def test_cpu_threads_default_leaves_two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the training thread, autograd's device thread and the copy thread need cores of their own
+    monkeypatch.setattr(CPUOffloadOptimizer, "cpu_threads", None)
+    n = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        o = CPUOffloadOptimizer(make_model().parameters(), torch.optim.AdamW, lr=1e-2)
+    finally:
+        torch.set_num_threads(n)
+    assert o.stats()["cpu_threads"] == 2
+    o.close()
+    monkeypatch.setattr(CPUOffloadOptimizer, "cpu_threads", 3)
+    o = CPUOffloadOptimizer(make_model().parameters(), torch.optim.AdamW, lr=1e-2)
+    assert o.stats()["cpu_threads"] == 3
+    o.close()
+
+
 def test_build_optimizer() -> None:
     m = make_model()
     kw = {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "fused": None}
