@@ -730,10 +730,9 @@ class CPUOffloadOptimizer(Optimizer):
     cpu_threads: ClassVar[int | None] = None
     """Intra-op threads of the CPU step. None: the training thread's count (one per core by default) less
     two, at least one: the training thread (kernel launches), autograd's device thread and the copy thread
-    need cores of their own. Measured on the lent H100 host (16 cores), 7B hybrid at F=0.4: 16 threads
-    stepped 2.7B params in 0.78 s and stretched the GPU's part of the step from 0.50 to 0.66 s once;
-    14 threads stepped them in 0.62 s with the GPU part at 0.51 s (the step is memory-bound: fewer
-    threads lose nothing)."""
+    need cores of their own. The step is memory-bound, so two threads fewer cost it little: on the lent
+    H100 host (16 cores), 7B hybrid at F=0.4, four runs gave 169 and 202 model TFLOP/s with 16 threads,
+    235 and 200 with 14 (CPU step 0.78 s with 16; 0.62 and 0.79 s with 14): noisy, never worse."""
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf instead of unscaling
 
