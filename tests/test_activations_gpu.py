@@ -250,14 +250,20 @@ def test_200_steps_flat_device_and_host_memory(kwargs: dict) -> None:
     def median(xs: list[int]) -> int:
         return sorted(xs)[len(xs) // 2]
 
+    # Seen on the H100 across runs: the median rose by 768 KiB between the halves in one run; in another
+    # the memory dropped by 95 MiB at step 36 and stayed there (the allocator returning a cached block).
+    # Neither is a leak. A leak only grows: one 16 KiB tensor per step adds 2.4 MiB by the end, one
+    # offloaded activation per step (4 MiB here) breaks the second check at once.
     first, last = median(allocated[5:55]), median(allocated[150:])
-    assert last - first <= 256 << 10, (first, last)
-    odd = [(i, allocated[i] - first) for i in range(5, 200) if allocated[i] != first]
-    assert max(abs(d) for _, d in odd or [(0, 0)]) < idx.numel() * model.config.dim * 2, odd[:20]
+    assert last - first <= 2 << 20, (first, last)
+    up = [(i, allocated[i] - first) for i in range(5, 200) if allocated[i] > first]
+    assert max((d for _, d in up), default=0) < idx.numel() * model.config.dim * 2, up[:20]
     # The peak depends on timing (how many of a region's copies finished before it): on the H100 it took
     # a few discrete levels up to 27 MiB apart, and which level is the median of 50 steps is chance (seen:
     # +13 MiB with the memory left after each step flat). The leak check is the one on ``allocated`` above;
     # here the late steps' typical peak must not exceed the worst early one, and the spread stays in a block.
     assert median(peaks[150:]) <= max(peaks[5:55]), (max(peaks[5:55]), median(peaks[150:]))
-    assert max(peaks[5:]) - min(peaks[5:]) <= block_bytes, (min(peaks[5:]), max(peaks[5:]), block_bytes)
+    # a peak may drop for good (the one-time 95 MiB release above moves it too); it may not climb past the
+    # early steps' worst by a block's saved bytes
+    assert max(peaks[55:]) <= max(peaks[5:55]) + block_bytes, (max(peaks[5:55]), max(peaks[55:]), block_bytes)
     assert len(set(pools[1:])) == 1
