@@ -19,7 +19,6 @@ _EXPORTS = {
     "CPUOffloadOptimizer": "elbowroom.optim.offload",
     "ModelConfig": "elbowroom.train.models",
     "build_model": "elbowroom.train.models",
-    "train": "elbowroom.train.trainer",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
