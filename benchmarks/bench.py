@@ -16,7 +16,6 @@ Modes come from registries: the peers' and the trainer's below, ours from ``mode
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib
 import importlib.util
@@ -25,7 +24,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +32,8 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+
+from common import Setup  # noqa: E402
 
 from elbowroom.train.metrics import peak_flops  # noqa: E402
 from elbowroom.train.models import ModelConfig, build_model, count_params, flops_per_token  # noqa: E402
@@ -47,17 +47,6 @@ WORKLOADS: dict[str, tuple[str, int, int, int]] = {
     # small shapes to check the harness itself
     "smoke": ("tiny", 4, 128, 1),
 }
-
-
-@dataclass
-class Setup:
-    """How a mode trains: its optimizer, a context entered around each micro-batch's forward+backward."""
-
-    optimizer: Any
-    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    stats: Callable[[], dict[str, Any]] | None = None
-    """Extra numbers the mode reports after the run (e.g. CPU step time)."""
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 def fused_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -34,11 +34,9 @@ After a run each mode reports the bytes its engine moved per optimizer step and 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,22 +44,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import Setup  # noqa: E402
+
 from elbowroom.activations import (  # noqa: E402
     BlockPolicy,
     apply_activation_policy,
     apply_block_policies,
     get_offload_engine,
 )
-
-
-@dataclass
-class Setup:
-    """What bench.py reads from a mode (the same fields as its own ``Setup``)."""
-
-    optimizer: Any
-    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    stats: Callable[[], dict[str, Any]] | None = None
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -1,0 +1,20 @@
+"""What every benchmark mode returns to the harness (``bench.py``); shared so that mode modules need not
+import the harness that imports them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Setup:
+    """How a mode trains: its optimizer, a context entered around each micro-batch's forward+backward."""
+
+    optimizer: Any
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    stats: Callable[[], dict[str, Any]] | None = None
+    """Extra numbers the mode reports after the run (e.g. CPU step time)."""
+    notes: dict[str, Any] = field(default_factory=dict)
