@@ -437,12 +437,15 @@ def train(cfg: Config) -> TrainResult:
                         metrics.write({"step": step, "val_loss": val})
                     t_log = time.perf_counter()  # evaluation time is not training throughput
 
+                # one reading of the flag decides both the save and the exit: a signal that lands between
+                # two readings must not stop the run without its checkpoint
+                stopping = stop.received is not None
                 if cfg.checkpoint.enabled and (
-                    (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last
+                    (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last or stopping
                 ):
                     save(step)
                     t_log = time.perf_counter()
-                if stop.received is not None:
+                if stopping:
                     result.interrupted = True
                     log.warning("stopped by signal at step %d; continue with --resume", step)
                     break
