@@ -480,9 +480,3 @@ def _progress_bar(cfg: Config, step: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=cfg.train.steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
-
-
-def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
-    """A copy of ``cfg`` with fields of its sections replaced, e.g. ``with_overrides(c, train={"steps": 5})``."""
-    changes = {name: replace(getattr(cfg, name), **values) for name, values in sections.items()}
-    return replace(cfg, **changes)
