@@ -146,6 +146,8 @@ class OptimizerSection:
     """Share of parameter bytes whose fp32 master and optimizer state live in pinned host memory."""
     offload_gradients: bool = False
     """Free GPU gradients once copied to the host (only with offload_fraction > 0)."""
+    offload_late: bool = True
+    """Offload the last blocks' share (their CPU step hides under backward and the next forward), not the first."""
 
     def __post_init__(self) -> None:
         if self.lr < 0:

@@ -94,7 +94,8 @@ def test_accumulation_equals_one_big_batch(variable: bool, arch: str) -> None:
 
 # ---------------------------------------------------------------- resume
 @pytest.mark.parametrize("extra", [[], ["--model.arch", "gpt2", "--model.dropout", "0.1", "--data.num_workers", "1",
-                                        "--train.gradient_accumulation_steps", "2"]])
+                                        "--train.gradient_accumulation_steps", "2"],
+                                   ["--optimizer.offload_fraction", "0.5", "--train.gradient_accumulation_steps", "2"]])
 def test_resume_continues_the_exact_loss_curve(tmp_path: Path, extra: list[str]) -> None:
     full, part = tmp_path / "full", tmp_path / "part"
     assert run(full, "--steps", "20", *extra) == 0

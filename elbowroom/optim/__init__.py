@@ -23,6 +23,7 @@ def build_optimizer(
     fused: bool | None,
     offload_fraction: float,
     offload_gradients: bool,
+    offload_params: Iterable[torch.Tensor] | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW for the trainer: torch's own when nothing is offloaded, else a :class:`CPUOffloadOptimizer`.
 
@@ -35,6 +36,8 @@ def build_optimizer(
         fused: use fused kernels (None: the optimizer's choice; the offloaded optimizer picks fused ones).
         offload_fraction: share of the parameter bytes whose state lives on the host, in [0, 1].
         offload_gradients: free device gradients of offloaded parameters once copied to the host.
+        offload_params: the parameters to offload instead of the first ``offload_fraction`` (e.g.
+            ``last_fraction(model.parameters(), f)``); ``offload_fraction`` is then ignored.
 
     Returns:
         ``torch.optim.AdamW`` if ``offload_fraction == 0`` and not ``offload_gradients``, else
@@ -47,6 +50,11 @@ def build_optimizer(
         kwargs["fused"] = fused
     if offload_fraction == 0 and not offload_gradients:
         return torch.optim.AdamW(params, **kwargs)
+    if offload_params is not None:
+        return CPUOffloadOptimizer(
+            params, torch.optim.AdamW, offload_params=list(offload_params), offload_gradients=offload_gradients,
+            **kwargs,
+        )
     return CPUOffloadOptimizer(
         params,
         torch.optim.AdamW,

@@ -106,8 +106,10 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
     groups = param_groups(model, o.weight_decay)
     if o.offload_fraction > 0 or o.offload_gradients:
         from elbowroom.optim import build_optimizer as build_offload
+        from elbowroom.optim import last_fraction
 
-        return build_offload(
+        late = o.offload_late and o.offload_fraction < 1.0
+        opt = build_offload(
             groups,
             lr=o.lr,
             weight_decay=o.weight_decay,
@@ -116,7 +118,12 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
             fused=o.fused,
             offload_fraction=o.offload_fraction,
             offload_gradients=o.offload_gradients,
+            offload_params=last_fraction(list(model.parameters()), o.offload_fraction) if late else None,
         )
+        # step() returns at once; each block waits for its own updated weights in the next forward, so
+        # the CPU step of the late blocks hides behind the forward of the early ones even with clipping
+        opt.overlap_with_forward(model)
+        return opt
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=o.fused or None)
 
 
@@ -359,6 +366,8 @@ def train(cfg: Config) -> TrainResult:
     progress = _progress_bar(cfg, step)
 
     def save(at: int) -> None:
+        if hasattr(optimizer, "wait_for_weights"):
+            optimizer.wait_for_weights()  # host wait: the CPU step of the offloaded weights must have landed
         state = {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
