@@ -353,6 +353,7 @@ def train(cfg: Config) -> TrainResult:
     n_params = count_params(model)
     flops_tok = flops_per_token(model_cfg, seq_len)
     peak = peak_flops(device) if amp_dtype != torch.float32 else None
+    log.info("run directory %s", out)
     log.info(
         "model %s/%s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d steps of %d x %d x %d tokens",
         model_cfg.arch, cfg.model.preset, n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
