@@ -312,8 +312,8 @@ def train(cfg: Config) -> TrainResult:
         else:
             saved_model = loaded.meta.get("model")
             if saved_model != model_cfg.to_dict():
-                diff = {k: (saved_model.get(k), v) for k, v in model_cfg.to_dict().items()
-                        if saved_model is None or saved_model.get(k) != v}
+                saved_model = saved_model or {}
+                diff = {k: (saved_model.get(k), v) for k, v in model_cfg.to_dict().items() if saved_model.get(k) != v}
                 raise CheckpointError(
                     f"checkpoint {loaded.path} was written for another model (checkpoint vs now: {diff}); "
                     "resume with the same --model settings, or start a new run with another --out"
