@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from activation_modules import NestedCheckpoint
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -219,23 +220,10 @@ def test_custom_policy_callable_and_op_list() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-class _Nested(nn.Module):
-    """A block that checkpoints a piece of itself: nested checkpoint regions."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.utils.checkpoint.checkpoint(lambda t: F.dropout(self.a(t).tanh(), 0.2), x, use_reentrant=False)
-        return self.b(h).sigmoid() * x
-
-
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_nested_checkpoint_regions(mode: str) -> None:
     torch.manual_seed(0)
-    m = _Nested()
+    m = NestedCheckpoint()
     x = torch.randn(5, 16, requires_grad=True)
 
     def run() -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from activation_modules import NestedCheckpoint
 
 import elbowroom
 from elbowroom.activations import BlockPolicy, OffloadEngine, _wrap, apply_block_policies, offload_module
@@ -206,23 +207,10 @@ def test_in_place_on_model_output_after_forward_raises() -> None:
         loss.backward()
 
 
-class CkptInside(nn.Module):
-    """Nested checkpoint regions inside a block that is itself checkpointed and offloaded."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.utils.checkpoint.checkpoint(lambda t: F.dropout(self.a(t).tanh(), 0.2), x, use_reentrant=False)
-        return self.b(h).sigmoid() * x
-
-
 @pytest.mark.parametrize("mode", [None, "full", "selective"])
 def test_nested_checkpoint_with_offload(mode: str | None) -> None:
     torch.manual_seed(0)
-    m = CkptInside()
+    m = NestedCheckpoint()
     leaf = torch.randn(8, 16, requires_grad=True)
     wrapped = nn.Sequential(nn.Identity(), m)  # the block's input is an activation, not a leaf
     wrapped[0].forward = lambda t: t * 1.0

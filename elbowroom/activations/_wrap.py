@@ -110,22 +110,22 @@ def _release_if_empty(module: nn.Module) -> None:
 
 def set_recompute(module: nn.Module, spec: RecomputeSpec | None) -> None:
     """Set (or clear, with None) how ``module`` recomputes."""
-    if spec is None:
-        if get_policy(module) is not None:
-            get_policy(module).recompute = None
-            _release_if_empty(module)
-        return
-    _ensure(module).recompute = spec
+    _set(module, "recompute", spec)
 
 
 def set_offload(module: nn.Module, spec: OffloadSpec | None) -> None:
     """Set (or clear, with None) how ``module`` offloads."""
-    if spec is None:
-        if get_policy(module) is not None:
-            get_policy(module).offload = None
-            _release_if_empty(module)
+    _set(module, "offload", spec)
+
+
+def _set(module: nn.Module, what: str, spec: Any) -> None:
+    if spec is not None:
+        setattr(_ensure(module), what, spec)
         return
-    _ensure(module).offload = spec
+    pol = get_policy(module)
+    if pol is not None:
+        setattr(pol, what, None)
+        _release_if_empty(module)
 
 
 def set_chain(module: nn.Module, chain: PrefetchChain | None, index: int = 0) -> None:
