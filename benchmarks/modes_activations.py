@@ -295,10 +295,28 @@ def trace(workload: str, mode: str, steps: int, path: str | None) -> dict[str, f
     return report
 
 
-def memline(workload: str, mode: str) -> dict[str, Any]:
+def _live_by_origin(snapshot: dict[str, Any], top: int = 14) -> list[tuple[float, int, str]]:
+    """Live device allocations of a memory snapshot grouped by where they were allocated: the innermost
+    frames in our code or the model's (torch internals skipped), largest groups first (GiB, count, where)."""
+    groups: dict[str, list[float]] = {}
+    for seg in snapshot.get("segments", []):
+        for blk in seg.get("blocks", []):
+            if blk.get("state") != "active_allocated":
+                continue
+            frames = [f for f in blk.get("frames", []) if "/torch/" not in f.get("filename", "")]
+            where = " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:3]) or "?"
+            g = groups.setdefault(where, [0.0, 0])
+            g[0] += blk.get("requested_size", blk["size"]) / 2**30
+            g[1] += 1
+    return sorted(((round(v[0], 3), int(v[1]), k) for k, v in groups.items()), reverse=True)[:top]
+
+
+def memline(workload: str, mode: str, snapshot_at: str | None = None) -> dict[str, Any]:
     """Where one warm step of ``mode`` reaches its peak: device memory at each block's forward end and
     backward start (a hook on the block's output gradient), with the peak of the stretch before it.
-    Reads the allocator's host-side counters only: no sync, nothing changes in the step."""
+    Reads the allocator's host-side counters only: no sync, nothing changes in the step. With
+    ``snapshot_at`` (a mark such as ``loss`` or ``f12``), also lists the live allocations at that mark of
+    the last step by where they were made (the allocator's history, recorded over all steps)."""
     import bench
     import torch.nn.functional as F
 
@@ -310,10 +328,16 @@ def memline(workload: str, mode: str) -> dict[str, Any]:
     setup = MODES[mode](model, argparse.Namespace(steps=1)) if mode in MODES else bench.MODES[mode](model, None)
     idx = torch.randint(0, cfg.vocab_size, (bsz, seq), device="cuda")
     marks: list[tuple[str, float, float]] = []
+    live: list[Any] = []
+    last = [False]
+    if snapshot_at:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
 
     def mark(name: str) -> None:
         marks.append((name, torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30))
         torch.cuda.reset_peak_memory_stats()
+        if snapshot_at == name and last[0]:
+            live.extend(_live_by_origin(torch.cuda.memory._snapshot()))
 
     def fwd_hook(i: int):
         def hook(mod: Any, inp: Any, out: torch.Tensor) -> None:
@@ -324,7 +348,8 @@ def memline(workload: str, mode: str) -> dict[str, Any]:
         return hook
 
     handles = [blk.register_forward_hook(fwd_hook(i)) for i, blk in enumerate(model.blocks)]
-    for _ in range(3):  # the last one is reported: the first grows the pinned pool
+    for it in range(3):  # the last one is reported: the first grows the pinned pool
+        last[0] = it == 2
         marks.clear()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -341,9 +366,14 @@ def memline(workload: str, mode: str) -> dict[str, Any]:
         mark("opt_end")
     for h in handles:
         h.remove()
+    if snapshot_at:
+        torch.cuda.memory._record_memory_history(enabled=None)
     top = sorted(marks, key=lambda m: -m[2])[:6]
-    return {"mode": mode, "peak_before": [(n, round(p, 2)) for n, _, p in top],
-            "line": " ".join(f"{n}:{a:.1f}/{p:.1f}" for n, a, p in marks)}
+    out = {"mode": mode, "peak_before": [(n, round(p, 2)) for n, _, p in top],
+           "line": " ".join(f"{n}:{a:.1f}/{p:.1f}" for n, a, p in marks)}
+    if snapshot_at:
+        out["live_at_" + snapshot_at] = live
+    return out
 
 
 def main() -> None:
@@ -354,12 +384,14 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
     ap.add_argument("--memline", action="store_true",
                     help="instead: device memory per block in forward and backward, and where the peak is")
+    ap.add_argument("--snapshot-at", default=None,
+                    help="with --memline: list live allocations by origin at this mark (e.g. loss, f12)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import json
 
     if args.memline:
-        print(json.dumps(memline(args.workload, args.mode)))
+        print(json.dumps(memline(args.workload, args.mode, args.snapshot_at), indent=1))
         return
     print(json.dumps(trace(args.workload, args.mode, args.steps, args.trace)))
 

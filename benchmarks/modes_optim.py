@@ -18,6 +18,10 @@ step pre-hook, as a training run would):
 - ``er_optim_late<F>_fwd``: the same with ``overlap_with_forward(model)``: ``step()`` returns at once and
   each block waits for its own weights in the next forward (hides the CPU step of the late blocks behind
   the forward of the early ones, also when clipping makes the CPU step wait for the whole backward).
+- ``er_optim_bf16_late<F>[_fwd]``, ``er_optim_bf16_grads_late<F>_fwd``: the same with
+  ``param_dtype=torch.bfloat16``: the offloaded parameters live on the GPU in bf16 (fp32 masters on the host),
+  so they and their gradients take half the device memory and half the link.
+- ``ELBOWROOM_BENCH_CKPT_BLOCKS=K`` makes ``+ckpt`` checkpoint only the first K blocks (memory for speed).
 - ``plain+clip``: the plain fused AdamW baseline with the same clipping.
 - ``...+nocache`` (after ``+ckpt``): bf16 autocast without its weight cache. With per-block checkpoint
   the cache keeps a bf16 copy of every fp32 weight from its first use to the end of forward (2 B/param:
@@ -133,10 +137,18 @@ def _late_fraction(args: Any) -> float:
 
 
 def _ours(
-    model: torch.nn.Module, args: Any, *, late: float | None = None, offload_gradients: bool = False, lazy: bool = False
+    model: torch.nn.Module,
+    args: Any,
+    *,
+    late: float | None = None,
+    offload_gradients: bool = False,
+    lazy: bool = False,
+    bf16: bool = False,
 ) -> Any:
     params = list(model.parameters())
     kwargs: dict[str, Any] = {"lr": 1e-4, "fused": True, "offload_gradients": offload_gradients}
+    if bf16:
+        kwargs["param_dtype"] = torch.bfloat16
     if late is not None:
         kwargs["offload_params"] = last_fraction(params, late)
     threads = os.environ.get("ELBOWROOM_BENCH_CPU_THREADS")
@@ -148,12 +160,21 @@ def _ours(
         opt.overlap_with_forward(model)  # the next forward waits per module, not step()
     accum = _accum(args)
     context = _MicroBatches(opt, accum) if accum > 1 else contextlib.nullcontext
-    return _bench().Setup(opt, context=context, stats=_stats(opt, rss0), notes={"late_fraction": late})
+    notes = {"late_fraction": late, "param_dtype": "bf16" if bf16 else "fp32"}
+    return _bench().Setup(opt, context=context, stats=_stats(opt, rss0), notes=notes)
 
 
 def _with_ckpt(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.nn.Module, Any], Any]:
     def setup(model: torch.nn.Module, args: Any) -> Any:
-        _bench().setup_torch_ckpt(model, args)  # wraps each block in torch's non-reentrant checkpoint
+        k = os.environ.get("ELBOWROOM_BENCH_CKPT_BLOCKS")
+        if k is None:
+            _bench().setup_torch_ckpt(model, args)  # wraps each block in torch's non-reentrant checkpoint
+        else:
+            from torch.utils.checkpoint import checkpoint
+
+            for blk in list(model.blocks)[: int(k)]:  # the first K blocks only: the rest keep their activations
+                orig = blk.forward
+                blk.forward = lambda x, _orig=orig: checkpoint(_orig, x, use_reentrant=False)
         return make(model, args)
 
     return setup
@@ -210,6 +231,11 @@ for _f in LATE_FRACTIONS:
     _BASE[f"er_optim_grads_late{_f:g}"] = lambda m, a, _f=_f: _ours(m, a, late=_f, offload_gradients=True)
     _BASE[f"er_optim_grads_late{_f:g}_fwd"] = lambda m, a, _f=_f: _ours(
         m, a, late=_f, offload_gradients=True, lazy=True
+    )
+    _BASE[f"er_optim_bf16_late{_f:g}"] = lambda m, a, _f=_f: _ours(m, a, late=_f, bf16=True)
+    _BASE[f"er_optim_bf16_late{_f:g}_fwd"] = lambda m, a, _f=_f: _ours(m, a, late=_f, lazy=True, bf16=True)
+    _BASE[f"er_optim_bf16_grads_late{_f:g}_fwd"] = lambda m, a, _f=_f: _ours(
+        m, a, late=_f, offload_gradients=True, lazy=True, bf16=True
     )
 _BASE["er_optim_late_fwd"] = lambda m, a: _ours(m, a, late=_late_fraction(a), lazy=True)
 

@@ -148,6 +148,9 @@ class OptimizerSection:
     """Free GPU gradients once copied to the host (only with offload_fraction > 0)."""
     offload_late: bool = True
     """Offload the last blocks' share (their CPU step hides under backward and the next forward), not the first."""
+    offload_param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """GPU dtype of the offloaded parameters: bfloat16 halves their GPU memory and link bytes (fp32 masters stay
+    on the host; needs train.dtype bf16)."""
 
     def __post_init__(self) -> None:
         if self.lr < 0:
@@ -158,6 +161,11 @@ class OptimizerSection:
             raise ConfigError(f"optimizer.betas must each be in [0, 1), got {self.betas}")
         if not 0.0 <= self.offload_fraction <= 1.0:
             raise ConfigError(f"optimizer.offload_fraction must be in [0, 1], got {self.offload_fraction}")
+        if self.offload_param_dtype != "float32" and self.offload_fraction == 0.0:
+            raise ConfigError(
+                "optimizer.offload_param_dtype needs optimizer.offload_fraction > 0 (it applies to offloaded "
+                "parameters only)"
+            )
         if self.offload_gradients and self.offload_fraction == 0.0:
             raise ConfigError(
                 "optimizer.offload_gradients needs optimizer.offload_fraction > 0 (nothing is offloaded at 0)"

@@ -555,6 +555,110 @@ def test_master_weights_bf16() -> None:
         torch.testing.assert_close(sd["state"][i]["master_weight"].cpu(), w, atol=0, rtol=0)
 
 
+def _bf16_reference(m: nn.Module, late: list[torch.Tensor]):
+    """A hand-written hybrid: ``late`` parameters kept in bf16 with fp32 masters stepped by fused AdamW, the rest
+    stepped in fp32; returns a step function."""
+    late_ids = {id(p) for p in late}
+    pairs = []
+    for p in m.parameters():
+        if id(p) in late_ids and p.dim() >= 2:  # matrices only: vectors keep fp32
+            w = p.detach().clone()  # the fp32 value before the cast is the master
+            p.data = p.data.bfloat16()
+            pairs.append((p, w))
+    cast = {id(p) for p, _ in pairs}
+    early = [p for p in m.parameters() if id(p) not in cast]
+    o_early = torch.optim.AdamW(early, lr=1e-2, fused=True)
+    o_late = torch.optim.AdamW([w for _, w in pairs], lr=1e-2, fused=True)
+
+    def step() -> None:
+        for p, w in pairs:
+            w.grad = p.grad.float()
+        o_early.step()
+        o_late.step()
+        with torch.no_grad():
+            for p, w in pairs:
+                p.copy_(w)
+        for p in m.parameters():
+            p.grad = None
+
+    return step, pairs
+
+
+def _autocast_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return loss_of(m, x).float()
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_param_dtype_casts_offloaded_params(offload_gradients: bool) -> None:
+    # param_dtype=bf16: the offloaded parameters become bf16 on the device (same Parameter objects), their
+    # fp32 values become host masters; equal (bitwise) to a hand-written bf16-params + fp32-masters loop
+    m1, m2 = make_model(), make_model()
+    p1 = list(m1.parameters())
+    late1 = last_fraction(p1, 0.5)
+    original = [p.detach().clone() for p in p1]
+    o1 = CPUOffloadOptimizer(
+        p1, offload_params=late1, param_dtype=torch.bfloat16, offload_gradients=offload_gradients, lr=1e-2
+    )
+    late_ids = {id(p) for p in late1}
+    bf16 = [id(p) in late_ids and p.dim() >= 2 for p in p1]
+    assert [p.dtype for p in m1.parameters()] == [torch.bfloat16 if b else torch.float32 for b in bf16]
+    assert list(m1.parameters()) == p1  # cast in place: the module still holds the same Parameter objects
+    for hp in o1._hps:
+        if bf16[hp.index]:  # the cast ones' masters hold the full-precision values (the others re-read theirs)
+            torch.testing.assert_close(hp.master, original[hp.index], atol=0, rtol=0)
+    step2, pairs = _bf16_reference(m2, last_fraction(list(m2.parameters()), 0.5))
+    for x in batches(5):
+        _autocast_loss(m1, x).backward()
+        o1.step()
+        o1.zero_grad()
+        _autocast_loss(m2, x).backward()
+        step2()
+    assert_same(m1, m2)
+    sd = o1.state_dict()
+    masters = iter(w for _, w in pairs)
+    for i, is_bf16 in enumerate(bf16):
+        if is_bf16:
+            torch.testing.assert_close(sd["state"][i]["master_weight"], next(masters), atol=0, rtol=0)
+        else:
+            assert "master_weight" not in sd["state"][i]
+    # host memory: 12 B per offloaded parameter plus bounded staging (bf16 host gradient: +2)
+    st = o1.stats()
+    staging = st["staging_bytes"] + st["scratch_bytes"]
+    extra = 2 * st["offloaded_numel"] if offload_gradients else 0
+    state = st["host_bytes"] - staging - extra
+    assert state == pytest.approx(12 * st["offloaded_numel"], rel=0.05)
+
+
+def test_param_dtype_resumes_exactly() -> None:
+    # state_dict -> fresh model and optimizer with param_dtype: training continues on the same curve, because
+    # the fp32 masters travel in the state dict (the bf16 model weights alone would lose them)
+    data = batches(8)
+    m1 = make_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), offload_fraction=0.6, param_dtype=torch.bfloat16, lr=1e-2)
+    for x in data[:4]:
+        _autocast_loss(m1, x).backward()
+        o1.step()
+        o1.zero_grad()
+    msd, osd = copy.deepcopy(m1.state_dict()), copy.deepcopy(o1.state_dict())
+    m2 = make_model(seed=5)
+    o2 = CPUOffloadOptimizer(m2.parameters(), offload_fraction=0.6, param_dtype=torch.bfloat16, lr=1e-2)
+    m2.load_state_dict(msd)
+    o2.load_state_dict(osd)
+    for x in data[4:]:
+        for m, o in ((m1, o1), (m2, o2)):
+            _autocast_loss(m, x).backward()
+            o.step()
+            o.zero_grad()
+    assert_same(m1, m2)
+
+
+@pytest.mark.parametrize("bad", [torch.int8, "bfloat16", torch.bool])
+def test_param_dtype_rejects_non_float(bad) -> None:
+    with pytest.raises(ValueError, match="param_dtype must be a floating-point"):
+        CPUOffloadOptimizer(make_model().parameters(), param_dtype=bad, lr=1e-2)
+
+
 # ------------------------------------------------------------------------------------------ overlap with forward
 class _SlowAdamW(torch.optim.AdamW):
     """AdamW whose step takes a while: a forward that does not wait for its weights reads stale ones."""

@@ -280,6 +280,57 @@ def test_master_weights_bf16() -> None:
     assert_weights_close(net, ref_net)
 
 
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_param_dtype_bf16_hybrid(offload_gradients: bool) -> None:
+    # an fp32 net; param_dtype=bf16 casts the offloaded (late) parameters on the device and keeps their fp32
+    # values as host masters. Reference: the same cast by hand, fp32 masters stepped by the GPU's fused AdamW
+    gc.collect()
+    net, ref_net = seeded(BigNet)
+    late = last_fraction(list(net.parameters()), 0.6)
+    late_ids = {id(p) for p in late}
+    before = torch.cuda.memory_allocated()
+    opt = CPUOffloadOptimizer(
+        net.parameters(), offload_params=late, param_dtype=torch.bfloat16, offload_gradients=offload_gradients, lr=1e-4
+    )
+    torch.cuda.synchronize()
+    # the late parameters now take 2 bytes each on the device instead of 4
+    saved = sum(p.numel() * 2 for p in late if p.dim() >= 2)
+    assert before - torch.cuda.memory_allocated() >= 0.95 * saved
+    assert all((p.dtype == torch.bfloat16) == (id(p) in late_ids and p.dim() >= 2) for p in net.parameters())
+    ref_late = last_fraction(list(ref_net.parameters()), 0.6)
+    ref_ids = {id(p) for p in ref_late}
+    masters = {}
+    for p in ref_net.parameters():
+        if id(p) in ref_ids and p.dim() >= 2:
+            masters[p] = p.detach().clone()
+            p.data = p.data.bfloat16()
+    ref_early = torch.optim.AdamW([p for p in ref_net.parameters() if p not in masters], lr=1e-4, fused=True)
+    ref_masters = torch.optim.AdamW(list(masters.values()), lr=1e-4, fused=True)
+    for _ in range(5):
+        x = torch.randn(2, 3, 32, 32, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = net(x).float().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_loss = ref_net(x).float().sum()
+        ref_loss.backward()
+        for p, w in masters.items():
+            w.grad = p.grad.float()
+        ref_early.step()
+        ref_masters.step()
+        with torch.no_grad():
+            for p, w in masters.items():
+                p.copy_(w)
+        ref_net.zero_grad(set_to_none=True)
+    assert_weights_close(net, ref_net)
+    sd = opt.state_dict()
+    for i, w in enumerate(ref_net.parameters()):
+        if w in masters:
+            torch.testing.assert_close(sd["state"][i]["master_weight"].cuda(), masters[w], atol=1e-4, rtol=1e-3)
+
+
 def test_state_dict_round_trip_across_fractions() -> None:
     net, ref_net = seeded(LeNet)
     a = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, offload_fraction=1.0, lr=1e-3)

@@ -95,7 +95,9 @@ def test_accumulation_equals_one_big_batch(variable: bool, arch: str) -> None:
 # ---------------------------------------------------------------- resume
 @pytest.mark.parametrize("extra", [[], ["--model.arch", "gpt2", "--model.dropout", "0.1", "--data.num_workers", "1",
                                         "--train.gradient_accumulation_steps", "2"],
-                                   ["--optimizer.offload_fraction", "0.5", "--train.gradient_accumulation_steps", "2"]])
+                                   ["--optimizer.offload_fraction", "0.5", "--train.gradient_accumulation_steps", "2"],
+                                   ["--optimizer.offload_fraction", "0.5", "--optimizer.offload_param_dtype",
+                                    "bfloat16", "--train.dtype", "bf16"]])
 def test_resume_continues_the_exact_loss_curve(tmp_path: Path, extra: list[str]) -> None:
     full, part = tmp_path / "full", tmp_path / "part"
     assert run(full, "--steps", "20", *extra) == 0
@@ -197,6 +199,8 @@ def test_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
         (["--steps", "abc"], "train.steps expects an integer"),
         (["--data.path", "MISSING"], "does not exist"),
         (["--data.path", "EMPTY"], "empty"),
+        (["--optimizer.offload_fraction", "0.5", "--optimizer.offload_param_dtype", "bfloat16"],
+         "needs bf16 autocast: set --train.dtype bf16"),
     ],
 )
 def test_bad_input_messages(tmp_path: Path, capsys, args: list[str], message: str) -> None:

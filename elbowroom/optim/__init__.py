@@ -24,6 +24,7 @@ def build_optimizer(
     offload_fraction: float,
     offload_gradients: bool,
     offload_params: Iterable[torch.Tensor] | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW for the trainer: torch's own when nothing is offloaded, else a :class:`CPUOffloadOptimizer`.
 
@@ -38,6 +39,7 @@ def build_optimizer(
         offload_gradients: free device gradients of offloaded parameters once copied to the host.
         offload_params: the parameters to offload instead of the first ``offload_fraction`` (e.g.
             ``last_fraction(model.parameters(), f)``); ``offload_fraction`` is then ignored.
+        param_dtype: device dtype of the offloaded parameters (see :class:`CPUOffloadOptimizer`).
 
     Returns:
         ``torch.optim.AdamW`` if ``offload_fraction == 0`` and not ``offload_gradients``, else
@@ -49,16 +51,10 @@ def build_optimizer(
     if fused is not None:
         kwargs["fused"] = fused
     if offload_fraction == 0 and not offload_gradients:
+        if param_dtype is not None:
+            raise ValueError("param_dtype applies to offloaded parameters: set offload_fraction > 0")
         return torch.optim.AdamW(params, **kwargs)
+    kwargs.update(offload_gradients=offload_gradients, param_dtype=param_dtype)
     if offload_params is not None:
-        return CPUOffloadOptimizer(
-            params, torch.optim.AdamW, offload_params=list(offload_params), offload_gradients=offload_gradients,
-            **kwargs,
-        )
-    return CPUOffloadOptimizer(
-        params,
-        torch.optim.AdamW,
-        offload_fraction=offload_fraction,
-        offload_gradients=offload_gradients,
-        **kwargs,
-    )
+        return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_params=list(offload_params), **kwargs)
+    return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_fraction=offload_fraction, **kwargs)

@@ -690,8 +690,9 @@ class CPUOffloadOptimizer(Optimizer):
     gradient)``). ``offload_gradients=True`` adds a host gradient (4 more bytes per offloaded parameter,
     pinned, allocated at set-up): gradients leave the device at link speed, whatever the pace of the CPU
     step, and later micro-batches are added to it on the host. With ``master_weights=True`` and bf16
-    device parameters the device keeps 2 bytes per offloaded parameter and the host the same 12, plus a
-    second pinned staging pair for the bf16 weights on their way back.
+    device parameters (or ``param_dtype=torch.bfloat16``, which casts them) the device keeps 2 bytes per
+    offloaded parameter and its gradient, the host the same 12, plus a second pinned staging pair for the
+    bf16 weights on their way back; a host gradient is then 2 bytes.
 
     Limits: with DDP, gradients are final only after their all-reduce, which the post-accumulate-grad
     hooks do not wait for; use ``overlap=False`` there. A parameter read by backward after its own
@@ -715,6 +716,15 @@ class CPUOffloadOptimizer(Optimizer):
         master_weights: keep fp32 master weights for low-precision (bf16/fp16) parameters: on the host for
             offloaded ones (the device copy is updated by casting), on the device for the others. The
             masters start from the parameters' current values.
+        param_dtype: keep the offloaded weight matrices on the device in this dtype (e.g. ``torch.bfloat16``):
+            each one's current (fp32) value becomes its host master, then the device copy is cast in place
+            (the same ``Parameter`` object). Vectors (norm weights, biases: tiny, and read by fp32 kernels)
+            keep their dtype. An embedding table cast this way returns ``param_dtype`` activations. The
+            matrices' device memory, their gradients and their bytes on the link halve; the model must run in
+            that dtype or under autocast. Gradients arrive and accumulate over micro-batches in
+            ``param_dtype``: under bf16 autocast a matmul weight's gradient is a bf16 value either way, so with
+            one micro-batch per step the update is the same; across micro-batches the sum is rounded to bf16.
+            Implies ``master_weights``.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``...).
 
     Raises:
@@ -746,6 +756,7 @@ class CPUOffloadOptimizer(Optimizer):
         offload_gradients: bool = False,
         offload_params: Callable[[torch.Tensor], bool] | Iterable[torch.Tensor] | None = None,
         master_weights: bool = False,
+        param_dtype: torch.dtype | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
@@ -758,12 +769,17 @@ class CPUOffloadOptimizer(Optimizer):
             raise ValueError(
                 "offload_params chooses the offloaded parameters itself; leave offload_fraction at its default"
             )
+        if param_dtype is not None and not (isinstance(param_dtype, torch.dtype) and param_dtype.is_floating_point):
+            raise ValueError(
+                f"param_dtype must be a floating-point torch.dtype such as torch.bfloat16, got {param_dtype!r}"
+            )
         self._ready = False
         self.optimizer_class = optimizer_class
         self.offload_fraction = float(offload_fraction)
         self.overlap = bool(overlap)
         self.offload_gradients = bool(offload_gradients)
-        self.master_weights = bool(master_weights)
+        self.param_dtype = param_dtype
+        self.master_weights = bool(master_weights) or param_dtype is not None
         self._offload_params = offload_params
         self.sync_gradients = True
         """False while accumulating: the gradients of this backward are not the step's final ones."""
@@ -894,12 +910,16 @@ class CPUOffloadOptimizer(Optimizer):
         for j, p in enumerate(params):
             if id(p) in offloaded:
                 mdtype = torch.float32 if (self.master_weights and p.is_floating_point()) else p.dtype
-                same = mdtype == p.dtype
+                pd = self.param_dtype
+                cast = pd is not None and p.is_floating_point() and p.dim() >= 2 and p.dtype != pd
+                same = mdtype == p.dtype and not cast
                 # the master is the H2D source when dtypes match, so it is pinned; else a bf16 copy travels
                 master = self._host.empty(p.shape, mdtype, pinned=same)
                 if not same:
                     with torch.no_grad():
                         master.copy_(p.detach())  # host-device sync, at set-up only
+                if cast:
+                    self._cast_param(p)  # the master took the full-precision value first
                 hp = _HostParam(base + j, gi, p, master)
                 if self.offload_gradients:
                     # gradients leave the device at link speed, whatever the CPU step's pace: +4 B/param
@@ -915,6 +935,15 @@ class CPUOffloadOptimizer(Optimizer):
             for hp in host:
                 self._hp_of[hp.param] = hp
             self._make_buckets(host)
+
+    def _cast_param(self, p: torch.Tensor) -> None:
+        """Keep only a ``param_dtype`` copy of an offloaded parameter on the device (same Parameter object,
+        so modules, hooks and the caller's references stay valid)."""
+        assert self.param_dtype is not None
+        with torch.no_grad():
+            p.data = p.data.to(self.param_dtype)
+            if p.grad is not None:
+                p.grad = p.grad.to(self.param_dtype)
 
     def _add_device_params(self, gi: int, params: list[torch.Tensor]) -> None:
         inner_params = []
@@ -1618,6 +1647,7 @@ class CPUOffloadOptimizer(Optimizer):
         Returns:
             A dict: ``offloaded_params``, ``offloaded_numel``, ``device_numel``, ``host_bytes`` (masters,
             host optimizer state, staging, accumulators), ``pinned_bytes``, ``host_bytes_per_offloaded_param``,
+            ``staging_bytes`` and ``scratch_bytes`` (the bounded buffers),
             ``cpu_step_s`` (CPU time of the last step's host work), ``cpu_wait_s`` (time ``step()`` waited for
             it), ``hidden_fraction`` (1 - wait / CPU time: the share that ran behind other work),
             ``d2h_bytes``/``h2d_bytes`` of the last step, ``step_in_backward``, ``steps``.
@@ -1637,6 +1667,7 @@ class CPUOffloadOptimizer(Optimizer):
             "pinned_bytes": self._host.pinned_bytes,
             "host_bytes_per_offloaded_param": host_bytes / off if off else 0.0,
             "staging_bytes": self._slot_bytes * (self.num_staging_slots + len(engine.h2d_buffers)),
+            "scratch_bytes": _nbytes(engine.scratch) if engine.scratch is not None else 0,
             "step_in_backward": self.step_in_backward,
             "cpu_threads": engine.cpu_threads,
         }

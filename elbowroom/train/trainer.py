@@ -119,6 +119,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
             offload_fraction=o.offload_fraction,
             offload_gradients=o.offload_gradients,
             offload_params=last_fraction(list(model.parameters()), o.offload_fraction) if late else None,
+            param_dtype=torch.bfloat16 if o.offload_param_dtype == "bfloat16" else None,
         )
         # step() returns at once; each block waits for its own updated weights in the next forward, so
         # the CPU step of the late blocks hides behind the forward of the early ones even with clipping
@@ -258,6 +259,11 @@ def train(cfg: Config) -> TrainResult:
     _check_out_dir(out, cfg.resume)
     device = resolve_device(cfg.train.device)
     amp_dtype = resolve_dtype(cfg.train.dtype, device)
+    if cfg.optimizer.offload_param_dtype == "bfloat16" and amp_dtype != torch.bfloat16:
+        raise ConfigError(
+            "optimizer.offload_param_dtype bfloat16 keeps offloaded weights in bf16, which needs bf16 autocast: "
+            f"set --train.dtype bf16 (it resolves to {str(amp_dtype).removeprefix('torch.')} here)"
+        )
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
