@@ -303,7 +303,8 @@ def _live_by_origin(snapshot: dict[str, Any], top: int = 14) -> list[tuple[float
         for blk in seg.get("blocks", []):
             if blk.get("state") != "active_allocated":
                 continue
-            frames = [f for f in blk.get("frames", []) if "/torch/" not in f.get("filename", "")]
+            py = [f for f in blk.get("frames", []) if f.get("filename", "").endswith(".py")]
+            frames = [f for f in py if "/torch/" not in f["filename"]] or py
             where = " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:3]) or "?"
             g = groups.setdefault(where, [0.0, 0])
             g[0] += blk.get("requested_size", blk["size"]) / 2**30

@@ -174,6 +174,48 @@ def test_view_restored_with_its_own_size_stride_offset() -> None:
         torch.testing.assert_close(out, v, rtol=0, atol=0)
 
 
+class _ViewOfBuffer(torch.autograd.Function):
+    """Returns a view of a buffer it allocated (as a fused kernel that reshapes its output may): the output's
+    base is a tensor without grad_fn that only autograd keeps alive."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(x.numel() * 2, dtype=x.dtype)
+        buf[: x.numel()] = (x * 2).reshape(-1)
+        return buf[: x.numel()].view(x.shape)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+def test_tracked_view_of_an_untracked_buffer_is_offloaded() -> None:
+    # y is a view whose base has no grad_fn, but y itself is tracked: moving it frees the buffer, unlike a
+    # view of a weight or of an input batch (which the leaf rule keeps)
+    lin = nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def fwd() -> torch.Tensor:
+        y = _ViewOfBuffer.apply(lin(x))
+        assert y._base is not None and y._base.grad_fn is None and y.grad_fn is not None
+        return (y.t() @ y).tanh().sum()  # mm saves y and its transpose: one transfer
+
+    fwd().backward()
+    ref = [t.grad.clone() for t in (x, lin.weight)]
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    eng = engine()
+    with eng.group():
+        out = fwd()
+    out.backward()
+    assert_same([x.grad, lin.weight.grad], ref)
+    with eng.group() as g:
+        y = _ViewOfBuffer.apply(lin(x))
+        assert eng._pack(g, y, "saved") is not None  # offloaded (the rule for leaves' views kept it before)
+    weight_view = lin.weight.t()  # a view of a parameter: still kept
+    with eng.group() as g:
+        assert eng._pack(g, weight_view, "saved") is None
+
+
 @pytest.mark.parametrize("offloaded", [True, False], ids=["offloaded", "kept"])
 def test_in_place_after_save_raises_like_autograd(offloaded: bool) -> None:
     lin = nn.Linear(16, 16)

@@ -777,9 +777,11 @@ class OffloadEngine:
         if t.requires_grad and t.grad_fn is None:
             return False  # a leaf that requires grad: a parameter or an input, alive outside autograd
         base = t._base
-        if base is not None and base.grad_fn is None:
+        if base is not None and base.grad_fn is None and (base.requires_grad or t.grad_fn is None):
             # a view of a leaf: a transposed weight, a slice of an input, a buffer or a cached table.
-            # The leaf stays alive outside autograd, so moving the view would free nothing
+            # The leaf stays alive outside autograd, so moving the view would free nothing. (A tracked
+            # view of an untracked base is not one: a custom autograd Function that returns a view of a
+            # buffer it allocated, e.g. a fused kernel's output reshaped; only autograd keeps that alive.)
             return False
         fn = t.grad_fn if base is None else base.grad_fn
         if fn is not None and fn.name() == "ToCopyBackward0":

@@ -109,14 +109,18 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     xr = _as_rows(x)
     b, s, n, hd = xr.shape
-    y = torch.empty((b, s, n, hd), dtype=x.dtype, device=x.device)
+    # allocated in x's shape and returned as is: an autograd Function's output that is a view of an
+    # internal buffer has that untracked buffer as its base, which tools walking views (activation
+    # offload, checkpoint policies) take for a leaf
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = out.view(b, s, n, hd)
     import triton
 
     _triton_kernel()[(b * s,)](
         xr, y, cos, sin, s, n, xr.stride(0), xr.stride(1), xr.stride(2), y.stride(0), y.stride(1), y.stride(2),
         cos.stride(0), HALF=hd // 2, BLOCK_N=triton.next_power_of_2(n), SIGN=sign,
     )
-    return y.view(x.shape)
+    return out
 
 
 class _FusedRope(torch.autograd.Function):
