@@ -9,6 +9,9 @@ median step time over the timed steps (warm-up steps dropped), tokens/s, model T
 attention, as in DESIGN.md), MFU against the device's dense bf16 peak, peak GiB allocated, and tokens/s as a
 percentage of the first mode of the run (put `plain` first).
 
+Any mode + ``+fl``: the output head and cross-entropy computed chunk by chunk
+(``elbowroom.activations.linear_cross_entropy``: the logits never exist whole), e.g. ``torch_ckpt+fl``.
+
 Modes come from registries: the peers' and the trainer's below, ours from ``modes_activations.py`` and
 ``modes_optim.py`` beside this file. A mode is a function ``setup(model, args) -> Setup``.
 """
@@ -35,10 +38,12 @@ sys.path.insert(0, str(HERE.parent))
 
 from common import Setup  # noqa: E402
 
+from elbowroom.activations.loss import linear_cross_entropy  # noqa: E402
 from elbowroom.train.metrics import peak_flops  # noqa: E402
 from elbowroom.train.models import ModelConfig, build_model, count_params, flops_per_token  # noqa: E402
 
 # name -> (preset, batch, seq, gradient accumulation): the workloads of DESIGN.md
+FUSED_LOSS = "+fl"
 WORKLOADS: dict[str, tuple[str, int, int, int]] = {
     "w1": ("w1", 4, 4096, 1),
     "w2": ("w2", 1, 8192, 1),
@@ -175,7 +180,8 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     torch.manual_seed(0)
     cfg = model_config(preset, seq)
     model = build_model(cfg, device=device)
-    setup = MODES[name](model, args)
+    fused_loss = name.endswith(FUSED_LOSS)  # the head and loss chunk by chunk (linear_cross_entropy)
+    setup = MODES[name.removesuffix(FUSED_LOSS)](model, args)
     idx = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
     tgt = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -185,8 +191,11 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         t0 = time.perf_counter()
         for _ in range(accum):
             with amp, setup.context():
-                logits = model(idx)
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
+                if fused_loss:
+                    loss = linear_cross_entropy(model.hidden_states(idx), model.output.weight, tgt)
+                else:
+                    logits = model(idx)
+                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
             loss.backward()
         setup.optimizer.step()
         setup.optimizer.zero_grad(set_to_none=True)
@@ -309,7 +318,7 @@ def main() -> None:
     args = ap.parse_args()
     names = args.modes.split(",")
     for name in names:
-        if name not in MODES and name not in ("minimal", "trainer"):
+        if name.removesuffix(FUSED_LOSS) not in MODES and name not in ("minimal", "trainer"):
             raise SystemExit(f"unknown mode {name!r}; known: minimal, trainer, {', '.join(MODES)}")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"# {device}, torch {torch.__version__}", flush=True)

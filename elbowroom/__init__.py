@@ -16,6 +16,7 @@ _EXPORTS = {
     "checkpoint": "elbowroom.activations.checkpoint",
     "gradient_checkpointing_enable": "elbowroom.activations.checkpoint",
     "offload": "elbowroom.activations.offload",
+    "linear_cross_entropy": "elbowroom.activations.loss",
     "CPUOffloadOptimizer": "elbowroom.optim.offload",
     "ModelConfig": "elbowroom.train.models",
     "build_model": "elbowroom.train.models",

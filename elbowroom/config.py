@@ -112,12 +112,19 @@ class TrainSection:
     """Validation micro-batches per evaluation."""
     compile: bool = False
     """Wrap the model with torch.compile."""
+    fused_loss: bool = False
+    """Output head and cross-entropy chunk by chunk: the logits never exist whole (~tokens x vocab x 10 bytes less
+    peak memory, same FLOPs)."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms (CPU runs are deterministic regardless)."""
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ConfigError(f"train.steps must be >= 0, got {self.steps}")
+        if self.fused_loss and self.compile:
+            raise ConfigError(
+                "train.fused_loss runs outside torch.compile; drop one of --train.fused_loss, --train.compile"
+            )
         if self.gradient_accumulation_steps <= 0:
             raise ConfigError(
                 f"train.gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}"

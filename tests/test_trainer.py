@@ -318,6 +318,27 @@ def test_tensorboard_scalars(tmp_path: Path, monkeypatch) -> None:
     assert ("loss", train_losses(tmp_path / "run")[2], 2) in written
 
 
+@pytest.mark.parametrize("extra", [[], ["--data.variable_length", "--train.gradient_accumulation_steps", "2"]])
+def test_fused_loss_follows_the_plain_curve(tmp_path: Path, extra: list[str]) -> None:
+    """--train.fused_loss (head + cross-entropy chunk by chunk) gives the plain run's losses and grad norms,
+    also with padded variable-length batches (ignored targets) and accumulation."""
+    args = ["--steps", "6", *extra]
+    if extra:
+        text = tmp_path / "corpus.txt"
+        text.write_text("".join(("word " * (7 + 13 * i % 50)) + "\n\n" for i in range(300)))
+        assert main(["prepare", str(text), str(tmp_path / "c.bin"), "--no-progress"]) == 0
+        args += ["--data.path", str(tmp_path / "c.bin")]
+    assert run(tmp_path / "plain", *args) == 0
+    assert run(tmp_path / "fused", *args, "--train.fused_loss") == 0
+    a, b = train_losses(tmp_path / "plain"), train_losses(tmp_path / "fused")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-5)
+    ga = [r["grad_norm"] for r in rows(tmp_path / "plain") if "loss" in r]
+    gb = [r["grad_norm"] for r in rows(tmp_path / "fused") if "loss" in r]
+    assert gb == pytest.approx(ga, rel=1e-5)
+
+
 @pytest.mark.parametrize("extra", [[], ["--optimizer.offload_gradients"]])
 def test_offloaded_optimizer_follows_the_plain_curve(tmp_path: Path, extra: list[str]) -> None:
     """The trainer with half the optimizer offloaded (accumulation 2, clipping on) tracks the plain run."""

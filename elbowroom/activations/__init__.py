@@ -28,7 +28,8 @@ undoes everything.
 
 Single mechanisms by hand: :func:`checkpoint` (``elbowroom.checkpoint(block, "selective")``),
 :func:`gradient_checkpointing_enable`, :func:`offload` (``with elbowroom.offload(0.5, tag="blk"):``)
-and :func:`offload_module`.
+and :func:`offload_module`. The output head and the loss: :func:`linear_cross_entropy` computes
+``cross_entropy(head(h), targets)`` chunk by chunk, so the logits never exist whole.
 """
 
 from elbowroom.activations.checkpoint import (
@@ -39,6 +40,7 @@ from elbowroom.activations.checkpoint import (
     selective_policy,
     uncheckpoint,
 )
+from elbowroom.activations.loss import LinearCrossEntropy, linear_cross_entropy
 from elbowroom.activations.offload import OffloadEngine, OffloadStats, offload, offload_module
 from elbowroom.activations.policy import (
     ActivationConfig,
@@ -52,6 +54,7 @@ from elbowroom.activations.policy import (
 __all__ = [
     "ActivationConfig",
     "BlockPolicy",
+    "LinearCrossEntropy",
     "OffloadEngine",
     "OffloadStats",
     "apply_activation_policy",
@@ -61,6 +64,7 @@ __all__ = [
     "get_offload_engine",
     "gradient_checkpointing_disable",
     "gradient_checkpointing_enable",
+    "linear_cross_entropy",
     "offload",
     "offload_module",
     "remove_activation_policy",

@@ -213,6 +213,12 @@ class DecoderLM(nn.Module):
             self.rope._cast.clear()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits ``(b, s, vocab)`` for token ids ``(b, s)``."""
+        return self.output(self.hidden_states(idx))
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """The normalised last hidden states ``(b, s, dim)``, the output head's input (for a fused head and
+        loss such as :func:`elbowroom.activations.linear_cross_entropy`)."""
         s = idx.shape[1]
         if s > self.config.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds max_seq_len {self.config.max_seq_len}")
@@ -223,7 +229,7 @@ class DecoderLM(nn.Module):
             x = F.dropout(x, self.config.dropout, True)
         for blk in self.blocks:
             x = blk(x)
-        return self.output(self.norm(x))
+        return self.norm(x)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> DecoderLM:

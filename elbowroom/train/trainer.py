@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from elbowroom.activations.loss import linear_cross_entropy
 from elbowroom.config import Config, ConfigError, to_dict, to_toml
 from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager
@@ -156,6 +157,7 @@ def accumulate_gradients(
     autocast: Any,
     scaler: Any = None,
     optimizer: Any = None,
+    fused_loss: bool = False,
 ) -> torch.Tensor:
     """Forward and backward over the micro-batches of one optimizer step; returns the step's loss (detached).
 
@@ -170,8 +172,12 @@ def accumulate_gradients(
     marks = getattr(optimizer, "accumulating", None)
     for i, b in enumerate(micro_batches):
         with autocast:
-            logits = model(b["input_ids"])
-        loss = token_loss_sum(logits, b["targets"]) / step_tokens
+            if fused_loss:  # the head and loss chunk by chunk: the logits never exist whole
+                h = model.hidden_states(b["input_ids"])
+                loss_sum = linear_cross_entropy(h, model.output.weight, b["targets"], reduction="sum")
+            else:
+                loss_sum = token_loss_sum(model(b["input_ids"]), b["targets"])
+        loss = loss_sum / step_tokens
         with marks(i < len(micro_batches) - 1) if marks is not None else contextlib.nullcontext():
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
@@ -394,7 +400,9 @@ def train(cfg: Config) -> TrainResult:
             while step < cfg.train.steps:
                 model.train()
                 micro = [next(batches) for _ in range(accum)]
-                loss_acc += accumulate_gradients(fwd_model, micro, autocast, scaler, optimizer)
+                loss_acc += accumulate_gradients(
+                    fwd_model, micro, autocast, scaler, optimizer, fused_loss=cfg.train.fused_loss
+                )
                 samples_seen += accum * bsz
                 tokens_since_log += sum(b["input_ids"].numel() for b in micro)
 
