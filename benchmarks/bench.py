@@ -205,6 +205,8 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     step_s = statistics.median(times[args.warmup :]) if len(times) > args.warmup else min(times)
     row = _row(name, workload, cfg, bsz * seq * accum, seq, step_s, device)
     row.update(loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), accum=accum)
+    if setup.notes:
+        row["notes"] = setup.notes
     if setup.stats is not None:
         row.update(setup.stats())
     del model, setup

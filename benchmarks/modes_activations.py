@@ -18,9 +18,9 @@ Modes (each wraps the model's blocks in place; nothing is entered per step):
   what they keep, ``inflight`` blocks' copies may run under later blocks' compute).
 - ``ours_selective_offload``: selective recompute everywhere, with ``ratio`` of the kept matmul and
   attention outputs (largest first) and the inputs of ``blocks`` blocks offloaded. Knobs:
-  ``ELBOWROOM_SEL_OFFLOAD="ratio=0.45,blocks=16,inflight=2,input=0,even=1"`` (the defaults) (blocks=-1: all but the
-  last; input=0 keeps the inputs on the device; even=1 spreads the offloading blocks over the model
-  instead of taking the first ones).
+  ``ELBOWROOM_SEL_OFFLOAD="ratio=0.45,blocks=16,inflight=2,input=0,even=1,whole=0"`` (the defaults) (blocks=-1:
+  all but the last; input=0 keeps the inputs on the device; even=1 spreads the offloading blocks over the
+  model instead of taking the first ones; whole=K keeps the last K blocks whole, recomputing nothing).
 
 Sizing the knobs (W1 on an H100): a block's forward takes ~5 ms and saves ~1.4 GB (selective keeps
 ~0.9 GB); the link moves ~55 GB/s one way, ~0.27 GB per block of forward. What a block offloads beyond
@@ -51,6 +51,7 @@ from elbowroom.activations import (  # noqa: E402
     apply_activation_policy,
     apply_block_policies,
     get_offload_engine,
+    linear_cross_entropy,
 )
 
 
@@ -124,19 +125,32 @@ def mix_plan(
 
 
 def selective_offload_plan(
-    n_blocks: int, *, ratio: float = 0.4, blocks: int = 16, offload_input: bool = True, even: bool = False
+    n_blocks: int,
+    *,
+    ratio: float = 0.4,
+    blocks: int = 16,
+    offload_input: bool = True,
+    even: bool = False,
+    whole: int = 0,
 ) -> list[BlockPolicy]:
-    """Selective recompute everywhere; ``blocks`` blocks (-1: all but the last) offload ``ratio`` of their kept
+    """Selective recompute everywhere but the last ``whole`` blocks (kept whole: needed first in backward, they
+    recompute nothing); ``blocks`` of the selective blocks (-1: all) offload ``ratio`` of their kept
     matmul/attention outputs (largest first) and, with ``offload_input``, their inputs. They are the first
-    ones, or with ``even`` spread evenly over all but the last block (so that each block's copies have the
+    ones, or with ``even`` spread evenly over the selective blocks (so that each block's copies have the
     next blocks' compute to hide under: a selective forward is short)."""
-    k = n_blocks - 1 if blocks < 0 else min(blocks, n_blocks - 1)
-    chosen = set(spread(k, n_blocks - 1)) if even else set(range(k))
-    return [
-        BlockPolicy("selective", offload_ratio=ratio, offload_input=offload_input) if i in chosen
-        else BlockPolicy("selective")
-        for i in range(n_blocks)
-    ]
+    whole = max(1, min(whole, n_blocks)) if whole else 0
+    n_sel = n_blocks - max(whole, 1)  # the last block never offloads (backward needs it first)
+    k = n_sel if blocks < 0 else min(blocks, n_sel)
+    chosen = set(spread(k, n_sel)) if even else set(range(k))
+    plan = []
+    for i in range(n_blocks):
+        if i >= n_blocks - whole:
+            plan.append(BlockPolicy())
+        elif i in chosen:
+            plan.append(BlockPolicy("selective", offload_ratio=ratio, offload_input=offload_input))
+        else:
+            plan.append(BlockPolicy("selective"))
+    return plan
 
 
 def setup_ours_ckpt(model: torch.nn.Module, args: Any) -> Setup:
@@ -181,9 +195,10 @@ def setup_ours_selective_offload(model: torch.nn.Module, args: Any) -> Setup:
     # defaults: the down-projection-sized w13 output (ratio 0.45 of what a block keeps) of 16 blocks spread
     # evenly, inputs kept: ~6 GB, what the link carries in a selective forward. W1 (H100): 90.9% of plain at
     # 38.3 GiB; blocks=-1 (8.6 GB) reaches 36.2 GiB but at 80.2% (the forward waits for the link)
-    k = _knobs("ELBOWROOM_SEL_OFFLOAD", {"ratio": 0.45, "blocks": 16, "inflight": 2, "input": 0, "even": 1})
+    k = _knobs("ELBOWROOM_SEL_OFFLOAD",
+               {"ratio": 0.45, "blocks": 16, "inflight": 2, "input": 0, "even": 1, "whole": 0})
     plan = selective_offload_plan(len(model.blocks), ratio=k["ratio"], blocks=int(k["blocks"]),
-                                  offload_input=bool(k["input"]), even=bool(k["even"]))
+                                  offload_input=bool(k["input"]), even=bool(k["even"]), whole=int(k["whole"]))
     apply_block_policies(model, plan, max_inflight_regions=int(k["inflight"]))
     return _setup(model, args, notes={"selective_offload": k})
 
@@ -254,10 +269,19 @@ def overlap_report(events: list[Any], d2h_bytes: int, h2d_bytes: int) -> dict[st
     return out
 
 
-def trace(workload: str, mode: str, steps: int, path: str | None) -> dict[str, float]:
+def _loss(model: torch.nn.Module, idx: torch.Tensor, fused_loss: bool) -> torch.Tensor:
+    """The harness's loss on ``idx`` as its own targets: plain head + cross-entropy, or the fused one."""
+    import torch.nn.functional as F
+
+    if fused_loss:
+        return linear_cross_entropy(model.hidden_states(idx), model.output.weight, idx)
+    logits = model(idx)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), idx.view(-1))
+
+
+def trace(workload: str, mode: str, steps: int, path: str | None, fused_loss: bool = False) -> dict[str, float]:
     """Run ``steps`` warm steps of ``mode`` under the profiler; write a Chrome trace; report overlap."""
     import bench  # the harness beside this file: its workloads and model config
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
     from elbowroom.train.models import build_model
@@ -270,8 +294,8 @@ def trace(workload: str, mode: str, steps: int, path: str | None) -> dict[str, f
 
     def one_step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(idx)
-        F.cross_entropy(logits.float().view(-1, logits.size(-1)), idx.view(-1)).backward()
+            loss = _loss(model, idx, fused_loss)
+        loss.backward()
         setup.optimizer.step()
         setup.optimizer.zero_grad(set_to_none=True)
 
@@ -312,7 +336,7 @@ def _live_by_origin(snapshot: dict[str, Any], top: int = 14) -> list[tuple[float
     return sorted(((round(v[0], 3), int(v[1]), k) for k, v in groups.items()), reverse=True)[:top]
 
 
-def memline(workload: str, mode: str, snapshot_at: str | None = None) -> dict[str, Any]:
+def memline(workload: str, mode: str, snapshot_at: str | None = None, fused_loss: bool = False) -> dict[str, Any]:
     """Where one warm step of ``mode`` reaches its peak: device memory at each block's forward end and
     backward start (a hook on the block's output gradient), with the peak of the stretch before it.
     Reads the allocator's host-side counters only: no sync, nothing changes in the step. With
@@ -355,11 +379,14 @@ def memline(workload: str, mode: str, snapshot_at: str | None = None) -> dict[st
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         with torch.autocast("cuda", dtype=torch.bfloat16), setup.context():
-            logits = model(idx)
-            mark("logits")
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), idx.view(-1))
+            if fused_loss:
+                loss = linear_cross_entropy(model.hidden_states(idx), model.output.weight, idx)
+            else:
+                logits = model(idx)
+                mark("logits")
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), idx.view(-1))
+                del logits
             mark("loss")
-        del logits
         loss.backward()
         mark("backward_end")
         setup.optimizer.step()
@@ -387,14 +414,16 @@ def main() -> None:
                     help="instead: device memory per block in forward and backward, and where the peak is")
     ap.add_argument("--snapshot-at", default=None,
                     help="with --memline: list live allocations by origin at this mark (e.g. loss, f12)")
+    ap.add_argument("--fused-loss", action="store_true",
+                    help="the head and loss chunk by chunk (linear_cross_entropy), as the harness's +fl modes")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import json
 
     if args.memline:
-        print(json.dumps(memline(args.workload, args.mode, args.snapshot_at), indent=1))
+        print(json.dumps(memline(args.workload, args.mode, args.snapshot_at, args.fused_loss), indent=1))
         return
-    print(json.dumps(trace(args.workload, args.mode, args.steps, args.trace)))
+    print(json.dumps(trace(args.workload, args.mode, args.steps, args.trace, args.fused_loss)))
 
 
 if __name__ == "__main__":

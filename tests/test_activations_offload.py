@@ -8,11 +8,15 @@ prefetch order.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from activation_modules import NestedCheckpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import elbowroom
 from elbowroom.activations import BlockPolicy, OffloadEngine, _wrap, apply_block_policies, offload_module
@@ -608,11 +612,44 @@ def test_bad_offload_settings(call, match: str) -> None:  # noqa: ANN001
         call()
 
 
-def test_autocast_weight_casts_stay() -> None:
-    # autocast keeps its cast of each weight alive until the region exits: moving it would free nothing
+class CastSpy(TorchDispatchMode):
+    """Weak references to every bf16 cast of a (64, 64) tensor made while active (autocast's weight casts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16 and out.shape == (64, 64):
+            self.refs.append(weakref.ref(out))
+        return out
+
+    def alive(self) -> int:
+        return sum(r() is not None for r in self.refs)
+
+
+def autocast_grads(m: nn.Module, x: torch.Tensor, spy: CastSpy | None = None) -> tuple[list[torch.Tensor], int]:
+    """Gradients of a bf16-autocast step (cache on, backward outside autocast as in a training loop), and how
+    many weight casts were alive at the end of forward."""
+    m.zero_grad(set_to_none=True)
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with spy if spy is not None else contextlib.nullcontext():
+            out = m(x)
+        alive = spy.alive() if spy is not None else -1
+    out.float().square().sum().backward()
+    return [p.grad.clone() for p in m.parameters()] + [x.grad.clone()], alive
+
+
+def test_autocast_weight_casts_are_recast_not_kept_or_moved() -> None:
+    # a saved bf16 cast of a weight neither travels (it is no activation) nor stays: backward casts again,
+    # so it lives only while its op runs. Gradients are bit-identical to the plain autocast run.
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
     x = torch.randn(32, 64, requires_grad=True)
+    ref, alive_plain = autocast_grads(m, x, CastSpy())
+    assert alive_plain == 2  # plain autocast: both casts alive to the end of forward (cache and saved)
     eng = engine(keep_module=m, min_offload_bytes=0)
     offloaded: list[torch.Tensor] = []
     orig = eng._offload
@@ -623,7 +660,54 @@ def test_autocast_weight_casts_stay() -> None:
 
     eng._offload = spy
     offload_module(m, engine=eng)
+    got, alive = autocast_grads(m, x, CastSpy())
+    assert alive == 0
+    assert_same(got, ref)
+    assert offloaded and all(t.shape[0] == 32 for t in offloaded)  # activations only, no (64, 64) weight
+    assert eng.stats().recast == 3  # both weights, and the input's cast (a leaf too: alive anyway)
+
+
+def test_recast_refuses_a_parameter_changed_before_backward() -> None:
+    m = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)  # so that the weight's cast is saved (for x's gradient)
+    offload_module(m, engine=engine())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = m(x)
-    out.float().square().sum().backward()
-    assert offloaded and all(t.shape[0] == 32 for t in offloaded)  # activations only, no (64, 64) weight
+    with torch.no_grad():
+        m.weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified in place between forward and backward.*recast_parameter_casts"):
+        out.float().sum().backward()
+    # opting out keeps the cast (plain autograd's behaviour: the old cast is used)
+    eng = engine(recast_parameter_casts=False)
+    offload_module(m, engine=eng)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(x)
+    with torch.no_grad():
+        m.weight.mul_(0.5)
+    out.float().sum().backward()
+    assert eng.stats().recast == 0 and m.weight.grad is not None
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "offload"])
+def test_wrapped_blocks_keep_no_autocast_weight_cache(mode: str) -> None:
+    # autocast caches each weight's bf16 copy until forward ends; in a recomputed or offloaded block that copy
+    # is never used again, so the block runs with the cache off: no cast outlives its op, gradients unchanged
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(3)))
+    x = torch.randn(32, 64, requires_grad=True)
+    ref, alive_plain = autocast_grads(blocks, x, CastSpy())
+    assert alive_plain == 6
+    eng = engine()
+    for blk in blocks:
+        if mode == "offload":
+            offload_module(blk, engine=eng)
+        else:
+            elbowroom.checkpoint(blk, mode)
+    seen: list[bool] = []
+    blocks[1][1].register_forward_hook(lambda *_: seen.append(torch.is_autocast_cache_enabled()))
+    got, alive = autocast_grads(blocks, x, CastSpy())
+    assert alive == 0 and seen and not any(seen)  # forward (and the recompute, if any) ran without the cache
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        blocks(x)
+        assert torch.is_autocast_cache_enabled()  # restored outside the blocks

@@ -181,7 +181,7 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     region = (
         off.engine.group(off.tag, ratio=off.ratio, cache_ratio=off.cache_ratio) if off is not None else nullcontext()
     )
-    with region as group:
+    with region as group, _without_weight_cache(args):
         if chain is not None:
             chain.groups[pol.index] = group
         out = fn(*args, **kwargs) if rc is None else _checkpointed(fn, rc, group, args, kwargs)
@@ -192,6 +192,23 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             # so their host-to-device copy runs under this block's backward
             t.register_hook(_prefetch_hook(prev))
     return out
+
+
+def _without_weight_cache(args: tuple) -> Any:
+    """Autocast with its weight cache off for this block, when autocast is on for the block's device.
+
+    Autocast keeps the low-precision copy of every weight it casts until the outermost autocast region
+    exits, that is to the end of forward (W1: 2.5 GiB in bf16). A recomputed block casts again in backward and
+    an offload region drops saved casts (see ``recast_parameter_casts``), so that cache holds memory for
+    nothing: each weight is cast once per forward either way. Same dtype, same casts, same numerics.
+    """
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if x is None or not torch.is_autocast_cache_enabled():
+        return nullcontext()
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
+        return nullcontext()
+    return torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False)
 
 
 def _checkpointed(fn: Callable[..., Any], rc: RecomputeSpec, group: Any, args: tuple, kwargs: dict) -> Any:

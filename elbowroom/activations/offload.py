@@ -327,6 +327,53 @@ class _Kept:
         self.group = group
 
 
+class _Recast:
+    """What autograd holds for a dtype cast of a parameter (autocast's bf16 weight): the parameter and the
+    cast's layout. Unpacking casts again (W1: ~0.1 GB per block read as fp32, written as bf16, ~0.1 ms), so
+    the cast lives only while an op uses it, never from forward to backward."""
+
+    __slots__ = ("leaf", "dtype", "base_size", "base_stride", "size", "stride", "offset", "version", "group")
+
+    def __init__(self, leaf: torch.Tensor, base: torch.Tensor, t: torch.Tensor, group: OffloadGroup | None) -> None:
+        self.leaf = leaf  # a parameter: alive anyway, this reference extends nothing
+        self.dtype = base.dtype
+        self.base_size, self.base_stride = base.size(), base.stride()
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.version = leaf._version
+        self.group = group
+
+    def restore(self) -> torch.Tensor:
+        leaf = self.leaf
+        if leaf._version != self.version:
+            raise RuntimeError(
+                f"a parameter of shape {list(leaf.shape)} was modified in place between forward and backward; its "
+                f"{self.dtype} cast was saved for backward and elbowroom's activation offload casts it again when "
+                "backward needs it, which would use the new values. Run backward before changing parameters, or "
+                "make the engine with recast_parameter_casts=False to keep each cast on the device instead"
+            )
+        with torch.no_grad():
+            base = torch.empty_strided(self.base_size, self.base_stride, dtype=self.dtype, device=leaf.device)
+            base.copy_(leaf)
+            return base.as_strided(self.size, self.stride, self.offset)
+
+
+def _cast_source(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(leaf, cast)`` when ``t`` is, or views, a same-device dtype cast of a leaf that requires grad (a
+    parameter cast by autocast); else None."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return None
+    nxt = fn.next_functions
+    acc = nxt[0][0] if nxt else None
+    if acc is None or acc.name() != "torch::autograd::AccumulateGrad":
+        return None
+    leaf = acc.variable
+    if leaf.device != base.device or leaf.shape != base.shape or base.storage_offset() != 0:
+        return None
+    return leaf, base
+
+
 def _version_error(t: torch.Tensor, saved: int) -> RuntimeError:
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
@@ -583,6 +630,8 @@ class OffloadStats:
     """Saved tensors that stayed on the device (parameters, small, last block, ratio)."""
     pending: int
     """Transfers whose device memory is still held, waiting for the copy to finish."""
+    recast: int = 0
+    """Saved casts of parameters dropped in forward and cast again in backward."""
 
 
 class OffloadEngine:
@@ -604,6 +653,10 @@ class OffloadEngine:
             region's copies overlap more compute (useful when few regions offload a lot each).
         prefetch_window_bytes: how far ahead of backward a region is copied back: a block's region
             usually fits whole; a region around a whole model comes back piece by piece.
+        recast_parameter_casts: a saved dtype cast of a parameter (autocast's bf16 copy of a weight) is not
+            kept from forward to backward but cast again when backward needs it: it neither occupies the
+            device nor travels. Backward then raises if the parameter was modified in place since forward;
+            False keeps such casts on the device instead.
     """
 
     def __init__(
@@ -616,6 +669,7 @@ class OffloadEngine:
         chunk_bytes: int = _DEFAULT_CHUNK_BYTES,
         max_inflight_regions: int = 1,
         prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES,
+        recast_parameter_casts: bool = True,
         _cpu_event_delay: int = 0,
     ) -> None:
         if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
@@ -632,6 +686,7 @@ class OffloadEngine:
         if not isinstance(prefetch_window_bytes, int) or prefetch_window_bytes < 1:
             raise ValueError(f"prefetch_window_bytes must be a positive int, got {prefetch_window_bytes!r}")
         self.prefetch_window_bytes = prefetch_window_bytes
+        self.recast_parameter_casts = bool(recast_parameter_casts)
         self.device = torch.device(device) if device is not None else None
         self.min_offload_bytes = min_offload_bytes
         self.host_memory_limit_bytes = host_memory_limit_bytes
@@ -650,7 +705,9 @@ class OffloadEngine:
         self._next_id = 0
         self._pass_index = 0  # position of the current region in its forward pass
         self._warned: set[str] = set()
-        self._counters = dict(offloaded_bytes=0, offloaded_tensors=0, reloaded_bytes=0, deduplicated=0, kept=0)
+        self._counters = dict(
+            offloaded_bytes=0, offloaded_tensors=0, reloaded_bytes=0, deduplicated=0, kept=0, recast=0
+        )
 
     def __deepcopy__(self, memo: dict) -> OffloadEngine:
         # an engine is a shared resource (streams, pinned pool): copies of a model share it
@@ -792,9 +849,15 @@ class OffloadEngine:
                 return False
         return True
 
-    def _pack(self, group: OffloadGroup, t: torch.Tensor, kind: str) -> _Packed | None:
-        """Offload ``t`` (returns the handle) or decide it stays (returns None)."""
+    def _pack(self, group: OffloadGroup, t: torch.Tensor, kind: str) -> _Packed | _Recast | None:
+        """Offload ``t`` (returns the handle), drop it to be cast again (a parameter's cast), or decide it
+        stays (returns None)."""
         with torch.no_grad():
+            if self.recast_parameter_casts and type(t) is torch.Tensor and t.grad_fn is not None:
+                src = _cast_source(t)
+                if src is not None:
+                    self._counters["recast"] += 1
+                    return _Recast(src[0], src[1], t, group)
             if not self._eligible(t) or t.numel() == 0:
                 self._counters["kept"] += 1
                 return None
@@ -883,6 +946,10 @@ class OffloadEngine:
 
     # -- unpack --------------------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Recast):
+            if packed.group is not None:
+                packed.group.backward_reached()
+            return packed.restore()
         if isinstance(packed, _Kept):
             if packed.group is not None:
                 packed.group.backward_reached()
