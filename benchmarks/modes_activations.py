@@ -6,7 +6,8 @@ ours_offload_all,ours_offload_ckpt_inputs,ours_mix,ours_selective_offload
 
 Modes (each wraps the model's blocks in place; nothing is entered per step):
 - ``ours_ckpt`` / ``ours_selective``: our per-block full / selective recompute (parity with torch's).
-- ``ours_offload_all``: every block but the last offloads all it saves (the link-bound end).
+- ``ours_offload_all``: every block but the last offloads all it saves (the link-bound end). Knobs:
+  ``ELBOWROOM_OFFLOAD_ALL="window_mib=2048,inflight=1"`` (prefetch window per block, regions in flight).
 - ``ours_offload_everything``: ``ours_offload_all`` plus one outer region around the whole forward and
   loss (the harness's per-step context), so the last block, the LM head and the loss's saved logits go
   to host memory too, like ``save_on_cpu``; their copies back are exposed at the start of backward.
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import Setup  # noqa: E402
 
 from elbowroom.activations import (  # noqa: E402
+    ActivationConfig,
     BlockPolicy,
     apply_activation_policy,
     apply_block_policies,
@@ -164,8 +166,12 @@ def setup_ours_selective(model: torch.nn.Module, args: Any) -> Setup:
 
 
 def setup_ours_offload_all(model: torch.nn.Module, args: Any) -> Setup:
-    apply_activation_policy(model, offload_ratio=1.0)
-    return _setup(model, args)
+    # window_mib: how much of a block comes back ahead of its backward (the backward peak); inflight: blocks
+    # whose copies may run under later compute (the forward peak)
+    k = _knobs("ELBOWROOM_OFFLOAD_ALL", {"window_mib": 2048, "inflight": 1})
+    apply_block_policies(model, ActivationConfig(offload_ratio=1.0).block_policies(len(model.blocks)),
+                         max_inflight_regions=int(k["inflight"]), prefetch_window_bytes=int(k["window_mib"]) << 20)
+    return _setup(model, args, notes={"offload_all": k})
 
 
 def setup_ours_offload_everything(model: torch.nn.Module, args: Any) -> Setup:

@@ -778,7 +778,10 @@ class OffloadEngine:
         group._entries.clear()
         group._kept_ptrs.clear()
         self._open.discard(group.id)
-        self._release_before(group.id + 1 - self.max_inflight_regions)
+        if group.ratio > 0 or group.cache_ratio > 0:
+            # a region that offloads nothing (a kept block's) makes no stream wait: copies of the regions
+            # before it keep running under its compute
+            self._release_before(group.id + 1 - self.max_inflight_regions)
         self._poll()
 
     def _ratio_state(self, tag: Hashable, kind: str, ratio: float) -> _RatioState:
@@ -858,6 +861,9 @@ class OffloadEngine:
                 if src is not None:
                     self._counters["recast"] += 1
                     return _Recast(src[0], src[1], t, group)
+            if (group.ratio if kind == "saved" else group.cache_ratio) <= 0.0:
+                self._counters["kept"] += 1
+                return None  # a region that offloads nothing (a kept block's: it only recasts)
             if not self._eligible(t) or t.numel() == 0:
                 self._counters["kept"] += 1
                 return None

@@ -22,7 +22,12 @@ import torch.nn as nn
 
 from elbowroom.activations import _wrap
 from elbowroom.activations.checkpoint import CHECKPOINT_MODES, checkpoint, find_blocks, select_blocks, uncheckpoint
-from elbowroom.activations.offload import DEFAULT_MIN_OFFLOAD_BYTES, OffloadEngine, offload_module
+from elbowroom.activations.offload import (
+    DEFAULT_MIN_OFFLOAD_BYTES,
+    DEFAULT_PREFETCH_WINDOW_BYTES,
+    OffloadEngine,
+    offload_module,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +103,8 @@ class ActivationConfig:
     """Saved tensors smaller than this stay on the device."""
     keep_last: int = 1
     """The last blocks never offload (backward needs them first); at least 1."""
+    prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES
+    """Bytes of an offloaded block brought back ahead of its backward (less lowers the backward peak)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_blocks, list):
@@ -139,6 +146,10 @@ class ActivationConfig:
         if not _is_int(self.min_offload_bytes) or self.min_offload_bytes < 0:
             raise ValueError(
                 f"activations.min_offload_bytes must be a non-negative int, got {self.min_offload_bytes!r}"
+            )
+        if not _is_int(self.prefetch_window_bytes) or self.prefetch_window_bytes < 1:
+            raise ValueError(
+                f"activations.prefetch_window_bytes must be a positive int, got {self.prefetch_window_bytes!r}"
             )
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise ValueError(
@@ -211,6 +222,7 @@ def apply_activation_policy(model: nn.Module, config: ActivationConfig | None = 
         use_reentrant=cfg.use_reentrant,
         host_memory_limit_bytes=cfg.host_memory_limit_bytes,
         min_offload_bytes=cfg.min_offload_bytes,
+        prefetch_window_bytes=cfg.prefetch_window_bytes,
     )
 
 
@@ -223,8 +235,14 @@ def apply_block_policies(
     host_memory_limit_bytes: int | None = None,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     max_inflight_regions: int = 1,
+    prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES,
 ) -> nn.Module:
     """Give each block of ``model`` its own :class:`BlockPolicy`, in place.
+
+    In a plan that recomputes or offloads anything, the blocks kept whole still get a region of the engine
+    with nothing to offload: their saved weight casts (autocast's bf16 copies) are cast again in backward
+    instead of being held from forward (W1: ~0.1 GiB per block, ~0.1 ms to recast), and autocast's weight cache
+    is off inside every block of the plan. An all-default plan removes every wrapper.
 
     Args:
         model: a model with repeated blocks.
@@ -235,6 +253,9 @@ def apply_block_policies(
         min_offload_bytes: smallest tensor a new engine offloads.
         max_inflight_regions: blocks whose copies may still run while the next block computes (see
             :class:`~elbowroom.activations.offload.OffloadEngine`).
+        prefetch_window_bytes: how many bytes of an offloaded block travel back ahead of its backward (a new
+            engine's; less than a block's offloaded bytes lowers the peak in backward, and the link stays busy
+            as long as it exceeds the largest saved tensor).
 
     Returns:
         ``model`` itself.
@@ -258,14 +279,17 @@ def apply_block_policies(
             raise ValueError("selective checkpoint needs use_reentrant=False")
 
     remove_activation_policy(model)
+    if all(p == BlockPolicy() for p in plan):
+        return model  # nothing to recompute or offload: no wrapper at all
     offloads = any(p.offloads for p in plan)
-    if offloads and engine is None:
+    if engine is None:
         engine = OffloadEngine(
             device=_model_device(model),
             min_offload_bytes=min_offload_bytes,
             host_memory_limit_bytes=host_memory_limit_bytes,
             keep_module=model,
             max_inflight_regions=max_inflight_regions,
+            prefetch_window_bytes=prefetch_window_bytes,
         )
     chain = _wrap.PrefetchChain(n) if offloads else None
     for i, (blk, p) in enumerate(zip(blocks, plan)):
@@ -279,9 +303,12 @@ def apply_block_policies(
             else:  # what the hooks see of a checkpointed block is its input
                 in_ratio = 1.0 if p.offload_input or p.checkpoint == "full" else 0.0
             offload_module(blk, in_ratio, engine=engine, tag=tag, cache_ratio=p.offload_ratio)
+        elif p.checkpoint == "none":
+            # kept whole: a region that offloads nothing, so that its weight casts are recast in backward
+            _wrap.set_offload(blk, _wrap.OffloadSpec(engine, 0.0, 0.0, (type(blk).__qualname__, "kept")))
         if chain is not None:
             _wrap.set_chain(blk, chain, i)
-    model.__dict__[_STATE_ATTR] = (engine, tuple(plan))
+    model.__dict__[_STATE_ATTR] = (engine if offloads else None, tuple(plan))
     logger.info(
         "activation policy: %d checkpointed (%d selective), %d offloading of %d blocks",
         sum(p.checkpoint != "none" for p in plan), sum(p.checkpoint == "selective" for p in plan),
