@@ -354,3 +354,55 @@ def test_policy_recomputes_attention_only_when_it_has_dropout() -> None:
     assert draws_random_numbers(aten.native_dropout.default, (None, 0.1, True), {})
     assert not draws_random_numbers(aten.mm.default, (None, None), {})
     assert policy(None, aten.mm.default, None, None) == CheckpointPolicy.MUST_SAVE
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_selective_drops_a_last_kept_output_the_recompute_never_reads(arch: str, dropout: float, monkeypatch) -> None:  # noqa: ANN001
+    # the MLP's down projection output only feeds the residual add: kept by "keep every matmul", it is never
+    # read in the recompute (early stop ends before it), so it leaves the cache after forward. With dropout
+    # after it the recompute runs past it, and it stays. No extra matmul either way, gradients unchanged.
+    from elbowroom.activations import _wrap
+
+    dropped: list = []
+    drop = _wrap._KeptTail.drop
+
+    def spy(self) -> None:  # noqa: ANN001
+        drop(self)
+        dropped.append(self.dropped)
+
+    monkeypatch.setattr(_wrap._KeptTail, "drop", spy)
+    model = small_model(arch, dropout=dropout)
+    idx = batch()
+    ref = grads(model, idx)
+    checkpoint_blocks(model, "selective")
+
+    def step() -> None:
+        torch.manual_seed(1234)
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+
+    plain_flops = _flops(step)
+    dropped.clear()
+    assert_grads_close(grads(model, idx), ref)
+    last_mm = torch.ops.aten.mm.default if arch == "llama" else torch.ops.aten.addmm.default
+    n = len(model.blocks)
+    # per block: qkv, o, w13 / fc, w2 / proj -> the fourth matmul (index 3) is dropped
+    assert dropped == ([(last_mm, 3)] * n if dropout == 0.0 else [None] * n)
+    monkeypatch.setattr(_wrap._KeptTail, "drop", lambda self: None)
+    assert _flops(step) == plain_flops  # dropping it adds no recompute
+
+
+def test_dropped_tail_of_an_offloaded_selective_cache_is_never_brought_back() -> None:
+    from elbowroom.activations import BlockPolicy, apply_block_policies, get_offload_engine
+
+    model = small_model("llama", dropout=0.0)
+    idx = batch()
+    ref = grads(model, idx)
+    apply_block_policies(model, [BlockPolicy("selective", offload_ratio=1.0)] * 2 + [BlockPolicy()],
+                         min_offload_bytes=0)
+    for _ in range(2):
+        assert_grads_close(grads(model, idx), ref)
+    s = get_offload_engine(model).stats()
+    w2_out = idx.numel() * model.config.dim * 4  # the dropped output: (tokens, dim) fp32, one per block and step
+    assert s.offloaded_bytes - s.reloaded_bytes == 2 * 2 * w2_out
+    assert s.host_pool_in_use_bytes == 0

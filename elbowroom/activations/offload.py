@@ -596,6 +596,10 @@ class _CacheBucket:
         key = list(self._items)[index]
         return self._get(self._items.pop(key))
 
+    def discard_last(self) -> None:
+        """Forget the newest entry without bringing it back (its host slot is released)."""
+        self._items.pop(list(self._items)[-1])
+
 
 class _CacheStorage(dict):
     def __init__(self, group: OffloadGroup) -> None:
