@@ -22,6 +22,9 @@ step pre-hook, as a training run would):
   ``param_dtype=torch.bfloat16``: the offloaded parameters live on the GPU in bf16 (fp32 masters on the host),
   so they and their gradients take half the device memory and half the link.
 - ``ELBOWROOM_BENCH_CKPT_BLOCKS=K`` makes ``+ckpt`` checkpoint only the first K blocks (memory for speed).
+- ``...+eckpt``: elbowroom's own per-block recompute instead of torch's (``apply_block_policies``: the first K
+  blocks recompute, K from ``ELBOWROOM_BENCH_CKPT_BLOCKS``, default all; the blocks kept whole recast their
+  bf16 weight casts in backward and no block holds autocast's weight cache).
 - ``plain+clip``: the plain fused AdamW baseline with the same clipping.
 - ``...+nocache`` (after ``+ckpt``): bf16 autocast without its weight cache. With per-block checkpoint
   the cache keeps a bf16 copy of every fp32 weight from its first use to the end of forward (2 B/param:
@@ -180,6 +183,19 @@ def _with_ckpt(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.n
     return setup
 
 
+def _with_our_ckpt(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.nn.Module, Any], Any]:
+    def setup(model: torch.nn.Module, args: Any) -> Any:
+        from elbowroom.activations import BlockPolicy, apply_block_policies
+
+        n = len(model.blocks)
+        k = int(os.environ.get("ELBOWROOM_BENCH_CKPT_BLOCKS", n))
+        # the first K blocks recompute, the rest are kept whole (their weight casts recast, no autocast cache)
+        apply_block_policies(model, [BlockPolicy("full")] * k + [BlockPolicy()] * (n - k))
+        return make(model, args)
+
+    return setup
+
+
 def _with_clip(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.nn.Module, Any], Any]:
     def setup(model: torch.nn.Module, args: Any) -> Any:
         s = make(model, args)
@@ -245,6 +261,7 @@ for _name, _make in _BASE.items():
     MODES[f"{_name}+ckpt"] = _with_ckpt(_make)
     MODES[f"{_name}+clip"] = _with_clip(_make)
     MODES[f"{_name}+ckpt+clip"] = _with_clip(_with_ckpt(_make))
+    MODES[f"{_name}+eckpt"] = _with_our_ckpt(_make)
 MODES["plain+ckpt+clip"] = _with_clip(_with_ckpt(_plain))
 for _name in [n for n in MODES if n.endswith("+ckpt") or n.endswith("+ckpt+clip")]:
     _parts = _name.split("+")
