@@ -7,19 +7,20 @@ ours_offload_all,ours_offload_ckpt_inputs,ours_mix,ours_selective_offload
 Modes (each wraps the model's blocks in place; nothing is entered per step):
 - ``ours_ckpt`` / ``ours_selective``: our per-block full / selective recompute (parity with torch's).
 - ``ours_offload_all``: every block but the last offloads all it saves (the link-bound end). Knobs:
-  ``ELBOWROOM_OFFLOAD_ALL="window_mib=2048,inflight=1"`` (prefetch window per block, regions in flight).
+  ``ELBOWROOM_OFFLOAD_ALL="window_mib=384,inflight=1"`` (the defaults: prefetch window per block, regions in
+  flight).
 - ``ours_offload_everything``: ``ours_offload_all`` plus one outer region around the whole forward and
   loss (the harness's per-step context), so the last block, the LM head and the loss's saved logits go
   to host memory too, like ``save_on_cpu``; their copies back are exposed at the start of backward.
 - ``ours_offload_ckpt_inputs``: per-block checkpoint, and the input each block saves goes to host.
 - ``ours_mix``: per block, offload what the link hides, keep the last blocks whole, recompute (with
-  offloaded inputs) the rest. Knobs: ``ELBOWROOM_MIX="offload=0,keep=2,ratio=0.4,inflight=3,sel=2,
-  sel_ratio=1"`` (the defaults) (the first ``offload`` blocks offload ``ratio`` of their activations, the last ``keep``
-  blocks are kept whole, ``sel`` of the recomputed blocks are selective and offload ``sel_ratio`` of
-  what they keep, ``inflight`` blocks' copies may run under later blocks' compute).
+  offloaded inputs) the rest. Knobs: ``ELBOWROOM_MIX="offload=0,keep=6,ratio=0.4,inflight=3,sel=3,
+  sel_ratio=1"`` (the defaults, sized for W1) (the first ``offload`` blocks offload ``ratio`` of their
+  activations, the last ``keep`` blocks are kept whole, ``sel`` of the recomputed blocks are selective and
+  offload ``sel_ratio`` of what they keep, ``inflight`` blocks' copies may run under later blocks' compute).
 - ``ours_selective_offload``: selective recompute everywhere, with ``ratio`` of the kept matmul and
   attention outputs (largest first) and the inputs of ``blocks`` blocks offloaded. Knobs:
-  ``ELBOWROOM_SEL_OFFLOAD="ratio=0.45,blocks=16,inflight=2,input=0,even=1,whole=0"`` (the defaults) (blocks=-1:
+  ``ELBOWROOM_SEL_OFFLOAD="ratio=0.45,blocks=6,inflight=2,input=0,even=1,whole=2"`` (the defaults) (blocks=-1:
   all but the last; input=0 keeps the inputs on the device; even=1 spreads the offloading blocks over the
   model instead of taking the first ones; whole=K keeps the last K blocks whole, recomputing nothing).
 
@@ -168,7 +169,9 @@ def setup_ours_selective(model: torch.nn.Module, args: Any) -> Setup:
 def setup_ours_offload_all(model: torch.nn.Module, args: Any) -> Setup:
     # window_mib: how much of a block comes back ahead of its backward (the backward peak); inflight: blocks
     # whose copies may run under later compute (the forward peak)
-    k = _knobs("ELBOWROOM_OFFLOAD_ALL", {"window_mib": 2048, "inflight": 1})
+    # default: W1 (H100) measured 2048 MiB -> 23.46 GiB peak, 640 -> 22.66, 384 -> 22.47 at the same speed;
+    # 256 (below the largest saved tensor, 352 MiB) -> 21.94 GiB but ~2 points slower (one tensor in flight)
+    k = _knobs("ELBOWROOM_OFFLOAD_ALL", {"window_mib": 384, "inflight": 1})
     apply_block_policies(model, ActivationConfig(offload_ratio=1.0).block_policies(len(model.blocks)),
                          max_inflight_regions=int(k["inflight"]), prefetch_window_bytes=int(k["window_mib"]) << 20)
     return _setup(model, args, notes={"offload_all": k})
@@ -189,8 +192,8 @@ def setup_ours_offload_ckpt_inputs(model: torch.nn.Module, args: Any) -> Setup:
 
 
 def setup_ours_mix(model: torch.nn.Module, args: Any) -> Setup:
-    # defaults: the best measured on W1 (H100): 80.8% of plain at 26.5 GiB (offload=8 of 0.4: 79.8% at 32.7)
-    k = _knobs("ELBOWROOM_MIX", {"offload": 0, "keep": 2, "ratio": 0.4, "inflight": 3, "sel": 2, "sel_ratio": 1.0})
+    # defaults: the best measured on W1 (H100) with the fused loss: 83.0-85.4% of plain at 25.47 GiB (two calls)
+    k = _knobs("ELBOWROOM_MIX", {"offload": 0, "keep": 6, "ratio": 0.4, "inflight": 3, "sel": 3, "sel_ratio": 1.0})
     plan = mix_plan(len(model.blocks), offload=int(k["offload"]), keep=int(k["keep"]), ratio=k["ratio"],
                     sel=int(k["sel"]), sel_ratio=k["sel_ratio"])
     apply_block_policies(model, plan, max_inflight_regions=int(k["inflight"]))
@@ -198,11 +201,11 @@ def setup_ours_mix(model: torch.nn.Module, args: Any) -> Setup:
 
 
 def setup_ours_selective_offload(model: torch.nn.Module, args: Any) -> Setup:
-    # defaults: the down-projection-sized w13 output (ratio 0.45 of what a block keeps) of 16 blocks spread
-    # evenly, inputs kept: ~6 GB, what the link carries in a selective forward. W1 (H100): 90.9% of plain at
-    # 38.3 GiB; blocks=-1 (8.6 GB) reaches 36.2 GiB but at 80.2% (the forward waits for the link)
+    # defaults: the last 2 blocks whole, the w13 output (ratio 0.45 of what a block keeps) of 6 blocks spread
+    # evenly, inputs kept: ~2.3 GB on the link. W1 (H100, fused loss): 90.3-93.3% of plain at 34.96 GiB (two
+    # calls; selective alone 91.7-93.5% at 35.45). 16 blocks (~6 GB) fell to 86% once the forward got faster
     k = _knobs("ELBOWROOM_SEL_OFFLOAD",
-               {"ratio": 0.45, "blocks": 16, "inflight": 2, "input": 0, "even": 1, "whole": 0})
+               {"ratio": 0.45, "blocks": 6, "inflight": 2, "input": 0, "even": 1, "whole": 2})
     plan = selective_offload_plan(len(model.blocks), ratio=k["ratio"], blocks=int(k["blocks"]),
                                   offload_input=bool(k["input"]), even=bool(k["even"]), whole=int(k["whole"]))
     apply_block_policies(model, plan, max_inflight_regions=int(k["inflight"]))
