@@ -248,7 +248,8 @@ def _selective_contexts(tail: _KeptTail, group: Any) -> tuple[Any, Any]:
     return fwd, recompute
 
 
-_SAVE = (torch_ckpt.CheckpointPolicy.MUST_SAVE, torch_ckpt.CheckpointPolicy.PREFER_SAVE, True)
+SAVE_DECISIONS = (torch_ckpt.CheckpointPolicy.MUST_SAVE, torch_ckpt.CheckpointPolicy.PREFER_SAVE, True)
+"""Policy answers that keep an op's output (the recompute module's RNG guard reads them too)."""
 
 
 def _non_saving_ops() -> frozenset:
@@ -297,7 +298,7 @@ class _KeptTail:
             return torch_ckpt.CheckpointPolicy.PREFER_RECOMPUTE  # torch versions that ask again in recompute
         decision = self.inner(ctx, op, *args, **kwargs)
         if not ctx.is_recompute:
-            if decision in _SAVE:
+            if decision in SAVE_DECISIONS:
                 self._last, self._clean = (op, k), True
             elif op not in _NON_SAVING:
                 self._clean = False

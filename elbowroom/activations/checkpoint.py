@@ -110,7 +110,7 @@ def selective_policy(keep: Iterable | None = None) -> Policy:
     return policy
 
 
-_SAVE_DECISIONS = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+_SAVE_DECISIONS = _wrap.SAVE_DECISIONS
 
 # op -> position of its ``dropout_p`` argument, None where it has none, -1 where the op draws no random
 # numbers at all (filled once per op: the policy runs for every op of every forward)

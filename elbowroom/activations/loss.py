@@ -2,12 +2,13 @@
 
 A language model's last step, ``F.cross_entropy(head(h).float(), targets)``, is the largest activation of a
 training step: for W1 (16k tokens, 32k vocabulary) the bf16 logits, their fp32 copy and the softmax that
-cross-entropy keeps for backward are ~5 GiB, alive at the forward's end, when every block's activations are
-too. :func:`linear_cross_entropy` computes the same loss chunk by chunk, and since the loss is the last
-operation of the graph it also computes the chunk's gradients right away (``softmax - onehot`` times the
-head), keeping only ``d loss / d h`` (the size of ``h``) and ``d loss / d W`` (the size of the head) for
-backward, which scales them by the incoming gradient. Nothing is recomputed: the FLOPs are those of the
-plain head (forward matmul, two backward matmuls), done in forward.
+cross-entropy keeps for backward are alive at the forward's end, when every block's activations are too
+(measured on the H100: the W1 peak drops by 5.96 GiB without them). :func:`linear_cross_entropy` computes
+the same loss chunk by chunk, and since the loss is the last operation of the graph it also computes the
+chunk's gradients right away (``softmax - onehot`` times the head), keeping only ``d loss / d h`` (the size
+of ``h``) and ``d loss / d W`` (the size of the head) for backward, which scales them by the incoming
+gradient. Nothing is recomputed: the FLOPs are those of the plain head (forward matmul, two backward
+matmuls), done in forward.
 
 Numerics: the matmuls run in the autocast dtype when autocast is on (as ``nn.Linear`` would), the
 log-softmax in fp32, the head gradient accumulates in fp32 over chunks.

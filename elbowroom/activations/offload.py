@@ -860,7 +860,8 @@ class OffloadEngine:
         """Offload ``t`` (returns the handle), drop it to be cast again (a parameter's cast), or decide it
         stays (returns None)."""
         with torch.no_grad():
-            if self.recast_parameter_casts and type(t) is torch.Tensor and t.grad_fn is not None:
+            # only what autograd saves (a selective checkpoint's cache holds detached outputs, never casts)
+            if kind == "saved" and self.recast_parameter_casts and type(t) is torch.Tensor and t.grad_fn is not None:
                 src = _cast_source(t)
                 if src is not None:
                     self._counters["recast"] += 1
