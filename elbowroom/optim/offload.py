@@ -49,6 +49,8 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
+from elbowroom.optim import _host_adam
+
 __all__ = ["CPUOffloadOptimizer"]
 
 logger = logging.getLogger(__name__)
@@ -285,6 +287,9 @@ class _Bucket:
         self.params = params
         self.optimizer = optimizer
         self.group_map = group_map  # inner param group i -> user param group index
+        self.inner_of = {gi: i for i, gi in enumerate(group_map)}
+        # Adam/AdamW with low-precision device weights: one host pass per parameter (see _host_adam)
+        self.one_pass = _host_adam.supports(optimizer) and any(not hp.same_dtype for hp in params)
         self.arrived: list[tuple[_HostParam, torch.Tensor | None]] = []
         self.arrived_kind = "final"
         self.h2d_event: Any = None
@@ -346,9 +351,12 @@ class _Engine:
         offload_gradients: bool,
         host_memory: _HostMemory,
         cpu_threads: int | None = None,
+        one_pass: bool = False,
     ) -> None:
         self.streams = streams
         self.cpu_threads = cpu_threads
+        self.want_kernel = one_pass
+        self.kernel: Callable[..., None] | None = None  # built by the step thread before its first job
         self.pool = pool
         self.h2d_buffers = h2d_buffers
         self.h2d_events: list[Any] = [None] * len(h2d_buffers)
@@ -364,6 +372,8 @@ class _Engine:
         self.error: BaseException | None = None
         # counters, written by one thread each, read by the main thread when idle
         self.cpu_s = 0.0
+        self.copy_wait_s = 0.0  # step thread: waiting for D2H copies (the device or the link is behind)
+        self.trace: list[tuple[str, int, float, float]] | None = None  # (what, bucket's first index, t0, t1)
         self.d2h_bytes = 0  # copy thread
         self.recopy_bytes = 0  # step thread
         self.h2d_bytes = 0  # step thread
@@ -500,6 +510,8 @@ class _Engine:
         self.streams.bind_thread()
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # per thread with OpenMP: the training thread keeps its own
+        if self.want_kernel:
+            self.kernel = _host_adam.compiled_kernel()  # overlaps the first forward and backward
         waiting: list[_Job] = []
         while True:
             msg = self._step_q.get()
@@ -535,8 +547,12 @@ class _Engine:
 
     def _pre(self, job: _Job) -> None:
         """Before the gate: wait for the copy; move grads into host accumulators where they must wait."""
+        tw = time.perf_counter()
         self.streams.host_wait(job.copied)  # host wait (this thread) for the bucket's D2H copy
         t0 = time.perf_counter()
+        self.copy_wait_s += t0 - tw
+        if self.trace is not None:
+            self.trace.append(("copied", job.params[0].index, tw, t0))
         if self.offload_gradients and job.slot is not None:
             # later micro-batches: add into the host gradient (the sum torch would form on the device) and
             # free the slot at once, so that a step waiting at its gate never holds slots
@@ -585,7 +601,9 @@ class _Engine:
                 ev = s.record(s.d2h)
             s.host_wait(ev)  # host wait (this thread) for the re-copy
         t0 = time.perf_counter()
+        kernel = self.kernel if bucket.one_pass else None
         stepped: list[_HostParam] = []
+        one_pass: list[tuple[_HostParam, torch.Tensor]] = []
         for i, hp in enumerate(job.params):
             if hp.hgrad_valid:
                 g = hp.hgrad
@@ -593,6 +611,10 @@ class _Engine:
                 g = hp.staging(job.slot)
             else:
                 hp.master.grad = None
+                continue
+            stepped.append(hp)
+            if kernel is not None and not hp.same_dtype:
+                one_pass.append((hp, g))  # upcast, scale, step and cast back in one pass below
                 continue
             if g.dtype != hp.master.dtype:
                 assert self.scratch is not None
@@ -602,40 +624,82 @@ class _Engine:
             for m in plan.mults:
                 g.mul_(m)
             hp.master.grad = g
-            stepped.append(hp)
         if not stepped:
             self.cpu_s += time.perf_counter() - t0
             return
         for inner, gi in zip(bucket.optimizer.param_groups, bucket.group_map):
             inner.update(plan.hyper[gi])
         s.host_wait(bucket.h2d_event)  # host wait (this thread): the last H2D from these masters is done
-        bucket.optimizer.step()
+        buf_i = None
+        if any(not hp.same_dtype for hp in stepped):
+            buf_i = self.h2d_next
+            self.h2d_next = (self.h2d_next + 1) % len(self.h2d_buffers)
+            s.host_wait(self.h2d_events[buf_i])  # host wait (this thread): the buffer's last H2D is done
+        if one_pass:
+            assert kernel is not None and buf_i is not None
+            self._one_pass(bucket, one_pass, plan, self.h2d_buffers[buf_i], kernel)
+        if len(one_pass) < len(stepped):
+            bucket.optimizer.step()  # torch's kernel for the rest (only masters with a .grad step)
         for hp in job.params:
             hp.master.grad = None  # the slot and accumulators are not the masters' grads beyond this step
-        self.cpu_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.cpu_s += t1 - t0
+        if self.trace is not None:
+            self.trace.append(("step", job.params[0].index, t0, t1))
         if job.slot is not None:
             self.pool.release(job.slot)  # grads consumed: the copy thread may refill this slot
             job.slot = None
+        done = {id(hp) for hp, _ in one_pass}
         with s.on(s.h2d):
             # stream wait: never overwrite weights the compute stream may still read in this backward
             s.stream_wait(s.h2d, job.ready)
-            buf_i = None
             for hp in stepped:
                 if hp.same_dtype:
                     hp.param.detach().copy_(hp.master, non_blocking=True)  # straight from the pinned master
                 else:
-                    if buf_i is None:
-                        buf_i = self.h2d_next
-                        self.h2d_next = (self.h2d_next + 1) % len(self.h2d_buffers)
-                        s.host_wait(self.h2d_events[buf_i])  # host wait (this thread): buffer free again
+                    assert buf_i is not None
                     stage = hp.staging(self.h2d_buffers[buf_i])
-                    stage.copy_(hp.master)  # cast to the device dtype on the CPU: half the bytes to move
+                    if id(hp) not in done:
+                        stage.copy_(hp.master)  # cast to the device dtype on the CPU: half the bytes to move
                     hp.param.detach().copy_(stage, non_blocking=True)
                 self.h2d_bytes += _nbytes(hp.param)
             ev = s.record(s.h2d)
         bucket.h2d_event = ev
         if buf_i is not None:
             self.h2d_events[buf_i] = ev
+
+    @staticmethod
+    def _one_pass(
+        bucket: _Bucket,
+        items: list[tuple[_HostParam, torch.Tensor]],
+        plan: _Plan,
+        h2d_buffer: torch.Tensor,
+        kernel: Callable[..., None],
+    ) -> None:
+        """Adam(W) on the host for low-precision gradients: reads each gradient once, writes the master,
+        both moments and the device-dtype copy for the way back in the same pass."""
+        opt = bucket.optimizer
+        mult = 1.0
+        for m in plan.mults:
+            mult *= float(m)
+        hypers: dict[tuple[int, float], torch.Tensor] = {}
+        for hp, g in items:
+            group = opt.param_groups[bucket.inner_of[hp.group]]
+            st = _host_adam.adam_state(opt, hp.master)
+            st["step"] += 1
+            step = float(st["step"])
+            key = (hp.group, step)
+            if key not in hypers:
+                hypers[key] = _host_adam.hyper_vector(group, step, mult)
+            kernel(
+                hp.master.view(-1),
+                g.reshape(-1),
+                st["exp_avg"].view(-1),
+                st["exp_avg_sq"].view(-1),
+                hp.staging(h2d_buffer).view(-1),
+                hypers[key],
+                _host_adam.decoupled(opt, group),
+            )
 
 
 # ------------------------------------------------------------------------------------------- optimizer
@@ -743,6 +807,11 @@ class CPUOffloadOptimizer(Optimizer):
     need cores of their own. The step is memory-bound, so two threads fewer cost it little: on the lent
     H100 host (16 cores), 7B hybrid at F=0.4, four runs gave 169 and 202 model TFLOP/s with 16 threads,
     235 and 200 with 14 (CPU step 0.78 s with 16; 0.62 and 0.79 s with 14): noisy, never worse."""
+
+    one_pass_host_step: ClassVar[bool] = True
+    """Step Adam/AdamW parameters whose device copy has another dtype (bf16 device weights) with one
+    ``torch.compile``-built host pass (see ``elbowroom.optim._host_adam``) instead of torch's kernel between
+    two casts; built by the step thread at set-up, with a fallback where it cannot be built."""
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf instead of unscaling
 
@@ -1015,7 +1084,14 @@ class CPUOffloadOptimizer(Optimizer):
             scratch = self._host.empty(max(b.scratch_numel for b in self._buckets), torch.float32, pinned=False)
         self._slot_bytes = slot_bytes if self._buckets else 0
         self._engine = _Engine(
-            self._streams, _SlotPool(slots), h2d, scratch, self.offload_gradients, self._host, self._cpu_threads()
+            self._streams,
+            _SlotPool(slots),
+            h2d,
+            scratch,
+            self.offload_gradients,
+            self._host,
+            self._cpu_threads(),
+            one_pass=self.one_pass_host_step and any(b.one_pass for b in self._buckets),
         )
 
     def _cpu_threads(self) -> int:
