@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 import elbowroom
-from elbowroom.optim import CPUOffloadOptimizer, build_optimizer, first_fraction, last_fraction
-from elbowroom.optim import _host_adam
+from elbowroom.optim import CPUOffloadOptimizer, _host_adam, build_optimizer, first_fraction, last_fraction
 from elbowroom.optim import offload as offload_mod
 
 OPTIMS = {
@@ -666,8 +665,13 @@ def test_param_dtype_casts_offloaded_params(offload_gradients: bool, host_step: 
 
 
 @pytest.mark.parametrize("kind", ["compiled", "eager"])
-@pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, {"weight_decay": 0.1, "betas": (0.9, 0.95)}),
-                                    (torch.optim.Adam, {"weight_decay": 0.01, "maximize": True})])
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (torch.optim.AdamW, {"weight_decay": 0.1, "betas": (0.9, 0.95)}),
+        (torch.optim.Adam, {"weight_decay": 0.01, "maximize": True}),
+    ],
+)
 def test_one_pass_kernel_matches_torch(kind: str, cls: type, kw: dict) -> None:
     # the one-pass math against torch's fused CPU kernel on fp32 copies of the same bf16 gradients: 10 steps,
     # a learning rate that changes every step, a gradient multiplier (clipping); within fp32 rounding
@@ -695,8 +699,15 @@ def test_one_pass_kernel_matches_torch(kind: str, cls: type, kw: dict) -> None:
             st["step"] += 1
             h = _host_adam.hyper_vector(opt_ours.param_groups[0], float(st["step"]), mult)
             out = torch.empty(w.numel(), dtype=torch.bfloat16)
-            kernel(w.view(-1), g.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), out, h,
-                   _host_adam.decoupled(opt_ours, opt_ours.param_groups[0]))
+            kernel(
+                w.view(-1),
+                g.view(-1),
+                st["exp_avg"].view(-1),
+                st["exp_avg_sq"].view(-1),
+                out,
+                h,
+                _host_adam.decoupled(opt_ours, opt_ours.param_groups[0]),
+            )
             assert torch.equal(out, w.view(-1).bfloat16())  # the device copy is the new master, cast
     for a, b in zip(masters, ref):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
@@ -716,8 +727,12 @@ def test_one_pass_with_clipping_and_accumulation(offload_gradients: bool, monkey
         monkeypatch.setattr(_host_adam, "compiled_kernel", lambda: _host_adam.adam_math)
         m = make_model()
         o = CPUOffloadOptimizer(
-            m.parameters(), offload_fraction=0.7, param_dtype=torch.bfloat16, offload_gradients=offload_gradients,
-            lr=1e-2, weight_decay=0.1,
+            m.parameters(),
+            offload_fraction=0.7,
+            param_dtype=torch.bfloat16,
+            offload_gradients=offload_gradients,
+            lr=1e-2,
+            weight_decay=0.1,
         )
         data = batches(8)
         for i in range(0, 8, 2):
