@@ -24,7 +24,10 @@ step pre-hook, as a training run would):
 - ``ELBOWROOM_BENCH_CKPT_BLOCKS=K`` makes ``+ckpt`` checkpoint only the first K blocks (memory for speed).
 - ``...+eckpt``: elbowroom's own per-block recompute instead of torch's (``apply_block_policies``: the first K
   blocks recompute, K from ``ELBOWROOM_BENCH_CKPT_BLOCKS``, default all; the blocks kept whole recast their
-  bf16 weight casts in backward and no block holds autocast's weight cache).
+  bf16 weight casts in backward and no block holds autocast's weight cache). ``ELBOWROOM_BENCH_REST=selective``
+  makes the other blocks selective (keep matmul and attention outputs) instead of kept whole, and
+  ``ELBOWROOM_BENCH_REST_OFFLOAD=r`` sends that share of their saved bytes to host memory.
+- ``ELBOWROOM_BENCH_TRACE=1`` adds the optimizer's timeline of the last step to each of our rows (``trace``).
 - ``plain+clip``: the plain fused AdamW baseline with the same clipping.
 - ``...+nocache`` (after ``+ckpt``): bf16 autocast without its weight cache. With per-block checkpoint
   the cache keeps a bf16 copy of every fp32 weight from its first use to the end of forward (2 B/param:
@@ -114,6 +117,9 @@ def _stats(opt: CPUOffloadOptimizer, rss0: int) -> Callable[[], dict[str, Any]]:
             "offloaded_share": round(s["offloaded_numel"] / total, 3) if total else 0.0,
             "cpu_step_s": round(s.get("cpu_step_s", 0.0), 4),
             "cpu_wait_s": round(s.get("cpu_wait_s", 0.0), 4),
+            "copy_wait_s": round(s.get("copy_wait_s", 0.0), 4),
+            "one_pass": s.get("one_pass"),
+            "trace": s.get("trace"),
             "hidden_fraction": round(s.get("hidden_fraction", 0.0), 3),
             "step_in_backward": s["step_in_backward"],
             "host_GiB": round(s["host_bytes"] / 2**30, 2),
@@ -157,6 +163,8 @@ def _ours(
     threads = os.environ.get("ELBOWROOM_BENCH_CPU_THREADS")
     if threads:  # one mode per process: setting the class default here touches no other row
         CPUOffloadOptimizer.cpu_threads = int(threads)
+    if os.environ.get("ELBOWROOM_BENCH_TRACE"):
+        CPUOffloadOptimizer.trace_steps = True  # stats()["trace"]: the last step's timeline, into the row
     rss0 = _proc_status_bytes("VmRSS")  # the host footprint before the optimizer (CUDA context, model code)
     opt = CPUOffloadOptimizer(params, torch.optim.AdamW, **kwargs)
     if lazy:
@@ -190,8 +198,17 @@ def _with_our_ckpt(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[tor
         n = len(model.blocks)
         k = int(os.environ.get("ELBOWROOM_BENCH_CKPT_BLOCKS", n))
         # the first K blocks recompute, the rest are kept whole (their weight casts recast, no autocast cache)
-        apply_block_policies(model, [BlockPolicy("full")] * k + [BlockPolicy()] * (n - k))
-        return make(model, args)
+        # or, with ELBOWROOM_BENCH_REST=selective, keep only their matmul/attention outputs; a share of
+        # the rest's saved bytes may go to host memory (ELBOWROOM_BENCH_REST_OFFLOAD=ratio): with the
+        # optimizer's traffic only at the last micro-batch, the link is idle during the others
+        rest = BlockPolicy(
+            os.environ.get("ELBOWROOM_BENCH_REST", "none"),
+            offload_ratio=float(os.environ.get("ELBOWROOM_BENCH_REST_OFFLOAD", 0.0)),
+        )
+        apply_block_policies(model, [BlockPolicy("full")] * k + [rest] * (n - k))
+        s = make(model, args)
+        s.notes.update(ckpt_blocks=k, rest=rest.checkpoint, rest_offload=rest.offload_ratio)
+        return s
 
     return setup
 

@@ -968,3 +968,19 @@ def test_pinned_alloc_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     mem = offload_mod._HostMemory(pin=True)
     with pytest.raises(RuntimeError, match="could not pin"):
         mem.empty((1024,), torch.float32, pinned=True)
+
+
+def test_trace_steps_timeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # trace_steps: each step's timeline, in order, from the previous step() call: hand-over, copy, CPU step
+    monkeypatch.setattr(CPUOffloadOptimizer, "trace_steps", True)
+    m = make_model()
+    o = CPUOffloadOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2)
+    train(m, o, batches(3))
+    trace = o.stats()["trace"]
+    kinds = {w for w, *_ in trace}
+    assert {"flush", "copied", "step", "step_call"} <= kinds
+    assert all(t0 <= t1 for _, _, t0, t1 in trace)
+    n_buckets = len(o._buckets)
+    assert sum(w == "step" for w, *_ in trace) == n_buckets
+    assert trace[-1][0] == "step_call" and trace[-1][2] > 0  # times count from the previous step() call
+    assert o.stats()["copy_wait_s"] >= 0.0

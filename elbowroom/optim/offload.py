@@ -808,6 +808,11 @@ class CPUOffloadOptimizer(Optimizer):
     H100 host (16 cores), 7B hybrid at F=0.4, four runs gave 169 and 202 model TFLOP/s with 16 threads,
     235 and 200 with 14 (CPU step 0.78 s with 16; 0.62 and 0.79 s with 14): noisy, never worse."""
 
+    trace_steps: ClassVar[bool] = False
+    """Record a timeline of each step in ``stats()["trace"]`` (for benchmarks): ``(what, first parameter
+    index of the bucket, t0, t1)`` in seconds from the previous ``step()`` call, host clock; what is
+    ``flush`` (a bucket's final gradients handed over by backward), ``copied`` (the step thread waited for
+    that copy), ``step`` (its CPU step), ``fwd_wait`` (a forward pre-hook waited for it), ``step_call``."""
     one_pass_host_step: ClassVar[bool] = True
     """Step Adam/AdamW parameters whose device copy has another dtype (bf16 device weights) with one
     ``torch.compile``-built host pass (see ``elbowroom.optim._host_adam``) instead of torch's kernel between
@@ -890,7 +895,8 @@ class CPUOffloadOptimizer(Optimizer):
         self._clip: _ClipRequest | None = None
         self._learning: dict[str, bool] = {}
         self._stats: dict[str, Any] = {"steps": 0}
-        self._marks = (0.0, 0, 0)  # engine counters at the end of the last step
+        self._marks = (0.0, 0, 0, 0.0)  # engine counters at the end of the last step
+        self._trace_t0: float | None = None
         self._state_ratio = state_ratio
         self._engine: _Engine | None = None
         self._lazy = False  # set by overlap_with_forward()
@@ -1093,6 +1099,8 @@ class CPUOffloadOptimizer(Optimizer):
             self._cpu_threads(),
             one_pass=self.one_pass_host_step and any(b.one_pass for b in self._buckets),
         )
+        if self.trace_steps:
+            self._engine.trace = []
 
     def _cpu_threads(self) -> int:
         if self.cpu_threads is not None:
@@ -1202,6 +1210,10 @@ class CPUOffloadOptimizer(Optimizer):
         )
         if kind == "final":
             self._step_jobs.append(job)
+            trace = self._engine_().trace
+            if trace is not None:
+                now = time.perf_counter()
+                trace.append(("flush", job.params[0].index, now, now))
             if self._lazy and not self.offload_gradients and not (job.gate is not None and job.gate.open):
                 self._held.append(job)  # copied at step() in forward order (see overlap_with_forward)
                 return
@@ -1445,10 +1457,19 @@ class CPUOffloadOptimizer(Optimizer):
         if wait_s is None:  # lazy: what forward pre-hooks waited since the last step (one step behind)
             wait_s, self._lazy_wait_s = self._lazy_wait_s, 0.0
         # per-step numbers count from the end of the last step: CPU steps may run during backward
-        cpu0, d2h0, h2d0 = self._marks
-        self._marks = (engine.cpu_s, engine.d2h_bytes + engine.recopy_bytes, engine.h2d_bytes)
+        cpu0, d2h0, h2d0, cw0 = self._marks
+        self._marks = (engine.cpu_s, engine.d2h_bytes + engine.recopy_bytes, engine.h2d_bytes, engine.copy_wait_s)
         cpu_s = engine.cpu_s - cpu0
+        if engine.trace is not None:
+            now = time.perf_counter()
+            events, engine.trace = engine.trace, []  # the step thread appends to the new list from here
+            events.append(("step_call", -1, t_start, now))
+            base = self._trace_t0 if self._trace_t0 is not None else t_start
+            self._trace_t0 = t_start
+            self._stats["trace"] = [(w, i, round(a - base, 5), round(b - base, 5)) for w, i, a, b in events]
         self._stats.update(
+            copy_wait_s=engine.copy_wait_s - cw0,
+            one_pass=engine.kernel is not None,
             steps=self._stats["steps"] + 1,
             skipped=skip,
             cpu_step_s=cpu_s,
@@ -1489,8 +1510,12 @@ class CPUOffloadOptimizer(Optimizer):
         if not jobs:
             return
         t0 = time.perf_counter()
-        self._engine_().wait_jobs(jobs)  # host wait for these buckets' CPU steps (not a device sync)
-        self._lazy_wait_s += time.perf_counter() - t0
+        engine = self._engine_()
+        engine.wait_jobs(jobs)  # host wait for these buckets' CPU steps (not a device sync)
+        t1 = time.perf_counter()
+        self._lazy_wait_s += t1 - t0
+        if engine.trace is not None:
+            engine.trace.append(("fwd_wait", jobs[0].params[0].index, t0, t1))
         if self._streams.cuda:
             cur = torch.cuda.current_stream(self.device)
             for b in buckets:
