@@ -6,7 +6,8 @@ Rows (G params/s and the host memory traffic that implies):
 - ``torch_fp32``: torch's fused AdamW on fp32 gradients (what the fp32-device-weight path runs): 28 B/param;
 - ``torch_bf16_3pass``: bf16 gradients upcast into fp32 scratch, torch's fused AdamW, the master cast to a
   bf16 copy for the way back (the fallback path for bf16 device weights): 40 B/param;
-- ``one_pass_bf16``: the compiled one-pass kernel on the same bf16 gradients, writing the bf16 copy: 28 B/param.
+- ``chunked_bf16_<K>``: the same three steps chunk by chunk (K elements), each chunk still in cache for
+  the next op (``elbowroom.optim._host_adam.step_chunked``): ~30 B/param of memory traffic.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=1 << 28)
     ap.add_argument("--threads", default=str(torch.get_num_threads()))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunks", default="262144,1048576,2097152,4194304,8388608")
     args = ap.parse_args()
     n = args.numel
     group = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -44,8 +46,7 @@ def main() -> None:
     scratch = torch.empty(n)
     out = torch.empty(n, dtype=torch.bfloat16)
     opt = torch.optim.AdamW([p], fused=True, **group)
-    kernel = _host_adam.compiled_kernel()
-    st = _host_adam.adam_state(opt, p)
+    chunks = [int(c) for c in args.chunks.split(",")]
 
     def torch_fp32() -> None:
         p.grad = g32
@@ -57,15 +58,12 @@ def main() -> None:
         opt.step()
         out.copy_(p)
 
-    def one_pass_bf16() -> None:
-        st["step"] += 1
-        h = _host_adam.hyper_vector(opt.param_groups[0], float(st["step"]), 1.0)
-        assert kernel is not None
-        kernel(p, g16, st["exp_avg"], st["exp_avg_sq"], out, h, True)
-
     cases = {"torch_fp32": (torch_fp32, 28), "torch_bf16_3pass": (torch_bf16_3pass, 40)}
-    if kernel is not None:
-        cases["one_pass_bf16"] = (one_pass_bf16, 28)
+    for c in chunks:
+        cases[f"chunked_bf16_{c}"] = (
+            lambda c=c: _host_adam.step_chunked(opt, opt.param_groups[0], p, g16, out, scratch, [], chunk=c),
+            30,
+        )
     for t in (int(x) for x in args.threads.split(",")):
         torch.set_num_threads(t)
         for name, (fn, nbytes) in cases.items():

@@ -288,8 +288,8 @@ class _Bucket:
         self.optimizer = optimizer
         self.group_map = group_map  # inner param group i -> user param group index
         self.inner_of = {gi: i for i, gi in enumerate(group_map)}
-        # Adam/AdamW with low-precision device weights: one host pass per parameter (see _host_adam)
-        self.one_pass = _host_adam.supports(optimizer) and any(not hp.same_dtype for hp in params)
+        # Adam/AdamW with low-precision device weights: upcast, step and cast back chunk by chunk (_host_adam)
+        self.chunked = _host_adam.supports(optimizer) and any(not hp.same_dtype for hp in params)
         self.arrived: list[tuple[_HostParam, torch.Tensor | None]] = []
         self.arrived_kind = "final"
         self.h2d_event: Any = None
@@ -351,12 +351,11 @@ class _Engine:
         offload_gradients: bool,
         host_memory: _HostMemory,
         cpu_threads: int | None = None,
-        one_pass: bool = False,
+        chunked: bool = False,
     ) -> None:
         self.streams = streams
         self.cpu_threads = cpu_threads
-        self.want_kernel = one_pass
-        self.kernel: Callable[..., None] | None = None  # built by the step thread before its first job
+        self.chunked = chunked
         self.pool = pool
         self.h2d_buffers = h2d_buffers
         self.h2d_events: list[Any] = [None] * len(h2d_buffers)
@@ -510,8 +509,6 @@ class _Engine:
         self.streams.bind_thread()
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # per thread with OpenMP: the training thread keeps its own
-        if self.want_kernel:
-            self.kernel = _host_adam.compiled_kernel()  # overlaps the first forward and backward
         waiting: list[_Job] = []
         while True:
             msg = self._step_q.get()
@@ -601,9 +598,9 @@ class _Engine:
                 ev = s.record(s.d2h)
             s.host_wait(ev)  # host wait (this thread) for the re-copy
         t0 = time.perf_counter()
-        kernel = self.kernel if bucket.one_pass else None
+        chunked = self.chunked and bucket.chunked
         stepped: list[_HostParam] = []
-        one_pass: list[tuple[_HostParam, torch.Tensor]] = []
+        in_chunks: list[tuple[_HostParam, torch.Tensor]] = []
         for i, hp in enumerate(job.params):
             if hp.hgrad_valid:
                 g = hp.hgrad
@@ -613,8 +610,8 @@ class _Engine:
                 hp.master.grad = None
                 continue
             stepped.append(hp)
-            if kernel is not None and not hp.same_dtype:
-                one_pass.append((hp, g))  # upcast, scale, step and cast back in one pass below
+            if chunked and not hp.same_dtype:
+                in_chunks.append((hp, g))  # upcast, scale, step and cast back chunk by chunk below
                 continue
             if g.dtype != hp.master.dtype:
                 assert self.scratch is not None
@@ -635,10 +632,14 @@ class _Engine:
             buf_i = self.h2d_next
             self.h2d_next = (self.h2d_next + 1) % len(self.h2d_buffers)
             s.host_wait(self.h2d_events[buf_i])  # host wait (this thread): the buffer's last H2D is done
-        if one_pass:
-            assert kernel is not None and buf_i is not None
-            self._one_pass(bucket, one_pass, plan, self.h2d_buffers[buf_i], kernel)
-        if len(one_pass) < len(stepped):
+        if in_chunks:
+            assert buf_i is not None and self.scratch is not None
+            opt = bucket.optimizer
+            for hp, g in in_chunks:
+                group = opt.param_groups[bucket.inner_of[hp.group]]
+                stage = hp.staging(self.h2d_buffers[buf_i])
+                _host_adam.step_chunked(opt, group, hp.master, g, stage, self.scratch, plan.mults)
+        if len(in_chunks) < len(stepped):
             bucket.optimizer.step()  # torch's kernel for the rest (only masters with a .grad step)
         for hp in job.params:
             hp.master.grad = None  # the slot and accumulators are not the masters' grads beyond this step
@@ -649,7 +650,7 @@ class _Engine:
         if job.slot is not None:
             self.pool.release(job.slot)  # grads consumed: the copy thread may refill this slot
             job.slot = None
-        done = {id(hp) for hp, _ in one_pass}
+        done = {id(hp) for hp, _ in in_chunks}
         with s.on(s.h2d):
             # stream wait: never overwrite weights the compute stream may still read in this backward
             s.stream_wait(s.h2d, job.ready)
@@ -667,39 +668,6 @@ class _Engine:
         bucket.h2d_event = ev
         if buf_i is not None:
             self.h2d_events[buf_i] = ev
-
-    @staticmethod
-    def _one_pass(
-        bucket: _Bucket,
-        items: list[tuple[_HostParam, torch.Tensor]],
-        plan: _Plan,
-        h2d_buffer: torch.Tensor,
-        kernel: Callable[..., None],
-    ) -> None:
-        """Adam(W) on the host for low-precision gradients: reads each gradient once, writes the master,
-        both moments and the device-dtype copy for the way back in the same pass."""
-        opt = bucket.optimizer
-        mult = 1.0
-        for m in plan.mults:
-            mult *= float(m)
-        hypers: dict[tuple[int, float], torch.Tensor] = {}
-        for hp, g in items:
-            group = opt.param_groups[bucket.inner_of[hp.group]]
-            st = _host_adam.adam_state(opt, hp.master)
-            st["step"] += 1
-            step = float(st["step"])
-            key = (hp.group, step)
-            if key not in hypers:
-                hypers[key] = _host_adam.hyper_vector(group, step, mult)
-            kernel(
-                hp.master.view(-1),
-                g.reshape(-1),
-                st["exp_avg"].view(-1),
-                st["exp_avg_sq"].view(-1),
-                hp.staging(h2d_buffer).view(-1),
-                hypers[key],
-                _host_adam.decoupled(opt, group),
-            )
 
 
 # ------------------------------------------------------------------------------------------- optimizer
@@ -813,10 +781,10 @@ class CPUOffloadOptimizer(Optimizer):
     index of the bucket, t0, t1)`` in seconds from the previous ``step()`` call, host clock; what is
     ``flush`` (a bucket's final gradients handed over by backward), ``copied`` (the step thread waited for
     that copy), ``step`` (its CPU step), ``fwd_wait`` (a forward pre-hook waited for it), ``step_call``."""
-    one_pass_host_step: ClassVar[bool] = True
-    """Step Adam/AdamW parameters whose device copy has another dtype (bf16 device weights) with one
-    ``torch.compile``-built host pass (see ``elbowroom.optim._host_adam``) instead of torch's kernel between
-    two casts; built by the step thread at set-up, with a fallback where it cannot be built."""
+    chunked_host_step: ClassVar[bool] = True
+    """Step Adam/AdamW parameters whose device copy has another dtype (bf16 device weights) chunk by chunk:
+    upcast, fused step and cast back while the chunk is in cache (``elbowroom.optim._host_adam``), instead
+    of three passes over the whole bucket. Same arithmetic, bitwise."""
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf instead of unscaling
 
@@ -1097,7 +1065,7 @@ class CPUOffloadOptimizer(Optimizer):
             self.offload_gradients,
             self._host,
             self._cpu_threads(),
-            one_pass=self.one_pass_host_step and any(b.one_pass for b in self._buckets),
+            chunked=self.chunked_host_step and any(b.chunked for b in self._buckets),
         )
         if self.trace_steps:
             self._engine.trace = []
@@ -1469,7 +1437,7 @@ class CPUOffloadOptimizer(Optimizer):
             self._stats["trace"] = [(w, i, round(a - base, 5), round(b - base, 5)) for w, i, a, b in events]
         self._stats.update(
             copy_wait_s=engine.copy_wait_s - cw0,
-            one_pass=engine.kernel is not None,
+            chunked=engine.chunked,
             steps=self._stats["steps"] + 1,
             skipped=skip,
             cpu_step_s=cpu_s,
