@@ -192,7 +192,10 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         for _ in range(accum):
             with amp, setup.context():
                 if fused_loss:
-                    loss = linear_cross_entropy(model.hidden_states(idx), model.output.weight, tgt)
+                    h = model.hidden_states(idx)
+                    if hasattr(setup.optimizer, "wait_for"):  # the head weight is read outside the head's forward
+                        setup.optimizer.wait_for(model.output.weight)
+                    loss = linear_cross_entropy(h, model.output.weight, tgt)
                 else:
                     logits = model(idx)
                     loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))

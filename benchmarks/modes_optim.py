@@ -118,7 +118,7 @@ def _stats(opt: CPUOffloadOptimizer, rss0: int) -> Callable[[], dict[str, Any]]:
             "cpu_step_s": round(s.get("cpu_step_s", 0.0), 4),
             "cpu_wait_s": round(s.get("cpu_wait_s", 0.0), 4),
             "copy_wait_s": round(s.get("copy_wait_s", 0.0), 4),
-            "one_pass": s.get("one_pass"),
+            "chunked": s.get("chunked"),
             "trace": s.get("trace"),
             "hidden_fraction": round(s.get("hidden_fraction", 0.0), 3),
             "step_in_backward": s["step_in_backward"],

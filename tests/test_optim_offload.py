@@ -528,19 +528,23 @@ def test_add_param_group() -> None:
     assert_same(m1, m2)
 
 
-# The host step of bf16 device weights: torch's fused kernel between the two casts run chunk by chunk, or
-# over whole buckets; both bitwise torch's. Small chunks, so that every parameter spans several.
-@pytest.fixture(params=["chunked", "whole"])
+# Where the casts of bf16 device weights run: on the device (gradients travel upcast, masters travel and are
+# cast there), or on the host around torch's fused kernel, chunk by chunk or over whole buckets; all three
+# bitwise torch's. Small chunks, so that every parameter spans several.
+@pytest.fixture(params=["device", "chunked", "whole"])
 def host_step(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", request.param == "device")
     monkeypatch.setattr(CPUOffloadOptimizer, "chunked_host_step", request.param == "chunked")
     monkeypatch.setattr(_host_adam, "CHUNK_NUMEL", 128)
     monkeypatch.setattr(_host_adam.step_chunked, "__defaults__", (128,))
     return request.param
 
 
-def _used_chunks(opt: CPUOffloadOptimizer, kind: str) -> None:
+def _used_casts(opt: CPUOffloadOptimizer, kind: str) -> None:
+    cast = [hp for hp in opt._hps if not hp.same_dtype]
+    assert cast and all(hp.device_cast == (kind == "device") for hp in cast)
     assert opt._engine_().chunked == (kind == "chunked")
-    assert any(b.chunked for b in opt._buckets)
+    assert bool(opt._engine_().h2d_buffers) == (kind != "device")  # host-side casts stage bf16 copies
 
 
 def test_master_weights_bf16(host_step: str) -> None:
@@ -564,7 +568,7 @@ def test_master_weights_bf16(host_step: str) -> None:
                 p.copy_(w)
                 p.grad = None
     assert all(p.dtype == torch.bfloat16 for p in m1.parameters())
-    _used_chunks(o1, host_step)
+    _used_casts(o1, host_step)
     assert_same(m1, m2)
     sd = o1.state_dict()
     for i, w in enumerate(masters):
@@ -630,7 +634,7 @@ def test_param_dtype_casts_offloaded_params(offload_gradients: bool, host_step: 
         o1.zero_grad()
         _autocast_loss(m2, x).backward()
         step2()
-    _used_chunks(o1, host_step)
+    _used_casts(o1, host_step)
     assert_same(m1, m2)
     sd = o1.state_dict()
     masters = iter(w for _, w in pairs)
@@ -694,12 +698,14 @@ def test_chunked_step_declines_what_it_cannot_run() -> None:
 
 
 @pytest.mark.parametrize("offload_gradients", [False, True])
-def test_chunked_with_clipping_and_accumulation(offload_gradients: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # bf16 device weights, 2 micro-batches, global-norm clipping: chunked and whole-bucket host steps agree bitwise
+def test_host_casts_with_clipping_and_accumulation(offload_gradients: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 device weights, 2 micro-batches, global-norm clipping: casts on the device, chunked or whole-bucket
+    # casts on the host agree bitwise
     monkeypatch.setattr(_host_adam.step_chunked, "__defaults__", (128,))
     results = []
-    for chunked in (True, False):
-        monkeypatch.setattr(CPUOffloadOptimizer, "chunked_host_step", chunked)
+    for kind in ("device", "chunked", "whole"):
+        monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", kind == "device")
+        monkeypatch.setattr(CPUOffloadOptimizer, "chunked_host_step", kind == "chunked")
         m = make_model()
         o = CPUOffloadOptimizer(
             m.parameters(),
@@ -717,12 +723,13 @@ def test_chunked_with_clipping_and_accumulation(offload_gradients: bool, monkeyp
             o.clip_grad_norm_(0.05)
             o.step()
             o.zero_grad()
-        assert o._engine_().chunked == chunked
+        assert o._engine_().chunked == (kind == "chunked")
         results.append((m, [hp.master.clone() for hp in o._hps]))
-    (m1, w1), (m2, w2) = results
-    assert_same(m1, m2)
-    for a, b in zip(w1, w2):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    m2, w2 = results[-1]
+    for m1, w1 in results[:-1]:
+        assert_same(m1, m2)
+        for a, b in zip(w1, w2):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_param_dtype_resumes_exactly() -> None:
@@ -783,6 +790,44 @@ def test_overlap_with_forward(clip: float | None, offload_gradients: bool, accum
     assert_same(m1, m2, atol=tol, rtol=tol * 10)
     assert o1.step_in_backward is (clip is None)
     assert o1.stats()["steps"] == 9 // accum
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("use_wait_for", [True, False])
+def test_overlap_with_forward_functional_use(
+    offload_gradients: bool, use_wait_for: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the last layer's weight read functionally (as a fused head + loss does): wait_for() before the read keeps
+    # the result torch's; without it the optimizer notices at the next gradient, waits, and says so
+    def fwd(m: nn.Module, x: torch.Tensor, o: CPUOffloadOptimizer | None) -> torch.Tensor:
+        h = m[:-1](x)
+        if o is not None and use_wait_for:
+            o.wait_for(m[-1].parameters())
+        y = torch.nn.functional.linear(h, m[-1].weight, m[-1].bias)
+        return y.pow(2).mean()
+
+    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 256)  # the last layer in buckets of its own
+    m1, m2 = make_model(), make_model()
+    o1 = CPUOffloadOptimizer(
+        m1.parameters(),
+        _SlowAdamW,
+        offload_params=last_fraction(m1.parameters(), 0.6),
+        offload_gradients=offload_gradients,
+        lr=1e-2,
+    )
+    o1.overlap_with_forward(m1)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    with caplog.at_level("WARNING", logger="elbowroom.optim.offload"):
+        for x in batches(5):
+            for m, o in ((m1, o1), (m2, o2)):
+                fwd(m, x, o if o is o1 else None).backward()
+                o.step()
+                o.zero_grad()
+    o1.wait_for_weights()
+    warned = any("used outside the forward of its module" in r.message for r in caplog.records)
+    assert warned != use_wait_for
+    if use_wait_for:  # without it the reads may race the CPU step on a GPU; on the CPU they are ordered anyway
+        assert_same(m1, m2)
 
 
 def test_overlap_with_forward_state_dict_waits() -> None:

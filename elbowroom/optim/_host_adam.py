@@ -60,13 +60,13 @@ def step_chunked(
     group: dict[str, Any],
     master: torch.Tensor,
     grad: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     scratch: torch.Tensor,
     mults: list[torch.Tensor],
     chunk: int = CHUNK_NUMEL,
 ) -> None:
-    """One Adam(W) step of ``master`` (fp32) on ``grad`` (any float dtype) times ``mults``; ``out`` gets the
-    new master in its own dtype. ``scratch``: fp32, at least ``min(chunk, numel)`` elements."""
+    """One Adam(W) step of ``master`` (fp32) on ``grad`` (any float dtype) times ``mults``; ``out`` (if given)
+    gets the new master in its own dtype. ``scratch``: fp32, at least ``min(chunk, numel)`` elements."""
     if chunk % 64:
         raise ValueError(f"chunk must be a multiple of 64 elements, got {chunk}")
     st = adam_state(optimizer, master)
@@ -83,7 +83,8 @@ def step_chunked(
         "amsgrad": False,
         "maximize": bool(group.get("maximize", False)),
     }
-    p, g, m, v, o = (t.view(-1) for t in (master, grad, st["exp_avg"], st["exp_avg_sq"], out))
+    p, g, m, v = (t.view(-1) for t in (master, grad, st["exp_avg"], st["exp_avg_sq"]))
+    o = out.view(-1) if out is not None else None
     steps = [st["step"]]
     n = p.numel()
     for s in range(0, n, chunk):
@@ -93,4 +94,5 @@ def step_chunked(
         for mult in mults:
             up.mul_(mult)  # in cache: the same order of multiplications as the unchunked path
         fused([p[s:e]], [up], [m[s:e]], [v[s:e]], [], steps, **kw)
-        o[s:e].copy_(p[s:e])
+        if o is not None:
+            o[s:e].copy_(p[s:e])

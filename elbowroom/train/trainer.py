@@ -174,6 +174,8 @@ def accumulate_gradients(
         with autocast:
             if fused_loss:  # the head and loss chunk by chunk: the logits never exist whole
                 h = model.hidden_states(b["input_ids"])
+                if hasattr(optimizer, "wait_for"):  # the head weight is read outside the head's forward
+                    optimizer.wait_for(model.output.weight)
                 loss_sum = linear_cross_entropy(h, model.output.weight, b["targets"], reduction="sum")
             else:
                 loss_sum = token_loss_sum(model(b["input_ids"]), b["targets"])
