@@ -745,8 +745,10 @@ class CPUOffloadOptimizer(Optimizer):
     pinned, allocated at set-up): gradients leave the device at link speed, whatever the pace of the CPU
     step, and later micro-batches are added to it on the host. With ``master_weights=True`` and bf16
     device parameters (or ``param_dtype=torch.bfloat16``, which casts them) the device keeps 2 bytes per
-    offloaded parameter and its gradient, the host the same 12, plus a second pinned staging pair for the
-    bf16 weights on their way back; a host gradient is then 2 bytes.
+    offloaded parameter and its gradient, the host the same 12 (the master pinned); the casts run on the
+    device (:attr:`cast_on_device`), so the host step is the same fused fp32 kernel as for fp32 weights; a
+    host gradient is then 2 bytes. This is the configuration that trains the 7B shape at 226 model TFLOP/s
+    on one H100 with 40% of the parameters offloaded, at 12.8 host bytes per offloaded parameter.
 
     Limits: with DDP, gradients are final only after their all-reduce, which the post-accumulate-grad
     hooks do not wait for; use ``overlap=False`` there. A parameter read by backward after its own
@@ -1541,9 +1543,11 @@ class CPUOffloadOptimizer(Optimizer):
         the CPU step of the late blocks runs behind the next forward of the early ones: offload the late
         blocks (``offload_params=last_fraction(...)``) for this to pay.
 
-        Anything that reads offloaded weights outside the forward of the module that owns them (a
-        functional use of a tied weight, saving ``model.state_dict()``, evaluation code that bypasses
-        ``forward``) must call :meth:`wait_for_weights` first. ``state_dict()``, ``load_state_dict()``
+        Anything that reads offloaded weights outside the forward of the module that owns them (a fused
+        head + loss that takes the head's weight, a functional use of a tied weight, saving
+        ``model.state_dict()``, evaluation code that bypasses ``forward``) must call :meth:`wait_for` (those
+        weights) or :meth:`wait_for_weights` (all) first; a gradient that arrives for an update no forward
+        waited for is logged once and waited for then. ``state_dict()``, ``load_state_dict()``
         and ``zero_grad(set_to_none=False)`` wait by themselves. The numbers of :meth:`stats` lag one
         step. Without ``offload_gradients``, gradients of offloaded parameters stay on the device until
         their copy (which may now run into the next forward).
