@@ -280,10 +280,15 @@ def test_master_weights_bf16() -> None:
     assert_weights_close(net, ref_net)
 
 
+@pytest.mark.parametrize("cast_on_device", [True, False])
 @pytest.mark.parametrize("offload_gradients", [False, True])
-def test_param_dtype_bf16_hybrid(offload_gradients: bool) -> None:
+def test_param_dtype_bf16_hybrid(
+    offload_gradients: bool, cast_on_device: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # an fp32 net; param_dtype=bf16 casts the offloaded (late) parameters on the device and keeps their fp32
-    # values as host masters. Reference: the same cast by hand, fp32 masters stepped by the GPU's fused AdamW
+    # values as host masters. Reference: the same cast by hand, fp32 masters stepped by the GPU's fused AdamW.
+    # The casts of each step run on the GPU (gradients upcast there, masters cast there) or on the host.
+    monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", cast_on_device)
     gc.collect()
     net, ref_net = seeded(BigNet)
     late = last_fraction(list(net.parameters()), 0.6)
@@ -382,3 +387,38 @@ def test_overlap_with_forward_race_detector(clip: float | None, offload_gradient
         ref.step()
         ref.zero_grad()
     assert_weights_close(net, ref_net)
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("cast_on_device", [True, False])
+def test_bf16_overlap_with_forward_race_detector(cast_on_device: bool, offload_gradients: bool, monkeypatch) -> None:
+    # bf16 device weights, step() returning at once, steps back to back with no host sync: bitwise the same
+    # weights as the same optimizer stepping synchronously (a missing stream or host wait on the casts' copies
+    # or on the device scratch they use would feed the next forward stale or torn weights)
+    monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", cast_on_device)
+    inputs = [torch.randn(8, 3, 32, 32, device="cuda") for _ in range(10)]
+    nets = []
+    for lazy in (True, False):
+        net, _ = seeded(BigNet)
+        opt = CPUOffloadOptimizer(
+            net.parameters(),
+            offload_params=last_fraction(net.parameters(), 0.6),
+            param_dtype=torch.bfloat16,
+            offload_gradients=offload_gradients,
+            overlap=lazy,
+            lr=1e-3,
+        )
+        if lazy:
+            opt.overlap_with_forward(net)
+        for x in inputs:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = net(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if not lazy:
+                torch.cuda.synchronize()
+        opt.wait_for_weights()
+        nets.append(net)
+    for a, b in zip(*(n.parameters() for n in nets)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
