@@ -252,14 +252,8 @@ def run_minimal(workload: str, args) -> dict[str, Any]:
     tokens = D.load_tokens(None)
     train_tokens, _ = D.split(tokens, 0.05)
     loader = D.build_dataloader(
-        D.ChunkDataset(train_tokens, seq),
-        batch_size=bsz,
-        seed=0,
-        start_sample=0,
-        num_workers=2,
-        pin_memory=True,
-        persistent_workers=True,
-        collate_fn=D.collate,
+        D.ChunkDataset(train_tokens, seq), batch_size=bsz, seed=0, start_sample=0, num_workers=2,
+        pin_memory=True, persistent_workers=True, collate_fn=D.collate,
     )
     it = iter(loader)
     for step in range(args.steps):
@@ -294,17 +288,15 @@ def run_trainer(workload: str, args) -> dict[str, Any]:
     _fresh_memory()
     out = tempfile.mkdtemp(prefix="bench-trainer-")
     log_every = max(1, (args.steps - args.warmup) // 2)
-    cfg = build_config(
-        {
-            "out": out,
-            "model": {"preset": preset},
-            "data": {"seq_len": seq, "batch_size": bsz, "num_workers": 2},
-            "train": {"steps": args.steps, "dtype": "bf16", "eval_every": 0, "eval_batches": 0, "seed": 0},
-            "optimizer": {"lr": 1e-4},
-            "checkpoint": {"enabled": False},
-            "logging": {"log_every": log_every, "progress": False},
-        }
-    )
+    cfg = build_config({
+        "out": out,
+        "model": {"preset": preset},
+        "data": {"seq_len": seq, "batch_size": bsz, "num_workers": 2},
+        "train": {"steps": args.steps, "dtype": "bf16", "eval_every": 0, "eval_batches": 0, "seed": 0},
+        "optimizer": {"lr": 1e-4},
+        "checkpoint": {"enabled": False},
+        "logging": {"log_every": log_every, "progress": False},
+    })
     train(cfg)
     rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
     timed = [r for r in rows if "tokens_per_s" in r and r["step"] > args.warmup]
@@ -325,12 +317,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--accum", type=int, default=0, help="gradient accumulation (0: the workload's)")
     ap.add_argument("--json", default=None, help="append each row as a JSON line to this file")
-    ap.add_argument(
-        "--in-process",
-        action="store_true",
-        help="run every mode in this process (default: a fresh process per mode, so that no mode's "
-        "threads, hooks, pinned memory or allocator state can touch the next one)",
-    )
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every mode in this process (default: a fresh process per mode, so that no mode's "
+                         "threads, hooks, pinned memory or allocator state can touch the next one)")
     args = ap.parse_args()
     names = args.modes.split(",")
     for name in names:
@@ -369,20 +358,8 @@ def run_child(name: str, args) -> dict[str, Any]:
     """Run one mode in a fresh interpreter and read back its row (the last JSON line it prints)."""
     import subprocess
 
-    cmd = [
-        sys.executable,
-        __file__,
-        "--workload",
-        args.workload,
-        "--modes",
-        name,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--accum",
-        str(args.accum),
-    ]
+    cmd = [sys.executable, __file__, "--workload", args.workload, "--modes", name, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--accum", str(args.accum)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if rows:

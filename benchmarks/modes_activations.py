@@ -172,12 +172,8 @@ def setup_ours_offload_all(model: torch.nn.Module, args: Any) -> Setup:
     # default: W1 (H100) measured 2048 MiB -> 23.46 GiB peak, 640 -> 22.66, 384 -> 22.47 at the same speed;
     # 256 (below the largest saved tensor, 352 MiB) -> 21.94 GiB but ~2 points slower (one tensor in flight)
     k = _knobs("ELBOWROOM_OFFLOAD_ALL", {"window_mib": 384, "inflight": 1})
-    apply_block_policies(
-        model,
-        ActivationConfig(offload_ratio=1.0).block_policies(len(model.blocks)),
-        max_inflight_regions=int(k["inflight"]),
-        prefetch_window_bytes=int(k["window_mib"]) << 20,
-    )
+    apply_block_policies(model, ActivationConfig(offload_ratio=1.0).block_policies(len(model.blocks)),
+                         max_inflight_regions=int(k["inflight"]), prefetch_window_bytes=int(k["window_mib"]) << 20)
     return _setup(model, args, notes={"offload_all": k})
 
 
@@ -198,14 +194,8 @@ def setup_ours_offload_ckpt_inputs(model: torch.nn.Module, args: Any) -> Setup:
 def setup_ours_mix(model: torch.nn.Module, args: Any) -> Setup:
     # defaults: the best measured on W1 (H100) with the fused loss: 83.0-85.4% of plain at 25.47 GiB (two calls)
     k = _knobs("ELBOWROOM_MIX", {"offload": 0, "keep": 6, "ratio": 0.4, "inflight": 3, "sel": 3, "sel_ratio": 1.0})
-    plan = mix_plan(
-        len(model.blocks),
-        offload=int(k["offload"]),
-        keep=int(k["keep"]),
-        ratio=k["ratio"],
-        sel=int(k["sel"]),
-        sel_ratio=k["sel_ratio"],
-    )
+    plan = mix_plan(len(model.blocks), offload=int(k["offload"]), keep=int(k["keep"]), ratio=k["ratio"],
+                    sel=int(k["sel"]), sel_ratio=k["sel_ratio"])
     apply_block_policies(model, plan, max_inflight_regions=int(k["inflight"]))
     return _setup(model, args, notes={"mix": k})
 
@@ -214,15 +204,10 @@ def setup_ours_selective_offload(model: torch.nn.Module, args: Any) -> Setup:
     # defaults: the last 2 blocks whole, the w13 output (ratio 0.45 of what a block keeps) of 6 blocks spread
     # evenly, inputs kept: ~2.3 GB on the link. W1 (H100, fused loss): 90.3-93.3% of plain at 34.96 GiB (two
     # calls; selective alone 91.7-93.5% at 35.45). 16 blocks (~6 GB) fell to 86% once the forward got faster
-    k = _knobs("ELBOWROOM_SEL_OFFLOAD", {"ratio": 0.45, "blocks": 6, "inflight": 2, "input": 0, "even": 1, "whole": 2})
-    plan = selective_offload_plan(
-        len(model.blocks),
-        ratio=k["ratio"],
-        blocks=int(k["blocks"]),
-        offload_input=bool(k["input"]),
-        even=bool(k["even"]),
-        whole=int(k["whole"]),
-    )
+    k = _knobs("ELBOWROOM_SEL_OFFLOAD",
+               {"ratio": 0.45, "blocks": 6, "inflight": 2, "input": 0, "even": 1, "whole": 2})
+    plan = selective_offload_plan(len(model.blocks), ratio=k["ratio"], blocks=int(k["blocks"]),
+                                  offload_input=bool(k["input"]), even=bool(k["even"]), whole=int(k["whole"]))
     apply_block_policies(model, plan, max_inflight_regions=int(k["inflight"]))
     return _setup(model, args, notes={"selective_offload": k})
 
@@ -394,7 +379,6 @@ def memline(workload: str, mode: str, snapshot_at: str | None = None, fused_loss
                 mark(f"f{i}")
                 if out.requires_grad:
                     out.register_hook(lambda g: mark(f"b{i}"))
-
         return hook
 
     handles = [blk.register_forward_hook(fwd_hook(i)) for i, blk in enumerate(model.blocks)]
@@ -422,11 +406,8 @@ def memline(workload: str, mode: str, snapshot_at: str | None = None, fused_loss
     if snapshot_at:
         torch.cuda.memory._record_memory_history(enabled=None)
     top = sorted(marks, key=lambda m: -m[2])[:6]
-    out = {
-        "mode": mode,
-        "peak_before": [(n, round(p, 2)) for n, _, p in top],
-        "line": " ".join(f"{n}:{a:.1f}/{p:.1f}" for n, a, p in marks),
-    }
+    out = {"mode": mode, "peak_before": [(n, round(p, 2)) for n, _, p in top],
+           "line": " ".join(f"{n}:{a:.1f}/{p:.1f}" for n, a, p in marks)}
     if snapshot_at:
         out["live_at_" + snapshot_at] = live
     return out
@@ -438,21 +419,12 @@ def main() -> None:
     ap.add_argument("--mode", default="ours_offload_all", help=f"one of {', '.join(sorted(MODES))} (or a peer's)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
-    ap.add_argument(
-        "--memline",
-        action="store_true",
-        help="instead: device memory per block in forward and backward, and where the peak is",
-    )
-    ap.add_argument(
-        "--snapshot-at",
-        default=None,
-        help="with --memline: list live allocations by origin at this mark (e.g. loss, f12)",
-    )
-    ap.add_argument(
-        "--fused-loss",
-        action="store_true",
-        help="the head and loss chunk by chunk (linear_cross_entropy), as the harness's +fl modes",
-    )
+    ap.add_argument("--memline", action="store_true",
+                    help="instead: device memory per block in forward and backward, and where the peak is")
+    ap.add_argument("--snapshot-at", default=None,
+                    help="with --memline: list live allocations by origin at this mark (e.g. loss, f12)")
+    ap.add_argument("--fused-loss", action="store_true",
+                    help="the head and loss chunk by chunk (linear_cross_entropy), as the harness's +fl modes")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import json

@@ -126,7 +126,9 @@ class TrainSection:
                 "train.fused_loss runs outside torch.compile; drop one of --train.fused_loss, --train.compile"
             )
         if self.gradient_accumulation_steps <= 0:
-            raise ConfigError(f"train.gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
+            raise ConfigError(
+                f"train.gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}"
+            )
         if self.max_grad_norm is not None and self.max_grad_norm < 0:
             raise ConfigError(f"train.max_grad_norm must be >= 0 or unset, got {self.max_grad_norm}")
         if self.eval_every < 0 or self.eval_batches < 0:

@@ -181,18 +181,11 @@ def test_flops_selective_recomputes_no_matmul(arch: str, dropout: float) -> None
 def test_default_selective_ops_cover_matmul_and_attention() -> None:
     ops = default_selective_ops()
     aten = torch.ops.aten
-    for op in (
-        aten.mm.default,
-        aten.addmm.default,
-        aten.bmm.default,
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-    ):
+    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default,
+               aten._scaled_dot_product_flash_attention_for_cpu.default):
         assert op in ops
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    ):
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"):
         if hasattr(aten, name):
             assert getattr(aten, name).default in ops
 
@@ -405,9 +398,8 @@ def test_dropped_tail_of_an_offloaded_selective_cache_is_never_brought_back() ->
     model = small_model("llama", dropout=0.0)
     idx = batch()
     ref = grads(model, idx)
-    apply_block_policies(
-        model, [BlockPolicy("selective", offload_ratio=1.0)] * 2 + [BlockPolicy()], min_offload_bytes=0
-    )
+    apply_block_policies(model, [BlockPolicy("selective", offload_ratio=1.0)] * 2 + [BlockPolicy()],
+                         min_offload_bytes=0)
     for _ in range(2):
         assert_grads_close(grads(model, idx), ref)
     s = get_offload_engine(model).stats()

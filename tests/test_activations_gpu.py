@@ -40,14 +40,8 @@ MODES = {
 def make(arch: str = "llama", *, dim: int = 1024, layers: int = 6, dropout: float = 0.1) -> nn.Module:
     torch.manual_seed(0)
     cfg = ModelConfig(
-        arch=arch,
-        vocab_size=8192,
-        dim=dim,
-        n_layers=layers,
-        n_heads=dim // 128,
-        ffn_dim=int(dim * 2.75) // 64 * 64,
-        max_seq_len=2048,
-        dropout=dropout,
+        arch=arch, vocab_size=8192, dim=dim, n_layers=layers, n_heads=dim // 128, ffn_dim=int(dim * 2.75) // 64 * 64,
+        max_seq_len=2048, dropout=dropout,
     )
     return build_model(cfg, device="cuda").train()
 
@@ -104,9 +98,8 @@ def test_selective_cache_is_offloaded_on_this_torch() -> None:
     model = make("llama", dim=512, layers=4)
     idx = batch(2, 1024)
     ref_loss = step(model, idx, bf16=True)
-    apply_block_policies(
-        model, [BlockPolicy("selective", offload_ratio=1.0)] * 3 + [BlockPolicy("selective")], min_offload_bytes=1 << 16
-    )
+    apply_block_policies(model, [BlockPolicy("selective", offload_ratio=1.0)] * 3 + [BlockPolicy("selective")],
+                         min_offload_bytes=1 << 16)
     for _ in range(2):
         torch.testing.assert_close(step(model, idx, bf16=True), ref_loss, rtol=1e-3, atol=0)
     s = get_offload_engine(model).stats()
@@ -202,12 +195,8 @@ def test_no_pinned_allocation_after_step_one() -> None:
     idx = batch(4, 2048)
     apply_block_policies(
         model,
-        [
-            BlockPolicy(offload_ratio=0.5),
-            BlockPolicy("selective", offload_ratio=0.5, offload_input=True),
-            BlockPolicy("full", offload_input=True),
-        ]
-        * 2,
+        [BlockPolicy(offload_ratio=0.5), BlockPolicy("selective", offload_ratio=0.5, offload_input=True),
+         BlockPolicy("full", offload_input=True)] * 2,
         min_offload_bytes=1 << 16,
     )
     # the last block's policy offloads too here (apply_block_policies takes the plan as given)
@@ -229,11 +218,8 @@ def test_no_pinned_allocation_after_step_one() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [
-        dict(offload_ratio=1.0),
-        dict(checkpoint="full", offload_checkpoint_inputs=True),
-        dict(checkpoint="selective", offload_ratio=0.5),
-    ],
+    [dict(offload_ratio=1.0), dict(checkpoint="full", offload_checkpoint_inputs=True),
+     dict(checkpoint="selective", offload_ratio=0.5)],
     ids=["offload-all", "ckpt-inputs", "selective-0.5"],
 )
 def test_200_steps_flat_device_and_host_memory(kwargs: dict) -> None:
@@ -256,7 +242,6 @@ def test_200_steps_flat_device_and_host_memory(kwargs: dict) -> None:
         held.append((s.pending, len(eng._live), s.host_pool_in_use_bytes))
     # the engine holds nothing between steps: no device tensor waiting for a copy, no host slot in use
     assert set(held) == {(0, 0, 0)}, [(i, h) for i, h in enumerate(held) if h != (0, 0, 0)][:10]
-
     # The device memory left after a step is not bit-exact from step to step: on the H100 it moved by up
     # to 768 KiB either way at a handful of steps (never two in a row), with the engine holding nothing
     # (above). So a leak is judged by what cannot be noise: the median must not rise from the first 50

@@ -130,9 +130,8 @@ def test_selective_cache_itself_is_offloaded() -> None:
     # selective-checkpoint cache, which the engine swaps for an offloading one
     model = model_for("llama")
     ref_loss, ref = step_grads(model, 1)
-    apply_block_policies(
-        model, [BlockPolicy("selective", offload_ratio=1.0)] * 3 + [BlockPolicy()], min_offload_bytes=0
-    )
+    apply_block_policies(model, [BlockPolicy("selective", offload_ratio=1.0)] * 3 + [BlockPolicy()],
+                         min_offload_bytes=0)
     loss, got = step_grads(model, 2)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
     for k in ref:

@@ -9,19 +9,9 @@ from elbowroom.config import Config, ConfigError, build_config, help_text, iter_
 
 def test_layering_defaults_file_cli(tmp_path) -> None:
     f = tmp_path / "c.toml"
-    f.write_text("[train]\nsteps = 7\nseed = 3\n[optimizer]\nbetas = [0.8, 0.9]\n")
-    cfg = resolve(
-        str(f),
-        [
-            "--train.seed",
-            "5",
-            "--log-every",
-            "2",
-            "--activations.checkpoint",
-            "full",
-            "--activations.offload_checkpoint_inputs",
-        ],
-    )
+    f.write_text('[train]\nsteps = 7\nseed = 3\n[optimizer]\nbetas = [0.8, 0.9]\n')
+    cfg = resolve(str(f), ["--train.seed", "5", "--log-every", "2", "--activations.checkpoint", "full",
+                           "--activations.offload_checkpoint_inputs"])
     assert cfg.train.steps == 7  # from the file
     assert cfg.train.seed == 5  # the command line wins
     assert cfg.optimizer.betas == (0.8, 0.9)

@@ -536,7 +536,6 @@ def host_step(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", request.param == "device")
     monkeypatch.setattr(CPUOffloadOptimizer, "chunked_host_step", request.param == "chunked")
     monkeypatch.setattr(_host_adam, "CHUNK_NUMEL", 128)
-    monkeypatch.setattr(_host_adam.step_chunked, "__defaults__", (128,))
     return request.param
 
 
@@ -701,7 +700,7 @@ def test_chunked_step_declines_what_it_cannot_run() -> None:
 def test_host_casts_with_clipping_and_accumulation(offload_gradients: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # bf16 device weights, 2 micro-batches, global-norm clipping: casts on the device, chunked or whole-bucket
     # casts on the host agree bitwise
-    monkeypatch.setattr(_host_adam.step_chunked, "__defaults__", (128,))
+    monkeypatch.setattr(_host_adam, "CHUNK_NUMEL", 128)
     results = []
     for kind in ("device", "chunked", "whole"):
         monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", kind == "device")

@@ -20,28 +20,9 @@ from elbowroom.train.models import ModelConfig, build_model
 from elbowroom.train.trainer import accumulate_gradients
 
 SMALL = [
-    "--model.dim",
-    "32",
-    "--model.n_heads",
-    "2",
-    "--model.ffn_dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--data.seq_len",
-    "32",
-    "--data.batch_size",
-    "4",
-    "--data.num_workers",
-    "0",
-    "--train.eval_every",
-    "5",
-    "--train.eval_batches",
-    "2",
-    "--logging.progress",
-    "false",
-    "--log-every",
-    "1",
+    "--model.dim", "32", "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.n_layers", "2",
+    "--data.seq_len", "32", "--data.batch_size", "4", "--data.num_workers", "0",
+    "--train.eval_every", "5", "--train.eval_batches", "2", "--logging.progress", "false", "--log-every", "1",
 ]
 
 
@@ -112,24 +93,11 @@ def test_accumulation_equals_one_big_batch(variable: bool, arch: str) -> None:
 
 
 # ---------------------------------------------------------------- resume
-@pytest.mark.parametrize(
-    "extra",
-    [
-        [],
-        [
-            "--model.arch",
-            "gpt2",
-            "--model.dropout",
-            "0.1",
-            "--data.num_workers",
-            "1",
-            "--train.gradient_accumulation_steps",
-            "2",
-        ],
-        ["--optimizer.offload_fraction", "0.5", "--train.gradient_accumulation_steps", "2"],
-        ["--optimizer.offload_fraction", "0.5", "--optimizer.offload_param_dtype", "bfloat16", "--train.dtype", "bf16"],
-    ],
-)
+@pytest.mark.parametrize("extra", [[], ["--model.arch", "gpt2", "--model.dropout", "0.1", "--data.num_workers", "1",
+                                        "--train.gradient_accumulation_steps", "2"],
+                                   ["--optimizer.offload_fraction", "0.5", "--train.gradient_accumulation_steps", "2"],
+                                   ["--optimizer.offload_fraction", "0.5", "--optimizer.offload_param_dtype",
+                                    "bfloat16", "--train.dtype", "bf16"]])
 def test_resume_continues_the_exact_loss_curve(tmp_path: Path, extra: list[str]) -> None:
     full, part = tmp_path / "full", tmp_path / "part"
     assert run(full, "--steps", "20", *extra) == 0
@@ -191,19 +159,8 @@ def test_sigterm_saves_and_resume_finishes_the_same_curve(tmp_path: Path) -> Non
     full, part = tmp_path / "full", tmp_path / "part"
     assert run(full, "--steps", "400", "--checkpoint.every", "0") == 0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "elbowroom.cli",
-        "train",
-        "--out",
-        str(part),
-        *SMALL,
-        "--steps",
-        "400",
-        "--checkpoint.every",
-        "0",
-    ]
+    cmd = [sys.executable, "-m", "elbowroom.cli", "train", "--out", str(part), *SMALL, "--steps", "400",
+           "--checkpoint.every", "0"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -223,7 +180,8 @@ def test_sigterm_saves_and_resume_finishes_the_same_curve(tmp_path: Path) -> Non
 
 # ---------------------------------------------------------------- bad input: message, exit code 2, nothing written
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elbowroom.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "elbowroom.cli", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
@@ -241,10 +199,8 @@ def test_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
         (["--steps", "abc"], "train.steps expects an integer"),
         (["--data.path", "MISSING"], "does not exist"),
         (["--data.path", "EMPTY"], "empty"),
-        (
-            ["--optimizer.offload_fraction", "0.5", "--optimizer.offload_param_dtype", "bfloat16"],
-            "needs bf16 autocast: set --train.dtype bf16",
-        ),
+        (["--optimizer.offload_fraction", "0.5", "--optimizer.offload_param_dtype", "bfloat16"],
+         "needs bf16 autocast: set --train.dtype bf16"),
     ],
 )
 def test_bad_input_messages(tmp_path: Path, capsys, args: list[str], message: str) -> None:
@@ -281,14 +237,8 @@ def test_existing_run_is_not_overwritten(tmp_path: Path, capsys) -> None:
 def test_help_lists_every_option_with_default(capsys) -> None:
     assert main(["train", "--help"]) == 0
     text = capsys.readouterr().out
-    for key in (
-        "--train.gradient_accumulation_steps",
-        "--activations.offload_ratio",
-        "--optimizer.offload_fraction",
-        "--data.path",
-        "--scheduler.name",
-        "--checkpoint.keep",
-    ):
+    for key in ("--train.gradient_accumulation_steps", "--activations.offload_ratio", "--optimizer.offload_fraction",
+                "--data.path", "--scheduler.name", "--checkpoint.keep"):
         assert key in text
     assert "(default: 200)" in text
 
@@ -299,9 +249,8 @@ def test_prepare_then_train_on_token_file(tmp_path: Path) -> None:
     assert main(["prepare", str(text), str(tmp_path / "c.bin"), "--no-progress"]) == 0
     out = tmp_path / "run"
     assert run(out, "--steps", "3", "--data.path", str(tmp_path / "c.bin")) == 0
-    assert (
-        run(tmp_path / "run-var", "--steps", "3", "--data.path", str(tmp_path / "c.bin"), "--data.variable_length") == 0
-    )
+    assert run(tmp_path / "run-var", "--steps", "3", "--data.path", str(tmp_path / "c.bin"),
+               "--data.variable_length") == 0
     assert len(train_losses(out)) == 3
 
 

@@ -255,25 +255,9 @@ SAVE_DECISIONS = (torch_ckpt.CheckpointPolicy.MUST_SAVE, torch_ckpt.CheckpointPo
 def _non_saving_ops() -> frozenset:
     """Ops whose autograd nodes save no tensor (residual adds, views, copies)."""
     aten = torch.ops.aten
-    names = (
-        "add.Tensor",
-        "sub.Tensor",
-        "view.default",
-        "_unsafe_view.default",
-        "alias.default",
-        "detach.default",
-        "t.default",
-        "transpose.int",
-        "permute.default",
-        "expand.default",
-        "clone.default",
-        "slice.Tensor",
-        "select.int",
-        "unsqueeze.default",
-        "squeeze.dim",
-        "split.Tensor",
-        "split_with_sizes.default",
-    )
+    names = ("add.Tensor", "sub.Tensor", "view.default", "_unsafe_view.default", "alias.default", "detach.default",
+             "t.default", "transpose.int", "permute.default", "expand.default", "clone.default", "slice.Tensor",
+             "select.int", "unsqueeze.default", "squeeze.dim", "split.Tensor", "split_with_sizes.default")
     ops = set()
     for name in names:
         packet, _, overload = name.partition(".")

@@ -168,9 +168,8 @@ def _rng_safe(policy: Policy) -> Policy:
 def _resolve_policy(mode: str, policy: Policy | Iterable | None) -> Policy | None:
     if mode == "full":
         if policy is not None:
-            raise ValueError(
-                "a checkpoint policy only applies to mode='selective'; drop policy= or pass it with mode='selective'"
-            )
+            raise ValueError("a checkpoint policy only applies to mode='selective'; drop policy= or pass it "
+                             "with mode='selective'")
         return None
     if policy is None:
         return _rng_safe(selective_policy())

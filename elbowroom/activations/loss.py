@@ -51,9 +51,8 @@ def _triton_kernel():
         row = tl.program_id(0)
         ptr = L + row.to(tl.int64) * stride_l
         t = tl.load(T + row)
-        m = tl.max(
-            tl.load(ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < V, other=float("-inf")).to(tl.float32), 0
-        )
+        m = tl.max(tl.load(ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < V, other=float("-inf"))
+                   .to(tl.float32), 0)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -81,22 +80,19 @@ def _kernel_applies(h: torch.Tensor) -> bool:
     return h.is_cuda and not torch.compiler.is_compiling() and _triton_kernel() is not None
 
 
-def _chunk_kernel(
-    logits: torch.Tensor, tgt: torch.Tensor, scale: torch.Tensor, ignore_index: int, grad: bool
-) -> torch.Tensor:
+def _chunk_kernel(logits: torch.Tensor, tgt: torch.Tensor, scale: torch.Tensor, ignore_index: int,
+                  grad: bool) -> torch.Tensor:
     """Per-row losses of a ``(n, vocab)`` chunk (fp32); with ``grad``, ``logits`` becomes the gradient."""
     n, vocab = logits.shape
     losses = torch.empty(n, dtype=torch.float32, device=logits.device)
     block = min(4096, 1 << max(0, vocab - 1).bit_length())
-    _triton_kernel()[(n,)](
-        logits, logits.stride(0), tgt, losses, scale, vocab, ignore_index, BLOCK=block, GRAD=grad, num_warps=8
-    )
+    _triton_kernel()[(n,)](logits, logits.stride(0), tgt, losses, scale, vocab, ignore_index, BLOCK=block,
+                           GRAD=grad, num_warps=8)
     return losses
 
 
-def _chunk_torch(
-    logits: torch.Tensor, tgt: torch.Tensor, ok: torch.Tensor, scale: torch.Tensor, grad: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunk_torch(logits: torch.Tensor, tgt: torch.Tensor, ok: torch.Tensor, scale: torch.Tensor,
+                 grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The same as :func:`_chunk_kernel` with torch operations: per-row losses, and the gradient (a new
     tensor in the logits' dtype) when ``grad``."""
     lf = logits.float()
@@ -202,9 +198,8 @@ def linear_cross_entropy(
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
     if weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"weight must be (vocab, {h.shape[-1]}) for hidden states {tuple(h.shape)}, got {tuple(weight.shape)}"
-        )
+        raise ValueError(f"weight must be (vocab, {h.shape[-1]}) for hidden states {tuple(h.shape)}, got "
+                         f"{tuple(weight.shape)}")
     if targets.shape != h.shape[:-1]:
         raise ValueError(f"targets must have shape {tuple(h.shape[:-1])}, got {tuple(targets.shape)}")
     cdtype = _compute_dtype(h)
@@ -216,9 +211,8 @@ def linear_cross_entropy(
 class LinearCrossEntropy(nn.Module):
     """Module form of :func:`linear_cross_entropy` for a given head (``nn.Linear`` without bias)."""
 
-    def __init__(
-        self, head: nn.Linear, *, ignore_index: int = -100, reduction: str = "mean", chunk_tokens: int = 4096
-    ) -> None:
+    def __init__(self, head: nn.Linear, *, ignore_index: int = -100, reduction: str = "mean",
+                 chunk_tokens: int = 4096) -> None:
         super().__init__()
         if head.bias is not None:
             raise ValueError("LinearCrossEntropy supports a head without bias")
@@ -226,11 +220,5 @@ class LinearCrossEntropy(nn.Module):
         self.ignore_index, self.reduction, self.chunk_tokens = ignore_index, reduction, chunk_tokens
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(
-            h,
-            self.head.weight,
-            targets,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            chunk_tokens=self.chunk_tokens,
-        )
+        return linear_cross_entropy(h, self.head.weight, targets, ignore_index=self.ignore_index,
+                                    reduction=self.reduction, chunk_tokens=self.chunk_tokens)

@@ -246,7 +246,8 @@ class _HostPool:
         self.chunk_off = 0
         self.reserved_bytes += size
         self.allocations += 1
-        logger.debug("offload host pool: +%d bytes (%d in %d allocations)", size, self.reserved_bytes, self.allocations)
+        logger.debug("offload host pool: +%d bytes (%d in %d allocations)", size, self.reserved_bytes,
+                     self.allocations)
 
 
 # --------------------------------------------------------------------------------------------- records
@@ -259,9 +260,8 @@ class _Record:
         "__weakref__",
     )  # fmt: skip
 
-    def __init__(
-        self, engine: OffloadEngine, slot: _Slot, lo: int, t: torch.Tensor, d2h: Any, key: int, group_id: int
-    ) -> None:
+    def __init__(self, engine: OffloadEngine, slot: _Slot, lo: int, t: torch.Tensor, d2h: Any, key: int,
+                 group_id: int) -> None:
         self.engine = engine
         self.slot: _Slot | None = slot
         self.lo = lo  # byte offset of the copied range in the device storage
@@ -402,9 +402,8 @@ class _RatioState:
             picked.append(i)
             acc += sizes[i]
         self.chosen = frozenset(picked)
-        logger.debug(
-            "offload ratio %.3f: %d of %d tensors, %d of %d bytes", self.ratio, len(picked), len(sizes), acc, total
-        )
+        logger.debug("offload ratio %.3f: %d of %d tensors, %d of %d bytes", self.ratio, len(picked), len(sizes),
+                     acc, total)
 
 
 class _Entry:
@@ -513,10 +512,8 @@ class OffloadGroup:
         """
         storage = getattr(fwd_mode, "storage", None)
         if not isinstance(storage, dict) or getattr(recompute_mode, "storage", None) is not storage or storage:
-            self.engine._warn_once(
-                "selective-cache",
-                "this torch's selective checkpoint cache is not recognised; its kept outputs stay on the device",
-            )
+            self.engine._warn_once("selective-cache", "this torch's selective checkpoint cache is not recognised; "
+                                   "its kept outputs stay on the device")
             return
         cache = _CacheStorage(self)
         fwd_mode.storage = cache
@@ -824,9 +821,8 @@ class OffloadEngine:
             self._copier = _CudaCopier(device)
         else:
             self._copier = _CpuCopier(self._cpu_event_delay)
-        self._pool = _HostPool(
-            pin=device.type == "cuda", limit=self.host_memory_limit_bytes, chunk_bytes=self.chunk_bytes
-        )
+        self._pool = _HostPool(pin=device.type == "cuda", limit=self.host_memory_limit_bytes,
+                               chunk_bytes=self.chunk_bytes)
 
     def _eligible(self, t: torch.Tensor) -> bool:
         if type(t) is not torch.Tensor:
@@ -905,9 +901,8 @@ class OffloadEngine:
             rec = self._offload(t, st, ptr, lo, hi, group)
             return _Packed(rec, t, group)
 
-    def _offload(
-        self, t: torch.Tensor, st: torch.UntypedStorage, ptr: int, lo: int, hi: int, group: OffloadGroup
-    ) -> _Record:
+    def _offload(self, t: torch.Tensor, st: torch.UntypedStorage, ptr: int, lo: int, hi: int,
+                 group: OffloadGroup) -> _Record:
         self._poll()
         slot = self._pool.acquire(hi - lo)
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, lo, (hi - lo,), (1,))

@@ -311,10 +311,8 @@ def apply_block_policies(
     model.__dict__[_STATE_ATTR] = (engine if offloads else None, tuple(plan))
     logger.info(
         "activation policy: %d checkpointed (%d selective), %d offloading of %d blocks",
-        sum(p.checkpoint != "none" for p in plan),
-        sum(p.checkpoint == "selective" for p in plan),
-        sum(p.offloads for p in plan),
-        n,
+        sum(p.checkpoint != "none" for p in plan), sum(p.checkpoint == "selective" for p in plan),
+        sum(p.offloads for p in plan), n,
     )
     return model
 

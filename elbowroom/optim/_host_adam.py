@@ -5,13 +5,16 @@ gradient to fp32, update the fp32 master and both moments with torch's fused CPU
 to a bf16 copy for the way back. Run one after the other over whole parameters, that is three passes over
 host memory: 6 + 28 + 6 = 40 bytes per parameter, where the fused kernel alone on fp32 gradients moves 28.
 Here the three run chunk by chunk, so the fp32 gradient chunk and the updated master chunk are still in
-the CPU's caches when the next op reads them: memory traffic near the 30 bytes that must move (read 2 + 12,
-write 12 + 2) at the cost of three op calls per chunk. The arithmetic is torch's own (``_fused_adam_`` /
+the CPU's caches when the next op reads them, aiming at the 30 bytes that must move (read 2 + 12, write
+12 + 2), at the cost of three op calls per chunk. The arithmetic is torch's own (``_fused_adam_`` /
 ``_fused_adamw_``), elementwise, so the result is bitwise what torch's optimizer computes on the upcast
 gradients.
 
-Measured on the lent H100 host (16 cores, 14 threads): torch's fused AdamW on fp32 gradients 5.25 G
-params/s, the three passes over whole bf16 parameters 2.94 (``benchmarks/host_adam.py``).
+Measured on the lent H100 host (16 cores, 14 threads, ``benchmarks/host_adam.py``): torch's fused AdamW on
+fp32 gradients 4.29-5.25 G params/s (two machines), the three passes over whole bf16 parameters 2.15-2.94,
+chunk by chunk 2.54 (on the machine that gave 2.15 and 4.29): far from the fp32 rate, so the optimizer runs
+these casts on the device by default (``CPUOffloadOptimizer.cast_on_device``) and this path only where they
+stay on the host.
 
 (A ``torch.compile``-built one-pass kernel was tried first and dropped: Inductor's CPU kernel ran at 2.7-2.9 G
 params/s whatever the thread setting, with its own OpenMP team that ``torch.set_num_threads`` does not
@@ -63,10 +66,12 @@ def step_chunked(
     out: torch.Tensor | None,
     scratch: torch.Tensor,
     mults: list[torch.Tensor],
-    chunk: int = CHUNK_NUMEL,
+    chunk: int | None = None,
 ) -> None:
     """One Adam(W) step of ``master`` (fp32) on ``grad`` (any float dtype) times ``mults``; ``out`` (if given)
-    gets the new master in its own dtype. ``scratch``: fp32, at least ``min(chunk, numel)`` elements."""
+    gets the new master in its own dtype. ``scratch``: fp32, at least ``min(chunk, numel)`` elements;
+    ``chunk`` defaults to :data:`CHUNK_NUMEL`."""
+    chunk = chunk or CHUNK_NUMEL
     if chunk % 64:
         raise ValueError(f"chunk must be a multiple of 64 elements, got {chunk}")
     st = adam_state(optimizer, master)

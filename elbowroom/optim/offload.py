@@ -293,10 +293,6 @@ class _HostParam:
         n = self.param.numel() * dtype.itemsize
         return slot[self.offset : self.offset + n].view(dtype).view(self.param.shape)
 
-    def for_host(self, grad: torch.Tensor) -> torch.Tensor:
-        """The device gradient as it travels (upcast on the device when casts run there)."""
-        return grad.float() if self.device_cast else grad
-
 
 class _Bucket:
     """Consecutive offloaded parameters that travel and step together (one CPU optimizer call)."""
@@ -510,8 +506,10 @@ class _Engine:
                 job.staged[i] = True
         with s.on(s.d2h):
             s.stream_wait(s.d2h, job.ready)  # stream wait: copy only once backward has produced the grads
-            for (_, hp, g), dest in zip(todo, dests):
-                src = hp.for_host(g) if dest.dtype != g.dtype else g  # (on this stream: its memory is reused after)
+            for (_, _hp, g), dest in zip(todo, dests):
+                # in the destination's dtype: an upcast on the device when the casts run there (on this stream,
+                # so its memory is reused only after the copy)
+                src = g.to(dest.dtype)
                 dest.copy_(src, non_blocking=True)
                 self.d2h_bytes += _nbytes(src)
                 if s.cuda:
@@ -610,8 +608,9 @@ class _Engine:
                     g = plan.recopy[hp.index]
                     fresh[i] = g is not None
                     if g is not None:
-                        src = hp.for_host(g)
-                        hp.staging(job.slot).copy_(src, non_blocking=True)
+                        dest = hp.staging(job.slot)
+                        src = g.to(dest.dtype)  # as in the first copy
+                        dest.copy_(src, non_blocking=True)
                         self.recopy_bytes += _nbytes(src)
                         if s.cuda:
                             g.record_stream(s.d2h)  # lifetime extension, as for the first copy

@@ -63,24 +63,8 @@ def _triton_kernel():
         return None
 
     @triton.jit
-    def rope_kernel(
-        X,
-        Y,
-        COS,
-        SIN,
-        S,
-        N,
-        sxb,
-        sxs,
-        sxn,
-        syb,
-        sys,
-        syn,
-        cos_stride,
-        HALF: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        SIGN: tl.constexpr,
-    ):
+    def rope_kernel(X, Y, COS, SIN, S, N, sxb, sxs, sxn, syb, sys, syn, cos_stride,
+                    HALF: tl.constexpr, BLOCK_N: tl.constexpr, SIGN: tl.constexpr):
         # one program per (batch, position): all heads of that token, one table row
         pid = tl.program_id(0)
         b = pid // S
@@ -133,22 +117,8 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     import triton
 
     _triton_kernel()[(b * s,)](
-        xr,
-        y,
-        cos,
-        sin,
-        s,
-        n,
-        xr.stride(0),
-        xr.stride(1),
-        xr.stride(2),
-        y.stride(0),
-        y.stride(1),
-        y.stride(2),
-        cos.stride(0),
-        HALF=hd // 2,
-        BLOCK_N=triton.next_power_of_2(n),
-        SIGN=sign,
+        xr, y, cos, sin, s, n, xr.stride(0), xr.stride(1), xr.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        cos.stride(0), HALF=hd // 2, BLOCK_N=triton.next_power_of_2(n), SIGN=sign,
     )
     return out
 

@@ -240,7 +240,8 @@ def _check_out_dir(out: Path, resume: bool) -> None:
     existing = [p.name for p in (out / "metrics.jsonl", out / "checkpoints") if p.exists()]
     if existing:
         raise ConfigError(
-            f"{out} already holds a run ({', '.join(existing)}); continue it with --resume, or choose another --out"
+            f"{out} already holds a run ({', '.join(existing)}); continue it with --resume, "
+            "or choose another --out"
         )
 
 
@@ -369,18 +370,12 @@ def train(cfg: Config) -> TrainResult:
     log.info("run directory %s", out)
     log.info(
         "model %s/%s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d steps of %d x %d x %d tokens",
-        model_cfg.arch,
-        cfg.model.preset,
-        n_params / 1e6,
-        flops_tok / 1e9,
-        device,
-        amp_dtype,
-        cfg.train.steps,
-        accum,
-        bsz,
-        seq_len,
+        model_cfg.arch, cfg.model.preset, n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
+        cfg.train.steps, accum, bsz, seq_len,
     )
-    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype != torch.float32 else contextlib.nullcontext()
+    autocast = (
+        torch.autocast(device.type, dtype=amp_dtype) if amp_dtype != torch.float32 else contextlib.nullcontext()
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     result = TrainResult(step=step, losses={}, val_losses={}, out=out)
     progress = _progress_bar(cfg, step)
