@@ -66,6 +66,7 @@ def run(variant: str, args: argparse.Namespace) -> dict:
         model.output.to(torch.bfloat16)
     n = len(model.blocks)
     k = next((int(p[4:]) for p in parts if p.startswith("ckpt") and p[4:].isdigit()), n if "ckpt" in parts else 0)
+    k = min(k, n)
     rest = BlockPolicy("selective") if "sel" in parts else BlockPolicy("none")
     if k or "sel" in parts:
         apply_block_policies(model, [BlockPolicy("full")] * k + [rest] * (n - k))
