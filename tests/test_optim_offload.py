@@ -536,6 +536,7 @@ def host_step(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", request.param == "device")
     monkeypatch.setattr(CPUOffloadOptimizer, "chunked_host_step", request.param == "chunked")
     monkeypatch.setattr(_host_adam, "CHUNK_NUMEL", 128)
+    monkeypatch.setattr(CPUOffloadOptimizer, "device_chunk_numel", 128)  # the device masters' step, too
     return request.param
 
 
@@ -569,6 +570,51 @@ def test_master_weights_bf16(host_step: str) -> None:
     assert all(p.dtype == torch.bfloat16 for p in m1.parameters())
     _used_casts(o1, host_step)
     assert_same(m1, m2)
+    sd = o1.state_dict()
+    for i, w in enumerate(masters):
+        torch.testing.assert_close(sd["state"][i]["master_weight"].cpu(), w, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("opt_class", [torch.optim.AdamW, torch.optim.SGD])
+def test_device_masters_accumulate_and_step_in_chunks(opt_class, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the device half of a bf16 model keeps fp32 masters on the device; Adam(W) steps them chunk by chunk
+    # (no fp32 copy of all gradients at once), other optimizers through torch's own step on upcast
+    # gradients; both equal a hand-written loop over two accumulated micro-batches per step
+    monkeypatch.setattr(CPUOffloadOptimizer, "device_chunk_numel", 192)
+    calls: list[int] = []
+    real = _host_adam.step_chunked
+    monkeypatch.setattr(
+        _host_adam, "step_chunked", lambda *a, **k: calls.append(a[2].numel()) or real(*a, **k)
+    )
+    kw = {"lr": 1e-2, "momentum": 0.9} if opt_class is torch.optim.SGD else {"lr": 1e-2, "weight_decay": 0.1}
+    m1 = make_model().to(torch.bfloat16)
+    m2 = make_model().to(torch.bfloat16)
+    masters = [p.detach().float() for p in m2.parameters()]
+    o1 = CPUOffloadOptimizer(m1.parameters(), opt_class, offload_fraction=0.5, master_weights=True, **kw)
+    o2 = opt_class(masters, fused=True, **kw)
+    data = batches(6)
+    for i in range(0, 6, 2):
+        for j, x in enumerate(data[i : i + 2]):
+            with o1.accumulating(j == 0):
+                loss_of(m1, x.bfloat16()).float().backward()
+            loss_of(m2, x.bfloat16()).float().backward()
+        o1.step()
+        o1.zero_grad()
+        for w, p in zip(masters, m2.parameters()):
+            w.grad = p.grad.float()
+        o2.step()
+        with torch.no_grad():
+            for w, p in zip(masters, m2.parameters()):
+                p.copy_(w)
+                p.grad = None
+    assert_same(m1, m2)
+    assert all(m.grad is None for m in o1._dev_masters.values())
+    device_numel = sorted(m.numel() for m in o1._dev_masters.values())
+    if opt_class is torch.optim.AdamW:
+        assert sorted(calls[: len(device_numel)]) == device_numel and len(calls) == 3 * len(device_numel)
+        assert max(device_numel) > 192  # some parameter spans several chunks
+    else:
+        assert calls == []
     sd = o1.state_dict()
     for i, w in enumerate(masters):
         torch.testing.assert_close(sd["state"][i]["master_weight"].cpu(), w, atol=0, rtol=0)

@@ -52,7 +52,7 @@ def adam_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[s
     ``state_dict()`` and torch's own step see the same thing."""
     st = optimizer.state[master]
     if not st:
-        st["step"] = torch.tensor(0.0, dtype=torch.float32)
+        st["step"] = torch.tensor(0.0, dtype=torch.float32, device=master.device)  # fused: on the master's device
         st["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
         st["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
     return st

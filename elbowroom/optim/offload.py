@@ -817,6 +817,9 @@ class CPUOffloadOptimizer(Optimizer):
     parameter, as for fp32 weights) instead of an upcast, the step and a downcast on the CPU (40 B, or ~30 B
     chunked); the link carries 4 B per parameter each way instead of 2 (10.8 GB each way for 2.7B
     offloaded parameters: ~0.2 s at the link's speed, overlapped). False: casts on the host."""
+    device_chunk_numel: ClassVar[int] = 1 << 25
+    """Elements per chunk of the device step of fp32 masters kept on the device for low-precision
+    parameters (``master_weights``): the fp32 scratch the gradients are upcast into (128 MiB)."""
     chunked_host_step: ClassVar[bool] = True
     """Step Adam/AdamW parameters whose device copy has another dtype (bf16 device weights) chunk by chunk:
     upcast, fused step and cast back while the chunk is in cache (``elbowroom.optim._host_adam``), instead
@@ -1440,14 +1443,18 @@ class CPUOffloadOptimizer(Optimizer):
             for m in dev_mults:
                 for gs in grads.values():
                     torch._foreach_mul_(gs, m.to(gs[0].device))
-            for p, m in self._dev_masters.items():
-                m.grad = None if p.grad is None else p.grad.float()
             for inner, gi in zip(self._dev_opt.param_groups, self._dev_group_map):
                 inner.update(hyper[gi])
-            self._dev_opt.step()
+            if self._dev_masters and _host_adam.supports(self._dev_opt):
+                self._step_device_masters()  # chunk by chunk: no fp32 copy of every gradient at once
+            else:
+                for p, m in self._dev_masters.items():
+                    m.grad = None if p.grad is None else p.grad.float()
+            self._dev_opt.step()  # the device parameters without masters (masters without .grad are skipped)
             for p, m in self._dev_masters.items():
-                m.grad = None
-                p.detach().copy_(m)
+                if m.grad is not None:
+                    m.grad = None
+                    p.detach().copy_(m)
 
         jobs, self._step_jobs = self._step_jobs, []
         wait_s: float | None = None
@@ -1538,6 +1545,31 @@ class CPUOffloadOptimizer(Optimizer):
             for b in buckets:
                 if b.h2d_event is not None:
                     cur.wait_event(b.h2d_event)  # stream wait: the forward reads the weights after their copy
+
+    def _step_device_masters(self) -> None:
+        """Adam(W) on the device's fp32 masters of low-precision parameters, chunk by chunk: upcast a chunk
+        of the gradient into scratch, torch's fused step on that chunk, cast the master chunk into the
+        parameter. The same arithmetic as torch's fused step on whole upcast gradients (elementwise,
+        bitwise), but the fp32 gradients never exist whole: on the 7B hybrid with half of the parameters
+        on the device that would be 13.5 GB at the end of every step."""
+        assert self._dev_opt is not None
+        group_of = {id(m): g for g in self._dev_opt.param_groups for m in g["params"]}
+        chunk = self.device_chunk_numel
+        scratch: torch.Tensor | None = None
+        for p, m in self._dev_masters.items():
+            if p.grad is None:
+                continue
+            n = min(chunk, m.numel())
+            if scratch is None or scratch.numel() < n or scratch.device != m.device:
+                largest = max(min(chunk, q.numel()) for q in self._dev_masters.values() if q.device == m.device)
+                scratch = torch.empty(largest, dtype=torch.float32, device=m.device)
+            g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            out = p.detach()
+            if out.is_contiguous():
+                _host_adam.step_chunked(self._dev_opt, group_of[id(m)], m, g, out, scratch, [], chunk)
+            else:
+                _host_adam.step_chunked(self._dev_opt, group_of[id(m)], m, g, None, scratch, [], chunk)
+                out.copy_(m)
 
     def overlap_with_forward(self, model: torch.nn.Module) -> None:
         """Let ``step()`` return before the CPU updates land; each module waits for its own weights.
