@@ -225,7 +225,7 @@ def _row(name, workload, cfg, tokens, seq, step_s, device) -> dict[str, Any]:
     tok_s = tokens / step_s
     tflops = tok_s * flops_per_token(cfg, seq) / 1e12
     peak = peak_flops(device)
-    return {
+    row = {
         "workload": workload,
         "mode": name,
         "params_M": round(count_params(build_model(cfg, device="meta")) / 1e6),
@@ -235,6 +235,13 @@ def _row(name, workload, cfg, tokens, seq, step_s, device) -> dict[str, Any]:
         "mfu": round(tflops * 1e12 / peak, 3) if peak else None,
         "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
     }
+    if device.type == "cuda":
+        # near the edge of memory the caching allocator frees its cache and retries (a device-wide sync
+        # each time): the cause when a mode that fits runs far slower than its FLOPs say
+        stats = torch.cuda.memory_stats()
+        row["reserved_peak_GiB"] = round(stats.get("reserved_bytes.all.peak", 0) / 2**30, 2)
+        row["alloc_retries"] = stats.get("num_alloc_retries", 0)
+    return row
 
 
 # ---------------------------------------------------------------- trainer overhead
