@@ -12,6 +12,9 @@ percentage of the first mode of the run (put `plain` first).
 Any mode + ``+fl``: the output head and cross-entropy computed chunk by chunk
 (``elbowroom.activations.linear_cross_entropy``: the logits never exist whole), e.g. ``torch_ckpt+fl``.
 
+``ELBOWROOM_BENCH_EVENTS=1`` adds ``gpu_ms`` to each row: the GPU time of every micro-batch of the last step
+and of its ``step()`` + ``zero_grad()``, from CUDA events between them.
+
 Modes come from registries: the peers' and the trainer's below, ours from ``modes_activations.py`` and
 ``modes_optim.py`` beside this file. A mode is a function ``setup(model, args) -> Setup``.
 """
@@ -23,6 +26,7 @@ import gc
 import importlib
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -186,9 +190,16 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     tgt = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     times, losses = [], []
+    # ELBOWROOM_BENCH_EVENTS=1: CUDA events between micro-batches: the GPU time of each in the last step
+    # (the first one includes any wait of its forward for the optimizer), and of step() + zero_grad()
+    events = bool(os.environ.get("ELBOWROOM_BENCH_EVENTS")) and device.type == "cuda"
+    marks: list[Any] = []
     for _ in range(args.steps):
         _sync()
         t0 = time.perf_counter()
+        if events:
+            marks = [torch.cuda.Event(enable_timing=True)]
+            marks[0].record()
         for _ in range(accum):
             with amp, setup.context():
                 if fused_loss:
@@ -200,14 +211,22 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
                     logits = model(idx)
                     loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
             loss.backward()
+            if events:
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
         setup.optimizer.step()
         setup.optimizer.zero_grad(set_to_none=True)
+        if events:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
         _sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     step_s = statistics.median(times[args.warmup :]) if len(times) > args.warmup else min(times)
     row = _row(name, workload, cfg, bsz * seq * accum, seq, step_s, device)
     row.update(loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), accum=accum)
+    if marks:
+        row["gpu_ms"] = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
     if setup.notes:
         row["notes"] = setup.notes
     if setup.stats is not None:
