@@ -13,6 +13,7 @@ Variants (joined with ``+``):
   (its weight cache on, as a training step would run it).
 - ``mix``: the hybrid optimizer's layout under autocast: the late half of the blocks and the head in bf16,
   the rest fp32.
+- ``unfused``: SwiGLU as chunk, silu and mul instead of the fused kernel (``fused_swiglu = False``).
 - ``compile``: each block compiled on its own (``nn.Module.compile``), as torchtitan does.
 - ``ckpt``: every block recomputed in backward (elbowroom's per-block policy); ``ckptK``: the first K.
 - ``sel``: every block selective (matmul and attention outputs kept, the rest recomputed).
@@ -70,6 +71,9 @@ def run(variant: str, args: argparse.Namespace) -> dict:
     rest = BlockPolicy("selective") if "sel" in parts else BlockPolicy("none")
     if k or "sel" in parts:
         apply_block_policies(model, [BlockPolicy("full")] * k + [rest] * (n - k))
+    if "unfused" in parts:
+        for blk in model.blocks:
+            blk.fused_swiglu = False
     if "compile" in parts:
         for blk in model.blocks:
             blk.compile()

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elbowroom.train.rope import RotaryEmbedding
+from elbowroom.train.swiglu import swiglu
 
 Arch = Literal["llama", "gpt2"]
 
@@ -137,11 +138,17 @@ class LlamaBlock(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
         self.dropout = cfg.dropout
         self.rope: RotaryEmbedding | None = None  # set by the model; shared, not a submodule
+        self.fused_swiglu = True
+        """SwiGLU through :func:`elbowroom.train.swiglu.swiglu` (fused on CUDA) instead of chunk, silu, mul."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), self.rope)
-        g, u = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
-        h = self.w2(F.silu(g) * u)
+        gu = self.w13(self.mlp_norm(x))
+        if self.fused_swiglu:
+            h = self.w2(swiglu(gu))  # one kernel per direction on CUDA (elbowroom.train.swiglu)
+        else:
+            g, u = gu.chunk(2, dim=-1)
+            h = self.w2(F.silu(g) * u)
         if self.dropout and self.training:
             h = F.dropout(h, self.dropout, True)
         return x + h
