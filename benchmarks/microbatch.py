@@ -130,7 +130,6 @@ def run(variant: str, args: argparse.Namespace) -> dict:
             key=lambda e: -(getattr(e, "device_time_total", 0.0) or 0.0),
         )[:12]
         row["top_other"] = [(e.key[:60], round((getattr(e, "device_time_total", 0.0) or 0.0) / 1e3, 1)) for e in top]
-    del model
     return row
 
 
@@ -144,7 +143,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    print(f"# {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, torch {torch.__version__}", flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"# {device}, torch {torch.__version__}", flush=True)
     for v in args.variants.split(","):
         try:
             row = run(v, args)

@@ -43,6 +43,8 @@ def test_round_trip_through_toml(tmp_path) -> None:
         (["--model.preset", "huge"], "model.preset must be one of tiny, w1, w2, 7b"),
         (["--optimizer.offload_param_dtype", "bfloat16"], "offload_param_dtype needs optimizer.offload_fraction > 0"),
         (["--optimizer.offload_param_dtype", "fp8"], "offload_param_dtype must be one of float32, bfloat16"),
+        (["--optimizer.offload_fraction", "0.5", "--optimizer.param_dtype", "bfloat16",
+          "--optimizer.offload_param_dtype", "bfloat16"], "drop --optimizer.offload_param_dtype"),
     ],
 )
 def test_bad_values_name_the_problem(args, message) -> None:

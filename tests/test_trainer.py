@@ -97,7 +97,10 @@ def test_accumulation_equals_one_big_batch(variable: bool, arch: str) -> None:
                                         "--train.gradient_accumulation_steps", "2"],
                                    ["--optimizer.offload_fraction", "0.5", "--train.gradient_accumulation_steps", "2"],
                                    ["--optimizer.offload_fraction", "0.5", "--optimizer.offload_param_dtype",
-                                    "bfloat16", "--train.dtype", "bf16"]])
+                                    "bfloat16", "--train.dtype", "bf16"],
+                                   ["--optimizer.offload_fraction", "0.5", "--optimizer.param_dtype", "bfloat16",
+                                    "--train.dtype", "bf16", "--train.gradient_accumulation_steps", "2"],
+                                   ["--optimizer.param_dtype", "bfloat16", "--train.dtype", "bf16"]])
 def test_resume_continues_the_exact_loss_curve(tmp_path: Path, extra: list[str]) -> None:
     full, part = tmp_path / "full", tmp_path / "part"
     assert run(full, "--steps", "20", *extra) == 0
@@ -201,6 +204,7 @@ def test_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
         (["--data.path", "EMPTY"], "empty"),
         (["--optimizer.offload_fraction", "0.5", "--optimizer.offload_param_dtype", "bfloat16"],
          "needs bf16 autocast: set --train.dtype bf16"),
+        (["--optimizer.param_dtype", "bfloat16"], "runs the model in bf16: set --train.dtype bf16"),
     ],
 )
 def test_bad_input_messages(tmp_path: Path, capsys, args: list[str], message: str) -> None:
@@ -370,3 +374,30 @@ def test_activation_switches_keep_the_loss_curve(tmp_path: Path, mode: list[str]
     assert run(tmp_path / "mode", *args, *mode) == 0
     a, b = train_losses(tmp_path / "plain"), train_losses(tmp_path / "mode")
     assert a.keys() == b.keys() and all(b[k] == pytest.approx(a[k], rel=1e-6) for k in a)
+
+
+@pytest.mark.parametrize("fraction", ["0", "0.5"])
+def test_bf16_parameters_with_fp32_masters(tmp_path: Path, fraction: str) -> None:
+    """optimizer.param_dtype bfloat16: bf16 weights in the checkpoint, fp32 masters in the optimizer state that
+    are what the weights round from, and a loss curve close to the fp32-weights run under bf16 autocast."""
+    args = ["--steps", "6", "--train.dtype", "bf16", "--optimizer.offload_fraction", fraction,
+            "--train.gradient_accumulation_steps", "2"]
+    assert run(tmp_path / "amp", *args) == 0
+    assert run(tmp_path / "bf16", *args, "--optimizer.param_dtype", "bfloat16") == 0
+    a, b = train_losses(tmp_path / "amp"), train_losses(tmp_path / "bf16")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=2e-2)
+    assert b[6] < b[1]
+    ck = CheckpointManager(tmp_path / "bf16" / "checkpoints").load_latest(map_location="cpu")
+    weights = ck.state["model"]
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    opt_state = ck.state["optimizer"]["state"]
+    masters = [st["master_weight"] for st in opt_state.values()]
+    assert len(masters) == len(weights) and all(m.dtype == torch.float32 for m in masters)
+    # optimizer indices follow the trainer's groups: decayed matrices first, then norms and embeddings
+    names = list(weights)
+    decay = [n for n in names if weights[n].dim() >= 2 and not n.startswith(("tok_emb.", "pos_emb."))]
+    ordered = decay + [n for n in names if n not in decay]
+    for i, st in opt_state.items():
+        torch.testing.assert_close(st["master_weight"].bfloat16(), weights[ordered[int(i)]], atol=0, rtol=0)

@@ -105,7 +105,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
     o = cfg.optimizer
     groups = param_groups(model, o.weight_decay)
-    if o.offload_fraction > 0 or o.offload_gradients:
+    if o.offload_fraction > 0 or o.offload_gradients or o.param_dtype == "bfloat16":
         from elbowroom.optim import build_optimizer as build_offload
         from elbowroom.optim import last_fraction
 
@@ -121,6 +121,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
             offload_gradients=o.offload_gradients,
             offload_params=last_fraction(list(model.parameters()), o.offload_fraction) if late else None,
             param_dtype=torch.bfloat16 if o.offload_param_dtype == "bfloat16" else None,
+            master_weights=o.param_dtype == "bfloat16",  # the model was cast to bf16: fp32 masters on both sides
         )
         # step() returns at once; each block waits for its own updated weights in the next forward, so
         # the CPU step of the late blocks hides behind the forward of the early ones even with clipping
@@ -272,6 +273,12 @@ def train(cfg: Config) -> TrainResult:
             "optimizer.offload_param_dtype bfloat16 keeps offloaded weights in bf16, which needs bf16 autocast: "
             f"set --train.dtype bf16 (it resolves to {str(amp_dtype).removeprefix('torch.')} here)"
         )
+    bf16_params = cfg.optimizer.param_dtype == "bfloat16"
+    if bf16_params and amp_dtype != torch.bfloat16:
+        raise ConfigError(
+            "optimizer.param_dtype bfloat16 runs the model in bf16: set --train.dtype bf16 (it resolves to "
+            f"{str(amp_dtype).removeprefix('torch.')} here)"
+        )
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
@@ -304,6 +311,8 @@ def train(cfg: Config) -> TrainResult:
     model_cfg = resolve_model_config(cfg, tokens.vocab_size)
     D.check_vocab(tokens.vocab_size, model_cfg.vocab_size)
     model = build_model(model_cfg, device=device)
+    if bf16_params:
+        model.to(torch.bfloat16)  # the optimizer keeps fp32 masters of these values
     apply_activations(model, cfg)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(
@@ -374,7 +383,9 @@ def train(cfg: Config) -> TrainResult:
         cfg.train.steps, accum, bsz, seq_len,
     )
     autocast = (
-        torch.autocast(device.type, dtype=amp_dtype) if amp_dtype != torch.float32 else contextlib.nullcontext()
+        torch.autocast(device.type, dtype=amp_dtype)
+        if amp_dtype != torch.float32 and not bf16_params  # a bf16 model runs as it is
+        else contextlib.nullcontext()
     )
     params = [p for p in model.parameters() if p.requires_grad]
     result = TrainResult(step=step, losses={}, val_losses={}, out=out)
