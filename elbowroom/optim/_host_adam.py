@@ -1,4 +1,8 @@
-"""The host Adam/AdamW step for masters whose gradients and device copies are in another dtype.
+"""The Adam/AdamW step for fp32 masters whose gradients and parameter copies are in another dtype.
+
+Used on the host for offloaded parameters (below), and on the device for the fp32 masters of bf16
+parameters that stay there (``CPUOffloadOptimizer._step_device_masters``): there chunking keeps the upcast
+gradients to one chunk of scratch instead of an fp32 copy of every gradient at the end of each step.
 
 With bf16 device weights the host step of an offloaded parameter has three parts: upcast the bf16
 gradient to fp32, update the fp32 master and both moments with torch's fused CPU kernel, cast the master
