@@ -690,6 +690,15 @@ def test_param_dtype_casts_offloaded_params(offload_gradients: bool, host_step: 
             assert "master_weight" not in sd["state"][i]
     # host memory: 12 B per offloaded parameter plus bounded staging (bf16 host gradient: +2)
     st = o1.stats()
+    # fp32 scratch only where a host gradient is not in its master's dtype: none with the casts on the device
+    # (unless bf16 host gradients), one chunk when they step chunk by chunk, a bucket's upcast otherwise
+    largest = max(hp.param.numel() for hp in o1._hps if not hp.same_dtype)
+    if host_step == "device" and not offload_gradients:
+        assert st["scratch_bytes"] == 0
+    elif host_step == "chunked":
+        assert st["scratch_bytes"] == 4 * min(_host_adam.CHUNK_NUMEL, largest)
+    else:
+        assert st["scratch_bytes"] >= 4 * largest
     staging = st["staging_bytes"] + st["scratch_bytes"]
     extra = 2 * st["offloaded_numel"] if offload_gradients else 0
     state = st["host_bytes"] - staging - extra

@@ -1094,9 +1094,17 @@ class CPUOffloadOptimizer(Optimizer):
         slots = [self._host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(self.num_staging_slots)]
         needs_cast = any(not hp.same_dtype and not hp.device_cast for hp in self._hps)
         h2d = [self._host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(2)] if needs_cast else []
+        # fp32 scratch for host gradients of another dtype than their master (casts on the host, or bf16 host
+        # gradients under offload_gradients): one chunk when those buckets step chunk by chunk, else room for a
+        # bucket's upcast. None when every gradient reaches the host in its master's dtype (casts on the device)
+        cast = [h for h in self._hps if h.master.dtype != (h.hgrad.dtype if h.hgrad is not None else h.stage_dtype)]
         scratch = None
-        if any(hp.param.dtype != hp.master.dtype for hp in self._hps):
-            scratch = self._host.empty(max(b.scratch_numel for b in self._buckets), torch.float32, pinned=False)
+        if cast:
+            if self.chunked_host_step and all(hp.bucket.chunked for hp in cast):
+                numel = min(_host_adam.CHUNK_NUMEL, max(hp.param.numel() for hp in cast))
+            else:
+                numel = max(b.scratch_numel for b in self._buckets)
+            scratch = self._host.empty(numel, torch.float32, pinned=False)
         self._slot_bytes = slot_bytes if self._buckets else 0
         self._engine = _Engine(
             self._streams,
