@@ -620,6 +620,78 @@ def test_device_masters_accumulate_and_step_in_chunks(opt_class, monkeypatch: py
         torch.testing.assert_close(sd["state"][i]["master_weight"].cpu(), w, atol=0, rtol=0)
 
 
+def _wide_model(seed: int = 0) -> nn.Module:
+    # a 40 x 72 matrix (2880 elements, 11.5 kB in fp32) against 2 kB slots: six pieces, the last one partial
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 72), nn.Tanh(), nn.Linear(72, 3))
+
+
+@pytest.mark.parametrize("weights, host_step", [("fp32", "device"), ("bf16", "device"), ("bf16", "chunked"),
+                                                ("bf16", "whole")])
+def test_parameters_bigger_than_a_slot_step_in_pieces(
+    weights: str, host_step: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a parameter bigger than a staging slot travels and steps piece by piece through two slot-sized buffers,
+    # with accumulation, the forward waiting per module and (fp32) clipping: bitwise the whole step, and
+    # staging stays bounded by the slot size instead of growing to the largest gradient. bf16 weights with
+    # each placement of the casts (the reference clips in bf16 on the device, we in fp32: no clipping there)
+    monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", host_step == "device")
+    monkeypatch.setattr(CPUOffloadOptimizer, "chunked_host_step", host_step == "chunked")
+    monkeypatch.setattr(_host_adam, "CHUNK_NUMEL", 128)
+    clip = weights == "fp32"
+    m1, m2 = _wide_model(), _wide_model()
+    p1 = list(m1.parameters())
+    kw = {"lr": 1e-2, "weight_decay": 0.1} if weights == "fp32" else {"lr": 1e-2}  # bf16: the reference's
+    if weights == "bf16":
+        o1 = CPUOffloadOptimizer(p1, offload_fraction=1.0, param_dtype=torch.bfloat16, **kw)
+        step2, _ = _bf16_reference(m2, list(m2.parameters()))
+    else:
+        o1 = CPUOffloadOptimizer(p1, offload_fraction=1.0, **kw)
+        o2 = torch.optim.AdamW(m2.parameters(), fused=True, **kw)
+    o1.overlap_with_forward(m1)
+    big = o1._hp_of[m1[2].weight].bucket
+    host_cast = weights == "bf16" and host_step != "device"  # bf16 gradients staged: 2 B per element
+    assert big.piece_numel == (1024 if host_cast else 512)  # a 2 kB slot's worth, a multiple of 64
+    assert 2880 % big.piece_numel
+    data = batches(6)
+    for i in range(0, 6, 2):
+        for j, x in enumerate(data[i : i + 2]):
+            with o1.accumulating(j == 0):
+                (_autocast_loss(m1, x) if weights == "bf16" else loss_of(m1, x)).backward()
+            (_autocast_loss(m2, x) if weights == "bf16" else loss_of(m2, x)).backward()
+        if clip:
+            o1.clip_grad_norm_(0.05)
+            torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.05)
+        o1.step()
+        o1.zero_grad()
+        if weights == "bf16":
+            step2()
+        else:
+            o2.step()
+            o2.zero_grad()
+    o1.wait_for_weights()
+    assert_same(m1, m2)
+    st = o1.stats()
+    assert st["staging_bytes"] < 2880 * 4  # not even one whole copy of the big gradient
+    assert st["d2h_bytes"] == sum(p.numel() * (2 if p.dtype == torch.bfloat16 and host_cast else 4) for p in p1)
+    sd = o1.state_dict()
+    n = 2  # the big weight's index
+    assert sd["state"][n]["step"].item() == 3  # advanced once per step, not once per piece
+    assert sd["state"][n]["exp_avg"].shape == (72, 40)
+
+
+def test_sgd_parameters_bigger_than_a_slot_widen_the_slots() -> None:
+    # pieces are for Adam/AdamW; other optimizers stage a big parameter whole (slots sized by it), exactly
+    m1, m2 = _wide_model(), _wide_model()
+    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.SGD, offload_fraction=1.0, lr=1e-2, momentum=0.9)
+    o2 = torch.optim.SGD(m2.parameters(), lr=1e-2, momentum=0.9, fused=True)
+    train(m1, o1, batches(4))
+    train(m2, o2, batches(4))
+    assert_same(m1, m2)
+    assert not any(b.piece_numel for b in o1._buckets)
+    assert o1.stats()["staging_bytes"] >= 2 * 2880 * 4
+
+
 def _bf16_reference(m: nn.Module, late: list[torch.Tensor]):
     """A hand-written hybrid: ``late`` parameters kept in bf16 with fp32 masters stepped by fused AdamW, the rest
     stepped in fp32; returns a step function."""

@@ -71,15 +71,27 @@ def step_chunked(
     scratch: torch.Tensor,
     mults: list[torch.Tensor],
     chunk: int | None = None,
+    *,
+    span: tuple[int, int] | None = None,
+    count_step: bool = True,
 ) -> None:
     """One Adam(W) step of ``master`` (fp32) on ``grad`` (any float dtype) times ``mults``; ``out`` (if given)
-    gets the new master in its own dtype. ``scratch``: fp32, at least ``min(chunk, numel)`` elements;
-    ``chunk`` defaults to :data:`CHUNK_NUMEL`."""
+    gets the new master in its own dtype. ``scratch``: fp32, at least ``min(chunk, numel)`` elements (unused,
+    and may be None, when ``grad`` is fp32: it is then scaled in place); ``chunk`` defaults to
+    :data:`CHUNK_NUMEL`.
+
+    ``span=(a, e)`` steps only the flat elements ``[a, e)`` of the master and its moments, with ``grad`` and
+    ``out`` holding just those ``e - a`` elements: a parameter stepped piece by piece (its step count is
+    advanced by the first piece only, ``count_step``). ``a`` must be a multiple of 64, as chunk ends are."""
     chunk = chunk or CHUNK_NUMEL
     if chunk % 64:
         raise ValueError(f"chunk must be a multiple of 64 elements, got {chunk}")
+    a, e = span if span is not None else (0, master.numel())
+    if a % 64:
+        raise ValueError(f"a span must start at a multiple of 64 elements, got {a}")
     st = adam_state(optimizer, master)
-    st["step"] += 1
+    if count_step:
+        st["step"] += 1
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     beta1, beta2 = group["betas"]
@@ -92,16 +104,23 @@ def step_chunked(
         "amsgrad": False,
         "maximize": bool(group.get("maximize", False)),
     }
-    p, g, m, v = (t.view(-1) for t in (master, grad, st["exp_avg"], st["exp_avg_sq"]))
+    p, m, v = (t.view(-1)[a:e] for t in (master, st["exp_avg"], st["exp_avg_sq"]))
+    g = grad.view(-1)
+    if g.numel() != e - a:
+        raise ValueError(f"grad has {g.numel()} elements for a span of {e - a}")
     o = out.view(-1) if out is not None else None
     steps = [st["step"]]
     n = p.numel()
     for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        up = scratch[: e - s]
-        up.copy_(g[s:e])
+        t = min(n, s + chunk)
+        if g.dtype == torch.float32:
+            up = g[s:t]  # scaled in place: the caller's buffer
+        else:
+            assert scratch is not None
+            up = scratch[: t - s]
+            up.copy_(g[s:t])
         for mult in mults:
             up.mul_(mult)  # in cache: the same order of multiplications as the unchunked path
-        fused([p[s:e]], [up], [m[s:e]], [v[s:e]], [], steps, **kw)
+        fused([p[s:t]], [up], [m[s:t]], [v[s:t]], [], steps, **kw)
         if o is not None:
-            o[s:e].copy_(p[s:e])
+            o[s:t].copy_(p[s:t])

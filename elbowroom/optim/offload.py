@@ -315,6 +315,8 @@ class _Bucket:
             eoff += _align(hp.param.numel() * 4) // 4
         self.staging_bytes = off
         self.scratch_numel = eoff
+        # a parameter bigger than a staging slot travels and steps piece by piece (set by the optimizer)
+        self.piece_numel = 0
 
 
 @dataclasses.dataclass
@@ -366,11 +368,15 @@ class _Engine:
         host_memory: _HostMemory,
         cpu_threads: int | None = None,
         chunked: bool = False,
+        piece_slots: list[torch.Tensor] | None = None,
     ) -> None:
         self.streams = streams
         self.cpu_threads = cpu_threads
         self.chunked = chunked
         self.pool = pool
+        # two pinned buffers of the step thread's own for parameters stepped piece by piece (outside the
+        # pool: the step thread never waits for a slot that only it could free)
+        self.piece_slots = piece_slots or []
         self.h2d_buffers = h2d_buffers
         self.h2d_events: list[Any] = [None] * len(h2d_buffers)
         self.h2d_next = 0
@@ -388,7 +394,7 @@ class _Engine:
         self.copy_wait_s = 0.0  # step thread: waiting for D2H copies (the device or the link is behind)
         self.trace: list[tuple[str, int, float, float]] | None = None  # (what, bucket's first index, t0, t1)
         self.d2h_bytes = 0  # copy thread
-        self.recopy_bytes = 0  # step thread
+        self.recopy_bytes = 0  # step thread (re-copies, and the pieces of parameters stepped piece by piece)
         self.h2d_bytes = 0  # step thread
         self._threads = [
             threading.Thread(target=self._copy_loop, name="elbowroom-optim-d2h", daemon=True),
@@ -491,6 +497,16 @@ class _Engine:
 
     def _copy(self, job: _Job) -> None:
         s = self.streams
+        if job.bucket.piece_numel:
+            # too big for a slot: the step thread copies it piece by piece when it steps (the device grad
+            # stays referenced by the job until then)
+            if job.refresh:
+                with s.on(s.d2h):
+                    s.stream_wait(s.d2h, job.ready)
+                    for hp in job.refresh:
+                        hp.master.copy_(hp.param.detach(), non_blocking=True)
+                    job.copied = s.record(s.d2h)
+            return
         todo = [(i, hp, g) for i, (hp, g) in enumerate(zip(job.params, job.grads)) if g is not None]
         if not todo and not job.refresh:
             return
@@ -592,6 +608,9 @@ class _Engine:
             self._done(job)
 
     def _step_bucket(self, job: _Job, plan: _Plan) -> None:
+        if job.bucket.piece_numel:
+            self._step_pieces(job, plan)
+            return
         s = self.streams
         bucket = job.bucket
         fresh = list(job.fresh)
@@ -695,6 +714,87 @@ class _Engine:
         bucket.h2d_event = ev
         if buf_i is not None:
             self.h2d_events[buf_i] = ev
+
+
+    def _step_pieces(self, job: _Job, plan: _Plan) -> None:
+        """Step a parameter bigger than a staging slot piece by piece (Adam/AdamW, elementwise, so exactly
+        as whole): copy piece k+1 of the device gradient into one piece slot while piece k steps from the
+        other, then send piece k of the weights back. Staging stays bounded by the slot size whatever the
+        model's largest parameter (a 32000 x 4096 head's fp32 gradient is 0.5 GB)."""
+        s = self.streams
+        bucket = job.bucket
+        (hp,) = job.params
+        g, ready = (job.grads[0] if job.fresh[0] else None), job.ready
+        if hp.index in plan.recopy:  # edited after it was handed over (clipping by torch, GradScaler.unscale_)
+            g, ready = plan.recopy[hp.index], plan.ready
+        job.grads = [None]
+        if g is None:
+            return
+        for inner, gi in zip(bucket.optimizer.param_groups, bucket.group_map):
+            inner.update(plan.hyper[gi])
+        opt = bucket.optimizer
+        group = opt.param_groups[bucket.inner_of[hp.group]]
+        host_cast = not hp.same_dtype and not hp.device_cast
+        n, piece = hp.param.numel(), bucket.piece_numel
+        spans = [(a, min(n, a + piece)) for a in range(0, n, piece)]
+        flat = hp.param.detach().view(-1)
+        t0 = time.perf_counter()
+        s.host_wait(bucket.h2d_event)  # host wait (this thread): the last H2D from this master is done
+        with s.on(s.d2h):
+            s.stream_wait(s.d2h, ready)  # stream wait: copy only once backward has produced the grad
+            src_all = g.reshape(-1)  # a copy only for a non-contiguous grad (on this stream)
+            if s.cuda:
+                g.record_stream(s.d2h)  # lifetime extension, as in the copy thread
+
+        def fetch(k: int) -> tuple[torch.Tensor, Any]:
+            a, e = spans[k]
+            dest = self.piece_slots[k % 2][: (e - a) * hp.stage_dtype.itemsize].view(hp.stage_dtype)
+            with s.on(s.d2h):
+                src = src_all[a:e].to(hp.stage_dtype)  # upcast on the device when the casts run there
+                dest.copy_(src, non_blocking=True)
+                self.recopy_bytes += _nbytes(src)
+                return dest, s.record(s.d2h)
+
+        nxt = fetch(0)
+        for k, (a, e) in enumerate(spans):
+            dest, ev = nxt
+            if k + 1 < len(spans):
+                nxt = fetch(k + 1)  # into the other slot, whose piece stepped in the previous round
+            tw = time.perf_counter()
+            s.host_wait(ev)  # host wait (this thread) for this piece's D2H copy
+            self.copy_wait_s += time.perf_counter() - tw
+            out = None
+            if host_cast:
+                buf_i = self.h2d_next
+                self.h2d_next = (self.h2d_next + 1) % len(self.h2d_buffers)
+                s.host_wait(self.h2d_events[buf_i])  # host wait (this thread): the buffer's last H2D is done
+                out = self.h2d_buffers[buf_i][: (e - a) * hp.param.element_size()].view(hp.param.dtype)
+            _host_adam.step_chunked(
+                opt, group, hp.master, dest, out, self.scratch, plan.mults, span=(a, e), count_step=k == 0
+            )
+            with s.on(s.h2d):
+                # stream wait: never overwrite weights the compute stream may still read in this backward
+                s.stream_wait(s.h2d, job.ready)
+                master = hp.master.view(-1)[a:e]
+                if hp.same_dtype:
+                    flat[a:e].copy_(master, non_blocking=True)  # straight from the pinned master
+                elif hp.device_cast:
+                    up = torch.empty(e - a, dtype=master.dtype, device=flat.device)
+                    up.copy_(master, non_blocking=True)
+                    flat[a:e].copy_(up)  # cast on the device
+                    self.h2d_bytes += _nbytes(up) - (e - a) * flat.element_size()
+                else:
+                    assert out is not None
+                    flat[a:e].copy_(out, non_blocking=True)
+                self.h2d_bytes += (e - a) * flat.element_size()
+                ev_h2d = s.record(s.h2d)
+            if host_cast:
+                self.h2d_events[buf_i] = ev_h2d
+        bucket.h2d_event = ev_h2d
+        t1 = time.perf_counter()
+        self.cpu_s += t1 - t0
+        if self.trace is not None:
+            self.trace.append(("step", hp.index, t0, t1))
 
 
 # ------------------------------------------------------------------------------------------- optimizer
@@ -1089,11 +1189,20 @@ class CPUOffloadOptimizer(Optimizer):
         return _Bucket(hps, opt, group_map)
 
     def _build_engine(self) -> None:
-        # a bucket stages within bucket_bytes unless one parameter alone is bigger
-        slot_bytes = max((b.staging_bytes for b in self._buckets), default=0)
+        # a bucket stages within bucket_bytes; a parameter alone bigger than that travels and steps piece by
+        # piece through two slots of that size where its optimizer allows (Adam/AdamW, gradients not kept on
+        # the host, a contiguous parameter), else it widens every slot
+        piece_bytes = _align(self.bucket_bytes)
+        for b in self._buckets:
+            b.piece_numel = self._piece_numel(b)
+        whole = [b.staging_bytes for b in self._buckets if not b.piece_numel]
+        pieces = any(b.piece_numel for b in self._buckets)
+        slot_bytes = max(whole, default=0)
         slots = [self._host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(self.num_staging_slots)]
+        piece_slots = [self._host.empty(piece_bytes, torch.uint8, pinned=True) for _ in range(2)] if pieces else []
         needs_cast = any(not hp.same_dtype and not hp.device_cast for hp in self._hps)
-        h2d = [self._host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(2)] if needs_cast else []
+        h2d_bytes = max(slot_bytes, piece_bytes if pieces else 0)
+        h2d = [self._host.empty(h2d_bytes, torch.uint8, pinned=True) for _ in range(2)] if needs_cast else []
         # fp32 scratch for host gradients of another dtype than their master (casts on the host, or bf16 host
         # gradients under offload_gradients): one chunk when those buckets step chunk by chunk, else room for a
         # bucket's upcast. None when every gradient reaches the host in its master's dtype (casts on the device)
@@ -1106,6 +1215,9 @@ class CPUOffloadOptimizer(Optimizer):
                 numel = max(b.scratch_numel for b in self._buckets)
             scratch = self._host.empty(numel, torch.float32, pinned=False)
         self._slot_bytes = slot_bytes if self._buckets else 0
+        self._staging_bytes = (
+            slot_bytes * self.num_staging_slots + h2d_bytes * len(h2d) + piece_bytes * len(piece_slots)
+        )
         self._engine = _Engine(
             self._streams,
             _SlotPool(slots),
@@ -1115,9 +1227,27 @@ class CPUOffloadOptimizer(Optimizer):
             self._host,
             self._cpu_threads(),
             chunked=self.chunked_host_step and any(b.chunked for b in self._buckets),
+            piece_slots=piece_slots,
         )
         if self.trace_steps:
             self._engine.trace = []
+
+    def _piece_numel(self, b: _Bucket) -> int:
+        """Elements per piece if bucket ``b`` steps piece by piece (0: it stages whole): one parameter bigger
+        than ``bucket_bytes``, stepped by Adam/AdamW (elementwise, so pieces step exactly as the whole),
+        contiguous, its gradient not kept on the host (``offload_gradients`` accumulates it whole)."""
+        hp = b.params[0]
+        piece_bytes = _align(self.bucket_bytes)
+        if (
+            b.staging_bytes <= piece_bytes
+            or len(b.params) != 1
+            or self.offload_gradients
+            or not _host_adam.supports(b.optimizer)
+            or not hp.param.is_contiguous()
+        ):
+            return 0
+        itemsize = max(hp.param.element_size(), hp.stage_dtype.itemsize)
+        return max(64, piece_bytes // itemsize // 64 * 64)
 
     def _cpu_threads(self) -> int:
         if self.cpu_threads is not None:
@@ -1716,7 +1846,9 @@ class CPUOffloadOptimizer(Optimizer):
         n_buckets = len(self._buckets)
         self._place(gi, params, offloaded)
         new = self._buckets[n_buckets:]
-        if new and max(b.staging_bytes for b in new) > self._slot_bytes:
+        for b in new:
+            b.piece_numel = self._piece_numel(b) if self._engine_().piece_slots else 0
+        if any(b.staging_bytes > self._slot_bytes and not b.piece_numel for b in new):
             raise ValueError(
                 "a parameter of the new group needs a bigger staging slot than the optimizer allocated; pass "
                 "it in the constructor instead"
@@ -1845,7 +1977,7 @@ class CPUOffloadOptimizer(Optimizer):
             "host_bytes": host_bytes,
             "pinned_bytes": self._host.pinned_bytes,
             "host_bytes_per_offloaded_param": host_bytes / off if off else 0.0,
-            "staging_bytes": self._slot_bytes * (self.num_staging_slots + len(engine.h2d_buffers)),
+            "staging_bytes": self._staging_bytes,
             "scratch_bytes": _nbytes(engine.scratch) if engine.scratch is not None else 0,
             "step_in_backward": self.step_in_backward,
             "cpu_threads": engine.cpu_threads,
