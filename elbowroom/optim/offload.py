@@ -23,10 +23,13 @@ applies is learned from the first step, or set with :attr:`CPUOffloadOptimizer.s
 :meth:`CPUOffloadOptimizer.overlap_with_forward`, ``step()`` does not wait at all: each module waits for
 its own weights in a forward pre-hook, so the CPU step of the late blocks runs behind the next forward.
 
+A parameter bigger than a bucket (an output head) is not copied by the copy thread: with Adam/AdamW the step
+thread copies, steps and sends it back piece by piece through two bucket-sized buffers of its own.
+
 Host memory per offloaded fp32 parameter (AdamW): 12 bytes (4 master, pinned; 8 moments, pageable), plus
-``num_staging_slots`` pinned slots of the largest bucket; ``offload_gradients`` adds a pinned host gradient
-(+4 bytes: 16 in all), so that gradients leave the device at link speed whatever the CPU step's pace, and
-accumulate there over micro-batches.
+``num_staging_slots`` pinned slots of the largest bucket and two piece buffers; ``offload_gradients`` adds a
+pinned host gradient (+4 bytes: 16 in all), so that gradients leave the device at link speed whatever the CPU
+step's pace, and accumulate there over micro-batches.
 
 With low-precision device weights (``param_dtype=torch.bfloat16``) the casts run on the device by default
 (:attr:`CPUOffloadOptimizer.cast_on_device`): a gradient is upcast there and travels in fp32, an updated
@@ -845,8 +848,10 @@ class CPUOffloadOptimizer(Optimizer):
             opt.zero_grad()
 
     Host memory per offloaded fp32 parameter with AdamW: 12 bytes (master weight, two moments), plus a
-    bounded pinned staging pool (``num_staging_slots`` slots of ``max(bucket_bytes, largest offloaded
-    gradient)``). ``offload_gradients=True`` adds a host gradient (4 more bytes per offloaded parameter,
+    bounded pinned staging pool: ``num_staging_slots`` slots of at most ``bucket_bytes`` and two more for
+    parameters bigger than that, which Adam/AdamW step piece by piece (elementwise, so exactly as whole;
+    other optimizers, and ``offload_gradients``, widen every slot to the largest gradient instead).
+    ``offload_gradients=True`` adds a host gradient (4 more bytes per offloaded parameter,
     pinned, allocated at set-up): gradients leave the device at link speed, whatever the pace of the CPU
     step, and later micro-batches are added to it on the host. With ``master_weights=True`` and bf16
     device parameters (or ``param_dtype=torch.bfloat16``, which casts them) the device keeps 2 bytes per
