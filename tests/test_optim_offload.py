@@ -673,7 +673,11 @@ def test_parameters_bigger_than_a_slot_step_in_pieces(
     assert_same(m1, m2)
     st = o1.stats()
     assert st["staging_bytes"] < 2880 * 4  # not even one whole copy of the big gradient
-    assert st["d2h_bytes"] == sum(p.numel() * (2 if p.dtype == torch.bfloat16 and host_cast else 4) for p in p1)
+    # every byte of every gradient crossed once per step (the per-step figure lags under overlap_with_forward:
+    # count the engine's totals once all steps are done)
+    engine = o1._engine_()
+    per_step = sum(p.numel() * (2 if p.dtype == torch.bfloat16 and host_cast else 4) for p in p1)
+    assert engine.d2h_bytes + engine.recopy_bytes == 3 * per_step
     sd = o1.state_dict()
     n = 2  # the big weight's index
     assert sd["state"][n]["step"].item() == 3  # advanced once per step, not once per piece
@@ -1009,6 +1013,7 @@ def test_threads_stop_when_optimizer_is_collected() -> None:
     def workers() -> int:
         return sum(t.name.startswith("elbowroom-optim") for t in threading.enumerate())
 
+    gc.collect()  # optimizers of earlier tests that sit in reference cycles stop now, not in the middle
     n0 = workers()
     m = make_model()
     o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
