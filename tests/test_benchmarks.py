@@ -26,3 +26,25 @@ def test_bench_smoke_rows(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--modes", "bogus_mode"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "unknown mode 'bogus_mode'" in bad.stderr
+
+
+def test_bf16_model_mode_and_microbatch_harness(tmp_path: Path) -> None:
+    # the 7B accumulation-8 configuration's mode on the smoke shape (bf16 model, fp32 masters on both sides,
+    # recompute of the first blocks, fused loss), and the micro-batch timer in its CPU variants
+    out = tmp_path / "rows.jsonl"
+    mode = "er_optim_bf16all_late0.5_fwd+eckpt+fl"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--workload", "smoke", "--modes", mode,
+           "--accum", "2", "--steps", "3", "--warmup", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "error" not in row, row
+    assert row["accum"] == 2 and row["notes"]["param_dtype"] == "bf16 (all)" and row["offloaded_share"] == 0.5
+    assert row["loss_last"] < row["loss_first"]
+    mb = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "microbatch.py"), "--preset", "tiny", "--seq",
+                         "64", "--variants", "bf16,amp+ckpt2,bf16+unfused+sel", "--warmup", "1", "--iters", "1"],
+                        capture_output=True, text=True, timeout=300)
+    assert mb.returncode == 0, mb.stderr[-2000:]
+    rows = [json.loads(line) for line in mb.stdout.splitlines() if line.startswith("{")]
+    assert [r["variant"] for r in rows] == ["bf16", "amp+ckpt2", "bf16+unfused+sel"]
+    assert all(r["ms"] > 0 and r["layers"] == 4 for r in rows)
