@@ -33,6 +33,8 @@ step pre-hook, as a training run would):
   bf16 weight casts in backward and no block holds autocast's weight cache). ``ELBOWROOM_BENCH_REST=selective``
   makes the other blocks selective (keep matmul and attention outputs) instead of kept whole, and
   ``ELBOWROOM_BENCH_REST_OFFLOAD=r`` sends that share of their saved bytes to host memory.
+- ``ELBOWROOM_BENCH_COMPILE=1`` (with ``+eckpt``) compiles each block whose parameters all stay on the device
+  (``nn.Module.compile``, after the recompute policies: the offloaded blocks keep their optimizer hooks eager).
 - ``ELBOWROOM_BENCH_TRACE=1`` adds the optimizer's timeline of the last step to each of our rows (``trace``).
 - ``plain+clip``: the plain fused AdamW baseline with the same clipping.
 - ``...+nocache`` (after ``+ckpt``): bf16 autocast without its weight cache. With per-block checkpoint
@@ -234,6 +236,14 @@ def _with_our_ckpt(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[tor
         apply_block_policies(model, [BlockPolicy("full")] * k + [rest] * (n - k))
         s = make(model, args)
         s.notes.update(ckpt_blocks=k, rest=rest.checkpoint, rest_offload=rest.offload_ratio)
+        if os.environ.get("ELBOWROOM_BENCH_COMPILE"):
+            # torch.compile each block whose weights stay on the device (no optimizer hooks inside it)
+            offloaded = {id(hp.param) for hp in getattr(s.optimizer, "_hps", [])}
+            blocks = list(model.blocks)
+            compiled = [i for i, b in enumerate(blocks) if not any(id(p) in offloaded for p in b.parameters())]
+            for i in compiled:
+                model.blocks[i].compile()
+            s.notes.update(compiled_blocks=len(compiled))
         return s
 
     return setup

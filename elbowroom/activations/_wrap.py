@@ -224,14 +224,13 @@ def _checkpointed(fn: Callable[..., Any], rc: RecomputeSpec, group: Any, args: t
     if rc.mode == "selective":
         tail = _KeptTail(rc.policy)
         context_fn = functools.partial(_selective_contexts, tail, group)
+    extra: dict[str, Any] = {}
+    if context_fn is not torch_ckpt.noop_context_fn:
+        extra["context_fn"] = context_fn  # left out otherwise: torch.compile traces a checkpoint without one
+    if rc.determinism_check != "default":
+        extra["determinism_check"] = rc.determinism_check
     out = torch_ckpt.checkpoint(
-        fn,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=rc.preserve_rng_state,
-        context_fn=context_fn,
-        determinism_check=rc.determinism_check,
-        **kwargs,
+        fn, *args, use_reentrant=False, preserve_rng_state=rc.preserve_rng_state, **extra, **kwargs
     )
     if tail is not None:
         tail.drop()
