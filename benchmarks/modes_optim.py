@@ -185,19 +185,24 @@ def _ours(
     accum = _accum(args)
     context = _MicroBatches(opt, accum) if accum > 1 else contextlib.nullcontext
     if all_bf16:
-        context = _no_autocast(context, next(model.parameters()).device.type)
+        # the harness's autocast off: a bf16 model runs in bf16 as it is (autocast would run the norms in fp32
+        # and save fp32 activations)
+        dev = next(model.parameters()).device.type
+        context = _inside(context, lambda: torch.autocast(dev, enabled=False))
     notes = {"late_fraction": late, "param_dtype": "bf16 (all)" if all_bf16 else "bf16" if bf16 else "fp32"}
     return _bench().Setup(opt, context=context, stats=_stats(opt, rss0), notes=notes)
 
 
-def _no_autocast(inner: Callable[[], Any], device: str) -> Callable[[], contextlib.AbstractContextManager]:
-    """The harness's autocast off inside ``inner``: a bf16 model runs in bf16 as it is (autocast would run
-    the norms in fp32 and save fp32 activations)."""
+def _inside(
+    inner: Callable[[], Any], autocast: Callable[[], torch.autocast]
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """A Setup context: ``inner()`` and, nested inside the harness's autocast, a fresh ``autocast()`` (the
+    harness's setting is restored on exit)."""
 
     def context() -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
         stack.enter_context(inner())
-        stack.enter_context(torch.autocast(device, enabled=False))
+        stack.enter_context(autocast())
         return stack
 
     return context
@@ -269,17 +274,9 @@ def _with_clip(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.n
 def _with_nocache(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[torch.nn.Module, Any], Any]:
     def setup(model: torch.nn.Module, args: Any) -> Any:
         s = make(model, args)
-        inner = s.context
         device = next(model.parameters()).device.type
-
-        def context() -> contextlib.AbstractContextManager:
-            stack = contextlib.ExitStack()
-            stack.enter_context(inner())
-            # nested inside the harness's autocast: same dtype, no weight cache (restored on exit)
-            stack.enter_context(torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False))
-            return stack
-
-        s.context = context
+        # same dtype as the harness's autocast, no weight cache
+        s.context = _inside(s.context, lambda: torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False))
         return s
 
     return setup

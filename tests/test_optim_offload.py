@@ -547,6 +547,17 @@ def _used_casts(opt: CPUOffloadOptimizer, kind: str) -> None:
     assert bool(opt._engine_().h2d_buffers) == (kind != "device")  # host-side casts stage bf16 copies
 
 
+def _master_step(masters: list[torch.Tensor], model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The hand-written reference: step fp32 copies with the bf16 model's gradients, cast back, drop the grads."""
+    for w, p in zip(masters, model.parameters()):
+        w.grad = p.grad.float()
+    opt.step()
+    with torch.no_grad():
+        for w, p in zip(masters, model.parameters()):
+            p.copy_(w)
+            p.grad = None
+
+
 def test_master_weights_bf16(host_step: str) -> None:
     # device params in bf16, fp32 masters (host for offloaded, device for the rest): equal to a hand-written
     # mixed-precision loop that steps fp32 copies with the bf16 model's grads and casts back
@@ -560,13 +571,7 @@ def test_master_weights_bf16(host_step: str) -> None:
         o1.step()
         o1.zero_grad()
         loss_of(m2, x.bfloat16()).float().backward()
-        for w, p in zip(masters, m2.parameters()):
-            w.grad = p.grad.float()
-        o2.step()
-        with torch.no_grad():
-            for w, p in zip(masters, m2.parameters()):
-                p.copy_(w)
-                p.grad = None
+        _master_step(masters, m2, o2)
     assert all(p.dtype == torch.bfloat16 for p in m1.parameters())
     _used_casts(o1, host_step)
     assert_same(m1, m2)
@@ -600,13 +605,7 @@ def test_device_masters_accumulate_and_step_in_chunks(opt_class, monkeypatch: py
             loss_of(m2, x.bfloat16()).float().backward()
         o1.step()
         o1.zero_grad()
-        for w, p in zip(masters, m2.parameters()):
-            w.grad = p.grad.float()
-        o2.step()
-        with torch.no_grad():
-            for w, p in zip(masters, m2.parameters()):
-                p.copy_(w)
-                p.grad = None
+        _master_step(masters, m2, o2)
     assert_same(m1, m2)
     assert all(m.grad is None for m in o1._dev_masters.values())
     device_numel = sorted(m.numel() for m in o1._dev_masters.values())

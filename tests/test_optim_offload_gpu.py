@@ -253,17 +253,18 @@ def test_no_implicit_sync_in_overlapped_steps() -> None:
     assert torch.isfinite(net.fc2.weight).all()
 
 
-@pytest.mark.parametrize("device_chunk", [None, 1 << 20])
-def test_master_weights_bf16(device_chunk: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    if device_chunk:  # the device masters' step in chunks: fc2's 16.8M elements span 16 of them
-        monkeypatch.setattr(CPUOffloadOptimizer, "device_chunk_numel", device_chunk)
+def _bf16_with_masters(fraction: float, lr: float, steps: int):
+    """A bf16 BigNet trained by CPUOffloadOptimizer with fp32 masters, and its reference: fused AdamW on fp32
+    copies of the same bf16 weights, cast back after each step. Returns (net, ref_net, opt, masters)."""
     net, ref_net = seeded(BigNet)
     net.bfloat16()
     ref_net.bfloat16()
     masters = [p.detach().float() for p in ref_net.parameters()]
-    opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, offload_fraction=0.5, master_weights=True, lr=1e-4)
-    ref = torch.optim.AdamW(masters, lr=1e-4, fused=True)
-    for _ in range(5):
+    opt = CPUOffloadOptimizer(
+        net.parameters(), torch.optim.AdamW, offload_fraction=fraction, master_weights=True, lr=lr
+    )
+    ref = torch.optim.AdamW(masters, lr=lr, fused=True)
+    for _ in range(steps):
         x = torch.randn(2, 3, 32, 32, device="cuda", dtype=torch.bfloat16)
         net(x).float().sum().backward()
         opt.step()
@@ -276,6 +277,14 @@ def test_master_weights_bf16(device_chunk: int | None, monkeypatch: pytest.Monke
         with torch.no_grad():
             for w, p in zip(masters, ref_net.parameters()):
                 p.copy_(w)
+    return net, ref_net, opt, masters
+
+
+@pytest.mark.parametrize("device_chunk", [None, 1 << 20])
+def test_master_weights_bf16(device_chunk: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if device_chunk:  # the device masters' step in chunks: fc2's 16.8M elements span 16 of them
+        monkeypatch.setattr(CPUOffloadOptimizer, "device_chunk_numel", device_chunk)
+    net, ref_net, opt, masters = _bf16_with_masters(0.5, 1e-4, 5)
     sd = opt.state_dict()
     for i, w in enumerate(masters):
         torch.testing.assert_close(sd["state"][i]["master_weight"].float().cuda(), w, atol=1e-4, rtol=1e-3)
@@ -287,25 +296,7 @@ def test_device_masters_step_in_chunks_bitwise(monkeypatch: pytest.MonkeyPatch) 
     # nothing offloaded: every bf16 weight's fp32 master on the GPU, stepped chunk by chunk (fc2's 16.8M
     # elements in 16 chunks) with the CUDA kernel the reference runs on whole upcast gradients: bitwise
     monkeypatch.setattr(CPUOffloadOptimizer, "device_chunk_numel", 1 << 20)
-    net, ref_net = seeded(BigNet)
-    net.bfloat16()
-    ref_net.bfloat16()
-    masters = [p.detach().float() for p in ref_net.parameters()]
-    opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, offload_fraction=0, master_weights=True, lr=1e-3)
-    ref = torch.optim.AdamW(masters, lr=1e-3, fused=True)
-    for _ in range(3):
-        x = torch.randn(2, 3, 32, 32, device="cuda", dtype=torch.bfloat16)
-        net(x).float().sum().backward()
-        opt.step()
-        opt.zero_grad()
-        ref_net(x).float().sum().backward()
-        for w, p in zip(masters, ref_net.parameters()):
-            w.grad = p.grad.float()
-            p.grad = None
-        ref.step()
-        with torch.no_grad():
-            for w, p in zip(masters, ref_net.parameters()):
-                p.copy_(w)
+    net, ref_net, opt, masters = _bf16_with_masters(0, 1e-3, 3)
     assert len(opt._dev_masters) == len(masters)
     for p, w in zip(net.parameters(), masters):
         torch.testing.assert_close(opt._dev_masters[p], w, atol=0, rtol=0)

@@ -500,17 +500,10 @@ class _Engine:
 
     def _copy(self, job: _Job) -> None:
         s = self.streams
-        if job.bucket.piece_numel:
-            # too big for a slot: the step thread copies it piece by piece when it steps (the device grad
-            # stays referenced by the job until then)
-            if job.refresh:
-                with s.on(s.d2h):
-                    s.stream_wait(s.d2h, job.ready)
-                    for hp in job.refresh:
-                        hp.master.copy_(hp.param.detach(), non_blocking=True)
-                    job.copied = s.record(s.d2h)
-            return
-        todo = [(i, hp, g) for i, (hp, g) in enumerate(zip(job.params, job.grads)) if g is not None]
+        # a parameter too big for a slot is copied piece by piece by the step thread when it steps (the job
+        # keeps the device grad referenced until then); only a stale master is re-read here
+        pieces = bool(job.bucket.piece_numel)
+        todo = [] if pieces else [(i, hp, g) for i, (hp, g) in enumerate(zip(job.params, job.grads)) if g is not None]
         if not todo and not job.refresh:
             return
         dests = []
@@ -538,8 +531,9 @@ class _Engine:
             for hp in job.refresh:
                 hp.master.copy_(hp.param.detach(), non_blocking=True)
             job.copied = s.record(s.d2h)
-        # drop our references: the device grads may be freed now (record_stream keeps the copy safe)
-        job.grads = [None] * len(job.grads)
+        if not pieces:
+            # drop our references: the device grads may be freed now (record_stream keeps the copy safe)
+            job.grads = [None] * len(job.grads)
 
     def _step_loop(self) -> None:
         self.streams.bind_thread()
@@ -1698,20 +1692,20 @@ class CPUOffloadOptimizer(Optimizer):
         assert self._dev_opt is not None
         group_of = {id(m): g for g in self._dev_opt.param_groups for m in g["params"]}
         chunk = self.device_chunk_numel
-        scratch: torch.Tensor | None = None
+        scratch: dict[torch.device, torch.Tensor] = {}  # one chunk per device, freed after the step
         for p, m in self._dev_masters.items():
             if p.grad is None:
                 continue
-            n = min(chunk, m.numel())
-            if scratch is None or scratch.numel() < n or scratch.device != m.device:
+            if m.device not in scratch:
                 largest = max(min(chunk, q.numel()) for q in self._dev_masters.values() if q.device == m.device)
-                scratch = torch.empty(largest, dtype=torch.float32, device=m.device)
+                scratch[m.device] = torch.empty(largest, dtype=torch.float32, device=m.device)
             g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
             out = p.detach()
-            if out.is_contiguous():
-                _host_adam.step_chunked(self._dev_opt, group_of[id(m)], m, g, out, scratch, [], chunk)
-            else:
-                _host_adam.step_chunked(self._dev_opt, group_of[id(m)], m, g, None, scratch, [], chunk)
+            contiguous = out.is_contiguous()
+            _host_adam.step_chunked(
+                self._dev_opt, group_of[id(m)], m, g, out if contiguous else None, scratch[m.device], [], chunk
+            )
+            if not contiguous:
                 out.copy_(m)
 
     def overlap_with_forward(self, model: torch.nn.Module) -> None:
