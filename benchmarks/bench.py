@@ -155,7 +155,7 @@ MODES: dict[str, Callable[..., Setup]] = {
     "torchao_optim": setup_torchao_optim,
     "torchao_optim+ckpt": setup_torchao_optim_ckpt,
 }
-for _extra in ("modes_activations", "modes_optim"):
+for _extra in ("modes_activations", "modes_optim", "modes_deepspeed"):
     try:
         MODES.update(importlib.import_module(_extra).MODES)
     except ImportError:
@@ -210,7 +210,10 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
                 else:
                     logits = model(idx)
                     loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
-            loss.backward()
+            if setup.backward is not None:
+                setup.backward(loss)
+            else:
+                loss.backward()
             if events:
                 marks.append(torch.cuda.Event(enable_timing=True))
                 marks[-1].record()

@@ -18,3 +18,5 @@ class Setup:
     stats: Callable[[], dict[str, Any]] | None = None
     """Extra numbers the mode reports after the run (e.g. CPU step time)."""
     notes: dict[str, Any] = field(default_factory=dict)
+    backward: Callable[[Any], None] | None = None
+    """Runs each micro-batch's backward in place of ``loss.backward()`` (DeepSpeed's engine must see it)."""

@@ -619,21 +619,28 @@ def test_device_masters_accumulate_and_step_in_chunks(opt_class, monkeypatch: py
         torch.testing.assert_close(sd["state"][i]["master_weight"].cpu(), w, atol=0, rtol=0)
 
 
-def _wide_model(seed: int = 0) -> nn.Module:
+def _wide_model(seed: int = 0, width: int = 72) -> nn.Module:
     # a 40 x 72 matrix (2880 elements, 11.5 kB in fp32) against 2 kB slots: six pieces, the last one partial
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 72), nn.Tanh(), nn.Linear(72, 3))
+    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, width), nn.Tanh(), nn.Linear(width, 3))
 
 
-@pytest.mark.parametrize("weights, host_step", [("fp32", "device"), ("bf16", "device"), ("bf16", "chunked"),
-                                                ("bf16", "whole")])
+@pytest.mark.parametrize(
+    "weights, host_step, lazy",
+    [("fp32", "device", True), ("fp32", "device", False), ("bf16", "device", True), ("bf16", "chunked", True),
+     ("bf16", "whole", True), ("bf16", "chunked", False)],
+)
 def test_parameters_bigger_than_a_slot_step_in_pieces(
-    weights: str, host_step: str, monkeypatch: pytest.MonkeyPatch
+    weights: str, host_step: str, lazy: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a parameter bigger than a staging slot travels and steps piece by piece through two slot-sized buffers,
-    # with accumulation, the forward waiting per module and (fp32) clipping: bitwise the whole step, and
-    # staging stays bounded by the slot size instead of growing to the largest gradient. bf16 weights with
-    # each placement of the casts (the reference clips in bf16 on the device, we in fp32: no clipping there)
+    # a parameter bigger than a staging slot travels and steps piece by piece, with accumulation and (fp32)
+    # clipping: bitwise the whole step, and staging stays bounded by the slot size instead of growing with the
+    # largest gradient. bf16 weights with each placement of the casts (the reference clips in bf16 on the
+    # device, we in fp32: no clipping there). Its pieces take two paths: streamed by the copy thread through
+    # the staging slots when the step's values are known as the gradient arrives (here: the forward waiting
+    # per module, whose jobs are copied after step(); and bf16 steps in backward after the first), or copied by
+    # the step thread through its own two buffers for a job held at a closed gate (fp32 clipping without
+    # overlap_with_forward; the first bf16 step, which learns whether steps may run in backward)
     monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", host_step == "device")
     monkeypatch.setattr(CPUOffloadOptimizer, "chunked_host_step", host_step == "chunked")
     monkeypatch.setattr(_host_adam, "CHUNK_NUMEL", 128)
@@ -647,7 +654,8 @@ def test_parameters_bigger_than_a_slot_step_in_pieces(
     else:
         o1 = CPUOffloadOptimizer(p1, offload_fraction=1.0, **kw)
         o2 = torch.optim.AdamW(m2.parameters(), fused=True, **kw)
-    o1.overlap_with_forward(m1)
+    if lazy:
+        o1.overlap_with_forward(m1)
     big = o1._hp_of[m1[2].weight].bucket
     host_cast = weights == "bf16" and host_step != "device"  # bf16 gradients staged: 2 B per element
     assert big.piece_numel == (1024 if host_cast else 512)  # a 2 kB slot's worth, a multiple of 64
@@ -670,13 +678,25 @@ def test_parameters_bigger_than_a_slot_step_in_pieces(
             o2.zero_grad()
     o1.wait_for_weights()
     assert_same(m1, m2)
-    st = o1.stats()
-    assert st["staging_bytes"] < 2880 * 4  # not even one whole copy of the big gradient
     # every byte of every gradient crossed once per step (the per-step figure lags under overlap_with_forward:
-    # count the engine's totals once all steps are done)
+    # count the engine's totals once all steps are done), the big one through the step thread's own buffers
+    # (counted as its re-copies) only for the steps held at a closed gate
     engine = o1._engine_()
     per_step = sum(p.numel() * (2 if p.dtype == torch.bfloat16 and host_cast else 4) for p in p1)
     assert engine.d2h_bytes + engine.recopy_bytes == 3 * per_step
+    own_steps = 0 if lazy else 3 if clip else 1
+    assert engine.recopy_bytes == own_steps * 2880 * (2 if host_cast else 4)
+    # staging is bounded by the bucket size (2 kB here; at most twice that for a bucket of bf16 weights staged
+    # in fp32), not by the largest gradient: also with the big layer four times as wide
+    wider = list(_wide_model(width=288).parameters())
+    if weights == "bf16":
+        o3 = CPUOffloadOptimizer(wider, offload_fraction=1.0, param_dtype=torch.bfloat16, **kw)
+    else:
+        o3 = CPUOffloadOptimizer(wider, offload_fraction=1.0, **kw)
+    for o in (o1, o3):
+        e, slot = o._engine_(), o._slot_bytes
+        assert 2048 <= slot <= 4096 and [t.numel() for t in e.piece_slots] == [2048, 2048]
+        assert o.stats()["staging_bytes"] == slot * (o.num_staging_slots + len(e.h2d_buffers)) + 2 * 2048
     sd = o1.state_dict()
     n = 2  # the big weight's index
     assert sd["state"][n]["step"].item() == 3  # advanced once per step, not once per piece

@@ -23,8 +23,10 @@ applies is learned from the first step, or set with :attr:`CPUOffloadOptimizer.s
 :meth:`CPUOffloadOptimizer.overlap_with_forward`, ``step()`` does not wait at all: each module waits for
 its own weights in a forward pre-hook, so the CPU step of the late blocks runs behind the next forward.
 
-A parameter bigger than a bucket (an output head) is not copied by the copy thread: with Adam/AdamW the step
-thread copies, steps and sends it back piece by piece through two bucket-sized buffers of its own.
+A parameter bigger than a bucket (an output head, and on wide models every weight matrix) travels and steps piece
+by piece with Adam/AdamW: the copy thread streams its gradient into the staging slots one piece per slot, ahead of
+the step thread, which steps each piece, frees its slot and sends the piece's weights back. (A job held at a
+closed gate is copied by the step thread itself, through two bucket-sized buffers of its own.)
 
 Host memory per offloaded fp32 parameter (AdamW): 12 bytes (4 master, pinned; 8 moments, pageable), plus
 ``num_staging_slots`` pinned slots of the largest bucket and two piece buffers; ``offload_gradients`` adds a
@@ -354,6 +356,9 @@ class _Job:
     refresh: list[_HostParam]
     slot: torch.Tensor | None = None
     copied: Any = None
+    # a parameter stepped piece by piece whose pieces the copy thread streams through pool slots: (slot, piece,
+    # D2H event) per piece, then None (an exception in place of a piece: the copy failed)
+    pieces: queue.SimpleQueue | None = None
     pre_done: bool = False
     finished: bool = False
 
@@ -377,8 +382,8 @@ class _Engine:
         self.cpu_threads = cpu_threads
         self.chunked = chunked
         self.pool = pool
-        # two pinned buffers of the step thread's own for parameters stepped piece by piece (outside the
-        # pool: the step thread never waits for a slot that only it could free)
+        # two pinned buffers of the step thread's own for parameters stepped piece by piece whose pieces it
+        # copies itself (outside the pool: the step thread never waits for a slot that only it could free)
         self.piece_slots = piece_slots or []
         self.h2d_buffers = h2d_buffers
         self.h2d_events: list[Any] = [None] * len(h2d_buffers)
@@ -492,20 +497,29 @@ class _Engine:
                 self._done(job)
                 continue
             try:
-                self._copy(job)
+                stream = self._copy(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which re-raises it
                 self._fail(exc, job)
                 continue
+            grad = job.grads[0] if stream else None  # read before the hand-over: the step thread drops it
             self._step_q.put(job)
+            if grad is not None:
+                self._stream_pieces(job, grad)
 
-    def _copy(self, job: _Job) -> None:
+    def _copy(self, job: _Job) -> bool:
+        """Copy a job's gradients into a slot (or their host buffers); True when it is a parameter stepped piece
+        by piece whose pieces this thread streams next, once the job is with the step thread."""
         s = self.streams
-        # a parameter too big for a slot is copied piece by piece by the step thread when it steps (the job
-        # keeps the device grad referenced until then); only a stale master is re-read here
         pieces = bool(job.bucket.piece_numel)
+        stream = pieces and self._streamable(job)
+        if pieces:
+            job.pieces = queue.SimpleQueue() if stream else None
+        # a parameter too big for a slot is copied piece by piece, by this thread after the hand-over or else
+        # by the step thread when it steps (the job keeps the device grad referenced until then); only a stale
+        # master is re-read here
         todo = [] if pieces else [(i, hp, g) for i, (hp, g) in enumerate(zip(job.params, job.grads)) if g is not None]
         if not todo and not job.refresh:
-            return
+            return stream
         dests = []
         for i, hp, _ in todo:
             if hp.hgrad is not None and not hp.hgrad_valid:
@@ -534,6 +548,48 @@ class _Engine:
         if not pieces:
             # drop our references: the device grads may be freed now (record_stream keeps the copy safe)
             job.grads = [None] * len(job.grads)
+        return stream
+
+    @staticmethod
+    def _streamable(job: _Job) -> bool:
+        """Whether the pieces of a piece-by-piece parameter may go through pool slots: only when the step thread
+        takes the job as it arrives (its gate open, the step's plan fixed and neither skipping the step nor
+        re-reading this gradient). A job held at a closed gate is sorted with others when the gate opens; its
+        pieces in pool slots could then wait behind jobs whose copies need those slots, so the step thread
+        copies such a parameter itself, through its own two buffers."""
+        gate = job.gate
+        if job.kind != "final" or not job.fresh[0] or gate is None or not gate.open:
+            return False
+        plan = gate.plan  # set before ``open``
+        return plan is not None and not plan.skip and job.params[0].index not in plan.recopy
+
+    def _stream_pieces(self, job: _Job, g: torch.Tensor) -> None:
+        """Copy a piece-by-piece parameter's gradient into pool slots, one piece per slot, as slots come free:
+        the step thread steps and frees them in order behind this thread, so the copies run ahead of the
+        steps as far as the pool allows (as whole buckets' copies do)."""
+        assert job.pieces is not None
+        s = self.streams
+        (hp,) = job.params
+        try:
+            n, piece = hp.param.numel(), job.bucket.piece_numel
+            with s.on(s.d2h):
+                s.stream_wait(s.d2h, job.ready)  # stream wait: copy only once backward has produced the grad
+                flat = g.reshape(-1)  # a copy only for a non-contiguous grad (on this stream)
+                if s.cuda:
+                    g.record_stream(s.d2h)  # lifetime extension, as for whole buckets
+            for a in range(0, n, piece):
+                e = min(n, a + piece)
+                slot = self.pool.acquire()  # may block until the step thread frees a slot
+                with s.on(s.d2h):
+                    src = flat[a:e].to(hp.stage_dtype)  # upcast on the device when the casts run there
+                    dest = slot[: (e - a) * hp.stage_dtype.itemsize].view(hp.stage_dtype)
+                    dest.copy_(src, non_blocking=True)
+                    self.d2h_bytes += _nbytes(src)
+                    job.pieces.put((slot, dest, s.record(s.d2h)))
+        except BaseException as exc:  # noqa: BLE001 - the step thread raises it for this job
+            job.pieces.put(exc)
+        finally:
+            job.pieces.put(None)
 
     def _step_loop(self) -> None:
         self.streams.bind_thread()
@@ -600,6 +656,7 @@ class _Engine:
             if not plan.skip:
                 self._step_bucket(job, plan)
         finally:
+            self._drain_pieces(job)
             for hp in job.params:
                 hp.hgrad_valid = False
             self._done(job)
@@ -715,17 +772,20 @@ class _Engine:
 
     def _step_pieces(self, job: _Job, plan: _Plan) -> None:
         """Step a parameter bigger than a staging slot piece by piece (Adam/AdamW, elementwise, so exactly
-        as whole): copy piece k+1 of the device gradient into one piece slot while piece k steps from the
-        other, then send piece k of the weights back. Staging stays bounded by the slot size whatever the
-        model's largest parameter (a 32000 x 4096 head's fp32 gradient is 0.5 GB)."""
+        as whole), then send each piece of the weights back. The pieces of its gradient arrive in pool slots
+        from the copy thread (``job.pieces``), or, for a job held at a closed gate, this thread copies piece
+        k+1 into one of its own two buffers while piece k steps from the other. Staging stays bounded by the
+        slot size whatever the model's largest parameter (a 32000 x 4096 head's fp32 gradient is 0.5 GB)."""
         s = self.streams
         bucket = job.bucket
         (hp,) = job.params
+        streamed = job.pieces is not None
         g, ready = (job.grads[0] if job.fresh[0] else None), job.ready
         if hp.index in plan.recopy:  # edited after it was handed over (clipping by torch, GradScaler.unscale_)
+            assert not streamed  # (never streamed: see _Engine._streamable)
             g, ready = plan.recopy[hp.index], plan.ready
         job.grads = [None]
-        if g is None:
+        if g is None and not streamed:
             return
         for inner, gi in zip(bucket.optimizer.param_groups, bucket.group_map):
             inner.update(plan.hyper[gi])
@@ -737,27 +797,48 @@ class _Engine:
         flat = hp.param.detach().view(-1)
         t0 = time.perf_counter()
         s.host_wait(bucket.h2d_event)  # host wait (this thread): the last H2D from this master is done
-        with s.on(s.d2h):
-            s.stream_wait(s.d2h, ready)  # stream wait: copy only once backward has produced the grad
-            src_all = g.reshape(-1)  # a copy only for a non-contiguous grad (on this stream)
-            if s.cuda:
-                g.record_stream(s.d2h)  # lifetime extension, as in the copy thread
 
-        def fetch(k: int) -> tuple[torch.Tensor, Any]:
-            a, e = spans[k]
-            dest = self.piece_slots[k % 2][: (e - a) * hp.stage_dtype.itemsize].view(hp.stage_dtype)
+        if streamed:
+            assert job.pieces is not None
+            pieces = job.pieces
+
+            def fetch(k: int) -> tuple[torch.Tensor | None, torch.Tensor, Any]:
+                item = pieces.get()  # the copy thread's next piece (blocks until it is enqueued)
+                if item is None:
+                    raise RuntimeError("the copy thread sent fewer pieces than the parameter has")
+                if isinstance(item, BaseException):
+                    raise item
+                return item
+
+        else:
+            assert g is not None
             with s.on(s.d2h):
-                src = src_all[a:e].to(hp.stage_dtype)  # upcast on the device when the casts run there
-                dest.copy_(src, non_blocking=True)
-                self.recopy_bytes += _nbytes(src)
-                return dest, s.record(s.d2h)
+                s.stream_wait(s.d2h, ready)  # stream wait: copy only once backward has produced the grad
+                src_all = g.reshape(-1)  # a copy only for a non-contiguous grad (on this stream)
+                if s.cuda:
+                    g.record_stream(s.d2h)  # lifetime extension, as in the copy thread
 
-        nxt = fetch(0)
+            def fetch(k: int) -> tuple[torch.Tensor | None, torch.Tensor, Any]:
+                a, e = spans[k]
+                dest = self.piece_slots[k % 2][: (e - a) * hp.stage_dtype.itemsize].view(hp.stage_dtype)
+                with s.on(s.d2h):
+                    src = src_all[a:e].to(hp.stage_dtype)  # upcast on the device when the casts run there
+                    dest.copy_(src, non_blocking=True)
+                    self.recopy_bytes += _nbytes(src)
+                    return None, dest, s.record(s.d2h)
+
+        # own buffers: piece k+1 is fetched before piece k steps (into the other buffer, whose piece stepped
+        # in the previous round); streamed pieces are already on their way
+        nxt = None if streamed else fetch(0)
         for k, (a, e) in enumerate(spans):
-            dest, ev = nxt
-            if k + 1 < len(spans):
-                nxt = fetch(k + 1)  # into the other slot, whose piece stepped in the previous round
             tw = time.perf_counter()
+            if streamed:
+                slot, dest, ev = fetch(k)
+            else:
+                assert nxt is not None
+                slot, dest, ev = nxt
+                if k + 1 < len(spans):
+                    nxt = fetch(k + 1)
             s.host_wait(ev)  # host wait (this thread) for this piece's D2H copy
             self.copy_wait_s += time.perf_counter() - tw
             out = None
@@ -769,6 +850,8 @@ class _Engine:
             _host_adam.step_chunked(
                 opt, group, hp.master, dest, out, self.scratch, plan.mults, span=(a, e), count_step=k == 0
             )
+            if slot is not None:
+                self.pool.release(slot)  # read by the step above: the copy thread may refill it
             with s.on(s.h2d):
                 # stream wait: never overwrite weights the compute stream may still read in this backward
                 s.stream_wait(s.h2d, job.ready)
@@ -792,6 +875,19 @@ class _Engine:
         self.cpu_s += t1 - t0
         if self.trace is not None:
             self.trace.append(("step", hp.index, t0, t1))
+
+    def _drain_pieces(self, job: _Job) -> None:
+        """Free the pool slots of streamed pieces that were not stepped (a skipped step, a failure), waiting
+        for the copy thread's last one, so that it never blocks on a slot nobody will free."""
+        if job.pieces is None:
+            return
+        while True:
+            item = job.pieces.get()
+            if item is None:
+                break
+            if not isinstance(item, BaseException):
+                self.pool.release(item[0])
+        job.pieces = None
 
 
 # ------------------------------------------------------------------------------------------- optimizer
@@ -1189,18 +1285,20 @@ class CPUOffloadOptimizer(Optimizer):
 
     def _build_engine(self) -> None:
         # a bucket stages within bucket_bytes; a parameter alone bigger than that travels and steps piece by
-        # piece through two slots of that size where its optimizer allows (Adam/AdamW, gradients not kept on
-        # the host, a contiguous parameter), else it widens every slot
+        # piece where its optimizer allows (Adam/AdamW, gradients not kept on the host, a contiguous
+        # parameter), one piece per slot of that size (plus two of the step thread's own for jobs held at a
+        # closed gate: see _Engine._streamable), else it widens every slot
         piece_bytes = _align(self.bucket_bytes)
         for b in self._buckets:
             b.piece_numel = self._piece_numel(b)
         whole = [b.staging_bytes for b in self._buckets if not b.piece_numel]
         pieces = any(b.piece_numel for b in self._buckets)
-        slot_bytes = max(whole, default=0)
+        # the pool's slots also carry pieces, which the copy thread streams into them ahead of the step
+        slot_bytes = max([*whole, piece_bytes if pieces else 0], default=0)
         slots = [self._host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(self.num_staging_slots)]
         piece_slots = [self._host.empty(piece_bytes, torch.uint8, pinned=True) for _ in range(2)] if pieces else []
         needs_cast = any(not hp.same_dtype and not hp.device_cast for hp in self._hps)
-        h2d_bytes = max(slot_bytes, piece_bytes if pieces else 0)
+        h2d_bytes = slot_bytes
         h2d = [self._host.empty(h2d_bytes, torch.uint8, pinned=True) for _ in range(2)] if needs_cast else []
         # fp32 scratch for host gradients of another dtype than their master (casts on the host, or bf16 host
         # gradients under offload_gradients): one chunk when those buckets step chunk by chunk, else room for a
