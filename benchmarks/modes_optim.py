@@ -12,7 +12,8 @@ step pre-hook, as a training run would):
 - ``er_optim_late<F>``: hybrid, the last F of the parameter bytes (the late blocks and the head) on the
   host, the rest fused AdamW on the GPU; ``er_optim_late`` takes F from ``--offload-fraction`` when the
   harness has it, else from ``ELBOWROOM_BENCH_OFFLOAD_FRACTION`` (default 0.4).
-  ``ELBOWROOM_BENCH_CPU_THREADS=N`` sets the CPU step's threads (``cpu_threads``) for any of our modes.
+  ``ELBOWROOM_BENCH_CPU_THREADS=N`` sets the CPU step's threads (``cpu_threads``) for any of our modes,
+  ``ELBOWROOM_BENCH_STAGING_SLOTS=N`` the number of staging slots (``num_staging_slots``).
 - ``er_optim_grads_late<F>[_fwd]``: the hybrid with ``offload_gradients=True``: the device gradients of
   the offloaded part leave as they are copied (less device memory, so a smaller F fits; +4 B/param host).
 - ``er_optim_late<F>_fwd``: the same with ``overlap_with_forward(model)``: ``step()`` returns at once and
@@ -132,6 +133,7 @@ def _stats(opt: CPUOffloadOptimizer, rss0: int) -> Callable[[], dict[str, Any]]:
             "step_in_backward": s["step_in_backward"],
             "host_GiB": round(s["host_bytes"] / 2**30, 2),
             "pinned_GiB": round(s["pinned_bytes"] / 2**30, 2),
+            "staging_GiB": round(s["staging_bytes"] / 2**30, 3),
             "host_B_per_offloaded_param": round(s["host_bytes_per_offloaded_param"], 2),
             "d2h_GB": round(s.get("d2h_bytes", 0) / 1e9, 2),
             "h2d_GB": round(s.get("h2d_bytes", 0) / 1e9, 2),
@@ -176,6 +178,9 @@ def _ours(
     threads = os.environ.get("ELBOWROOM_BENCH_CPU_THREADS")
     if threads:  # one mode per process: setting the class default here touches no other row
         CPUOffloadOptimizer.cpu_threads = int(threads)
+    slots = os.environ.get("ELBOWROOM_BENCH_STAGING_SLOTS")
+    if slots:
+        CPUOffloadOptimizer.num_staging_slots = int(slots)
     if os.environ.get("ELBOWROOM_BENCH_TRACE"):
         CPUOffloadOptimizer.trace_steps = True  # stats()["trace"]: the last step's timeline, into the row
     rss0 = _proc_status_bytes("VmRSS")  # the host footprint before the optimizer (CUDA context, model code)

@@ -847,8 +847,11 @@ class _Engine:
                 self.h2d_next = (self.h2d_next + 1) % len(self.h2d_buffers)
                 s.host_wait(self.h2d_events[buf_i])  # host wait (this thread): the buffer's last H2D is done
                 out = self.h2d_buffers[buf_i][: (e - a) * hp.param.element_size()].view(hp.param.dtype)
+            # an fp32 piece steps in one call (scaled in place, no upcast to keep in cache: smaller chunks would
+            # only add a fork and join of the step threads per chunk)
+            chunk = -(-(e - a) // 64) * 64 if dest.dtype == torch.float32 else None
             _host_adam.step_chunked(
-                opt, group, hp.master, dest, out, self.scratch, plan.mults, span=(a, e), count_step=k == 0
+                opt, group, hp.master, dest, out, self.scratch, plan.mults, chunk, span=(a, e), count_step=k == 0
             )
             if slot is not None:
                 self.pool.release(slot)  # read by the step above: the copy thread may refill it
