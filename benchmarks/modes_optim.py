@@ -13,7 +13,9 @@ step pre-hook, as a training run would):
   host, the rest fused AdamW on the GPU; ``er_optim_late`` takes F from ``--offload-fraction`` when the
   harness has it, else from ``ELBOWROOM_BENCH_OFFLOAD_FRACTION`` (default 0.4).
   ``ELBOWROOM_BENCH_CPU_THREADS=N`` sets the CPU step's threads (``cpu_threads``) for any of our modes,
-  ``ELBOWROOM_BENCH_STAGING_SLOTS=N`` the number of staging slots (``num_staging_slots``).
+  ``ELBOWROOM_BENCH_STAGING_SLOTS=N`` the number of staging slots (``num_staging_slots``),
+  ``ELBOWROOM_BENCH_BUCKET_MB=N`` the bucket size (``bucket_bytes``; a parameter bigger than that steps piece by
+  piece, so one as big as the largest parameter stages everything whole).
 - ``er_optim_grads_late<F>[_fwd]``: the hybrid with ``offload_gradients=True``: the device gradients of
   the offloaded part leave as they are copied (less device memory, so a smaller F fits; +4 B/param host).
 - ``er_optim_late<F>_fwd``: the same with ``overlap_with_forward(model)``: ``step()`` returns at once and
@@ -181,6 +183,9 @@ def _ours(
     slots = os.environ.get("ELBOWROOM_BENCH_STAGING_SLOTS")
     if slots:
         CPUOffloadOptimizer.num_staging_slots = int(slots)
+    bucket_mb = os.environ.get("ELBOWROOM_BENCH_BUCKET_MB")
+    if bucket_mb:
+        CPUOffloadOptimizer.bucket_bytes = int(bucket_mb) << 20
     if os.environ.get("ELBOWROOM_BENCH_TRACE"):
         CPUOffloadOptimizer.trace_steps = True  # stats()["trace"]: the last step's timeline, into the row
     rss0 = _proc_status_bytes("VmRSS")  # the host footprint before the optimizer (CUDA context, model code)

@@ -840,7 +840,8 @@ class _Engine:
                 if k + 1 < len(spans):
                     nxt = fetch(k + 1)
             s.host_wait(ev)  # host wait (this thread) for this piece's D2H copy
-            self.copy_wait_s += time.perf_counter() - tw
+            tc = time.perf_counter()
+            self.copy_wait_s += tc - tw
             out = None
             if host_cast:
                 buf_i = self.h2d_next
@@ -853,6 +854,9 @@ class _Engine:
             _host_adam.step_chunked(
                 opt, group, hp.master, dest, out, self.scratch, plan.mults, chunk, span=(a, e), count_step=k == 0
             )
+            if self.trace is not None:
+                self.trace.append(("piece_wait", hp.index, tw, tc))
+                self.trace.append(("piece_step", hp.index, tc, time.perf_counter()))
             if slot is not None:
                 self.pool.release(slot)  # read by the step above: the copy thread may refill it
             with s.on(s.h2d):
