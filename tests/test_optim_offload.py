@@ -703,6 +703,48 @@ def test_parameters_bigger_than_a_slot_step_in_pieces(
     assert sd["state"][n]["exp_avg"].shape == (72, 40)
 
 
+def test_a_failed_piece_copy_fails_the_step_without_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the copy thread streams a big parameter's pieces to the step thread; if a copy fails there, step() raises
+    # the optimizer's error (with the cause) instead of leaving the step thread waiting for pieces
+    m = _wide_model()
+    o = CPUOffloadOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2)
+    data = batches(3)
+    loss_of(m, data[0]).backward()
+    o.step()  # the first step learns that steps may run in backward; the next ones stream their pieces
+    o.zero_grad()
+
+    class Unreadable:
+        def reshape(self, *shape: int) -> torch.Tensor:
+            raise OSError("device copy failed")
+
+    streamed = []
+
+    def failing(engine: offload_mod._Engine, job: offload_mod._Job, g: torch.Tensor) -> None:
+        streamed.append(job.params[0].index)
+        real(engine, job, Unreadable())  # type: ignore[arg-type]
+
+    real = offload_mod._Engine._stream_pieces
+    monkeypatch.setattr(offload_mod._Engine, "_stream_pieces", failing)
+    loss_of(m, data[1]).backward()
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            o.step()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+        done.set()
+
+    threading.Thread(target=step, daemon=True).start()
+    assert done.wait(20), "step() hung after a failed piece copy"
+    assert streamed == [2]  # the 40 x 72 weight
+    (err,) = errors
+    assert isinstance(err, RuntimeError) and "worker failed" in str(err)
+    assert isinstance(err.__cause__, OSError) and "device copy failed" in str(err.__cause__)
+    o.close()
+
+
 def test_sgd_parameters_bigger_than_a_slot_widen_the_slots() -> None:
     # pieces are for Adam/AdamW; other optimizers stage a big parameter whole (slots sized by it), exactly
     m1, m2 = _wide_model(), _wide_model()
