@@ -999,7 +999,7 @@ class CPUOffloadOptimizer(Optimizer):
     bucket_bytes: ClassVar[int] = 64 << 20
     """Target gradient bytes of one bucket (one CPU optimizer call, one staging region). With Adam/AdamW a
     parameter bigger than this travels and steps piece by piece, so staging stays within a few buckets; set it
-    to the largest parameter's gradient bytes to stage everything whole (on W2 measured ~5-10% faster at a
+    to the largest parameter's gradient bytes to stage everything whole (on W2 ~7 points of plain faster at the
     median, for ~1.8 more host bytes per offloaded parameter: ``BENCHMARKS.md``)."""
     num_staging_slots: ClassVar[int] = 3
     """Slots in the pinned gradient staging pool: copies of later buckets overlap the step of earlier ones."""
