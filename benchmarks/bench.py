@@ -16,7 +16,8 @@ Any mode + ``+fl``: the output head and cross-entropy computed chunk by chunk
 and of its ``step()`` + ``zero_grad()``, from CUDA events between them.
 
 Modes come from registries: the peers' and the trainer's below, ours from ``modes_activations.py`` and
-``modes_optim.py`` beside this file. A mode is a function ``setup(model, args) -> Setup``.
+``modes_optim.py`` beside this file, DeepSpeed ZeRO-Offload from ``modes_deepspeed.py``. A mode is a function
+``setup(model, args) -> Setup``.
 """
 
 from __future__ import annotations
