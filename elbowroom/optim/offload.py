@@ -79,6 +79,11 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _spans(n: int, piece: int) -> list[tuple[int, int]]:
+    """``[a, e)`` ranges of ``piece`` elements covering ``n`` (the last one may be shorter)."""
+    return [(a, min(n, a + piece)) for a in range(0, n, piece)]
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -568,28 +573,40 @@ class _Engine:
         the step thread steps and frees them in order behind this thread, so the copies run ahead of the
         steps as far as the pool allows (as whole buckets' copies do)."""
         assert job.pieces is not None
-        s = self.streams
         (hp,) = job.params
         try:
-            n, piece = hp.param.numel(), job.bucket.piece_numel
-            with s.on(s.d2h):
-                s.stream_wait(s.d2h, job.ready)  # stream wait: copy only once backward has produced the grad
-                flat = g.reshape(-1)  # a copy only for a non-contiguous grad (on this stream)
-                if s.cuda:
-                    g.record_stream(s.d2h)  # lifetime extension, as for whole buckets
-            for a in range(0, n, piece):
-                e = min(n, a + piece)
+            flat = self._piece_source(g, job.ready)
+            for a, e in _spans(hp.param.numel(), job.bucket.piece_numel):
                 slot = self.pool.acquire()  # may block until the step thread frees a slot
-                with s.on(s.d2h):
-                    src = flat[a:e].to(hp.stage_dtype)  # upcast on the device when the casts run there
-                    dest = slot[: (e - a) * hp.stage_dtype.itemsize].view(hp.stage_dtype)
-                    dest.copy_(src, non_blocking=True)
-                    self.d2h_bytes += _nbytes(src)
-                    job.pieces.put((slot, dest, s.record(s.d2h)))
+                dest, ev, nbytes = self._copy_piece(flat, a, e, slot, hp.stage_dtype)
+                self.d2h_bytes += nbytes
+                job.pieces.put((slot, dest, ev))
         except BaseException as exc:  # noqa: BLE001 - the step thread raises it for this job
             job.pieces.put(exc)
         finally:
             job.pieces.put(None)
+
+    def _piece_source(self, g: torch.Tensor, ready: Any) -> torch.Tensor:
+        """A gradient to copy piece by piece, flat, ordered on the copy stream after ``ready``."""
+        s = self.streams
+        with s.on(s.d2h):
+            s.stream_wait(s.d2h, ready)  # stream wait: copy only once backward has produced the grad
+            flat = g.reshape(-1)  # a copy only for a non-contiguous grad (on this stream)
+            if s.cuda:
+                g.record_stream(s.d2h)  # lifetime extension, as for whole buckets
+        return flat
+
+    def _copy_piece(
+        self, flat: torch.Tensor, a: int, e: int, buf: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, Any, int]:
+        """Copy elements ``[a, e)`` of ``flat`` into the pinned ``buf`` as ``dtype`` on the copy stream: the
+        piece, the copy's event and the bytes that crossed."""
+        s = self.streams
+        dest = buf[: (e - a) * dtype.itemsize].view(dtype)
+        with s.on(s.d2h):
+            src = flat[a:e].to(dtype)  # upcast on the device when the casts run there
+            dest.copy_(src, non_blocking=True)
+            return dest, s.record(s.d2h), _nbytes(src)
 
     def _step_loop(self) -> None:
         self.streams.bind_thread()
@@ -792,53 +809,19 @@ class _Engine:
         opt = bucket.optimizer
         group = opt.param_groups[bucket.inner_of[hp.group]]
         host_cast = not hp.same_dtype and not hp.device_cast
-        n, piece = hp.param.numel(), bucket.piece_numel
-        spans = [(a, min(n, a + piece)) for a in range(0, n, piece)]
+        spans = _spans(hp.param.numel(), bucket.piece_numel)
         flat = hp.param.detach().view(-1)
         t0 = time.perf_counter()
         s.host_wait(bucket.h2d_event)  # host wait (this thread): the last H2D from this master is done
-
         if streamed:
             assert job.pieces is not None
-            pieces = job.pieces
-
-            def fetch(k: int) -> tuple[torch.Tensor | None, torch.Tensor, Any]:
-                item = pieces.get()  # the copy thread's next piece (blocks until it is enqueued)
-                if item is None:
-                    raise RuntimeError("the copy thread sent fewer pieces than the parameter has")
-                if isinstance(item, BaseException):
-                    raise item
-                return item
-
+            pieces = self._streamed_pieces(job.pieces, len(spans))
         else:
             assert g is not None
-            with s.on(s.d2h):
-                s.stream_wait(s.d2h, ready)  # stream wait: copy only once backward has produced the grad
-                src_all = g.reshape(-1)  # a copy only for a non-contiguous grad (on this stream)
-                if s.cuda:
-                    g.record_stream(s.d2h)  # lifetime extension, as in the copy thread
-
-            def fetch(k: int) -> tuple[torch.Tensor | None, torch.Tensor, Any]:
-                a, e = spans[k]
-                dest = self.piece_slots[k % 2][: (e - a) * hp.stage_dtype.itemsize].view(hp.stage_dtype)
-                with s.on(s.d2h):
-                    src = src_all[a:e].to(hp.stage_dtype)  # upcast on the device when the casts run there
-                    dest.copy_(src, non_blocking=True)
-                    self.recopy_bytes += _nbytes(src)
-                    return None, dest, s.record(s.d2h)
-
-        # own buffers: piece k+1 is fetched before piece k steps (into the other buffer, whose piece stepped
-        # in the previous round); streamed pieces are already on their way
-        nxt = None if streamed else fetch(0)
+            pieces = self._own_pieces(self._piece_source(g, ready), spans, hp.stage_dtype)
         for k, (a, e) in enumerate(spans):
             tw = time.perf_counter()
-            if streamed:
-                slot, dest, ev = fetch(k)
-            else:
-                assert nxt is not None
-                slot, dest, ev = nxt
-                if k + 1 < len(spans):
-                    nxt = fetch(k + 1)
+            slot, dest, ev = next(pieces)
             s.host_wait(ev)  # host wait (this thread) for this piece's D2H copy
             tc = time.perf_counter()
             self.copy_wait_s += tc - tw
@@ -882,6 +865,34 @@ class _Engine:
         self.cpu_s += t1 - t0
         if self.trace is not None:
             self.trace.append(("step", hp.index, t0, t1))
+
+    @staticmethod
+    def _streamed_pieces(pieces: queue.SimpleQueue, count: int) -> Iterator[tuple[Any, torch.Tensor, Any]]:
+        """The copy thread's pieces as it enqueues them: (pool slot, piece, D2H event)."""
+        for _ in range(count):
+            item = pieces.get()  # blocks until the copy thread has enqueued the next copy
+            if item is None:
+                raise RuntimeError("the copy thread sent fewer pieces than the parameter has")
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _own_pieces(
+        self, flat: torch.Tensor, spans: list[tuple[int, int]], dtype: torch.dtype
+    ) -> Iterator[tuple[None, torch.Tensor, Any]]:
+        """Pieces copied by this thread through its two buffers: piece k+1 is on its way into the other buffer
+        (whose piece stepped in the previous round) before piece k is handed out to step."""
+        def copy(k: int) -> tuple[None, torch.Tensor, Any]:
+            dest, ev, nbytes = self._copy_piece(flat, *spans[k], self.piece_slots[k % 2], dtype)
+            self.recopy_bytes += nbytes
+            return None, dest, ev
+
+        nxt = copy(0)
+        for k in range(len(spans)):
+            cur = nxt
+            if k + 1 < len(spans):
+                nxt = copy(k + 1)
+            yield cur
 
     def _drain_pieces(self, job: _Job) -> None:
         """Free the pool slots of streamed pieces that were not stepped (a skipped step, a failure), waiting
@@ -1308,8 +1319,7 @@ class CPUOffloadOptimizer(Optimizer):
         slots = [self._host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(self.num_staging_slots)]
         piece_slots = [self._host.empty(piece_bytes, torch.uint8, pinned=True) for _ in range(2)] if pieces else []
         needs_cast = any(not hp.same_dtype and not hp.device_cast for hp in self._hps)
-        h2d_bytes = slot_bytes
-        h2d = [self._host.empty(h2d_bytes, torch.uint8, pinned=True) for _ in range(2)] if needs_cast else []
+        h2d = [self._host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(2)] if needs_cast else []
         # fp32 scratch for host gradients of another dtype than their master (casts on the host, or bf16 host
         # gradients under offload_gradients): one chunk when those buckets step chunk by chunk, else room for a
         # bucket's upcast. None when every gradient reaches the host in its master's dtype (casts on the device)
@@ -1323,7 +1333,7 @@ class CPUOffloadOptimizer(Optimizer):
             scratch = self._host.empty(numel, torch.float32, pinned=False)
         self._slot_bytes = slot_bytes if self._buckets else 0
         self._staging_bytes = (
-            slot_bytes * self.num_staging_slots + h2d_bytes * len(h2d) + piece_bytes * len(piece_slots)
+            slot_bytes * (self.num_staging_slots + len(h2d)) + piece_bytes * len(piece_slots)
         )
         self._engine = _Engine(
             self._streams,

@@ -46,33 +46,29 @@ def _triton_kernels():
         return None
 
     @triton.jit
-    def fwd(GU, H, N, F_: tl.constexpr, BLOCK: tl.constexpr):
+    def load(GU, N, F_: tl.constexpr, BLOCK: tl.constexpr):
         # one program per BLOCK elements of h (rows of F_ columns); g and u of a row are F_ apart in gu
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
         row = offs // F_
-        col = offs - row * F_
-        src = row * (2 * F_) + col
+        src = row * (2 * F_) + (offs - row * F_)
         g = tl.load(GU + src, mask=mask).to(tl.float32)
         u = tl.load(GU + src + F_, mask=mask).to(tl.float32)
-        h = g * tl.sigmoid(g) * u
-        tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
+        return offs, mask, src, g, u
+
+    @triton.jit
+    def fwd(GU, H, N, F_: tl.constexpr, BLOCK: tl.constexpr):
+        offs, mask, _, g, u = load(GU, N, F_, BLOCK)
+        tl.store(H + offs, (g * tl.sigmoid(g) * u).to(H.dtype.element_ty), mask=mask)
 
     @triton.jit
     def bwd(GU, DH, DGU, N, F_: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
-        row = offs // F_
-        col = offs - row * F_
-        src = row * (2 * F_) + col
-        g = tl.load(GU + src, mask=mask).to(tl.float32)
-        u = tl.load(GU + src + F_, mask=mask).to(tl.float32)
+        offs, mask, src, g, u = load(GU, N, F_, BLOCK)
         dh = tl.load(DH + offs, mask=mask).to(tl.float32)
         s = tl.sigmoid(g)
-        silu = g * s
         dg = dh * u * s * (1.0 + g * (1.0 - s))
         tl.store(DGU + src, dg.to(DGU.dtype.element_ty), mask=mask)
-        tl.store(DGU + src + F_, (dh * silu).to(DGU.dtype.element_ty), mask=mask)
+        tl.store(DGU + src + F_, (dh * (g * s)).to(DGU.dtype.element_ty), mask=mask)
 
     return fwd, bwd
 
