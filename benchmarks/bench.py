@@ -3,7 +3,7 @@
     python benchmarks/bench.py --workload w1 --modes plain,torch_ckpt,torch_sac,save_on_cpu
     python benchmarks/bench.py --workload w1 --modes minimal,trainer      # trainer overhead
 
-Every mode trains the same Llama-shaped reference model (elbowroom.train.models) on the same random tokens
+Every mode trains the same Llama-shaped reference model (elbowroom.models) on the same random tokens
 in bf16 autocast with fp32 parameters and fused AdamW, unless the mode replaces a piece. Each row gives the
 median step time over the timed steps (warm-up steps dropped), tokens/s, model TFLOP/s (6·N_matmul + causal
 attention, as in DESIGN.md), MFU against the device's dense bf16 peak, peak GiB allocated, and tokens/s as a
@@ -43,9 +43,9 @@ sys.path.insert(0, str(HERE.parent))
 
 from common import Setup  # noqa: E402
 
-from elbowroom.activations.loss import linear_cross_entropy  # noqa: E402
+from elbowroom.models import ModelConfig, build_model, count_params, flops_per_token  # noqa: E402
+from elbowroom.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from elbowroom.train.metrics import peak_flops  # noqa: E402
-from elbowroom.train.models import ModelConfig, build_model, count_params, flops_per_token  # noqa: E402
 
 # name -> (preset, batch, seq, gradient accumulation): the workloads of DESIGN.md
 FUSED_LOSS = "+fl"

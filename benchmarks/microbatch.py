@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from elbowroom.activations import BlockPolicy, apply_block_policies  # noqa: E402
-from elbowroom.activations.loss import linear_cross_entropy  # noqa: E402
-from elbowroom.train.models import ModelConfig, build_model, flops_per_token  # noqa: E402
+from elbowroom.models import ModelConfig, build_model, flops_per_token  # noqa: E402
+from elbowroom.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 
 
 def _category(kernel: str) -> str:

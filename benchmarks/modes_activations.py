@@ -293,7 +293,7 @@ def trace(workload: str, mode: str, steps: int, path: str | None, fused_loss: bo
     import bench  # the harness beside this file: its workloads and model config
     from torch.profiler import ProfilerActivity, profile
 
-    from elbowroom.train.models import build_model
+    from elbowroom.models import build_model
 
     preset, bsz, seq, accum = bench.WORKLOADS[workload]
     cfg = bench.model_config(preset, seq)
@@ -354,7 +354,7 @@ def memline(workload: str, mode: str, snapshot_at: str | None = None, fused_loss
     import bench
     import torch.nn.functional as F
 
-    from elbowroom.train.models import build_model
+    from elbowroom.models import build_model
 
     preset, bsz, seq, _ = bench.WORKLOADS[workload]
     cfg = bench.model_config(preset, seq)

@@ -13,13 +13,13 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "checkpoint": "elbowroom.activations.checkpoint",
-    "gradient_checkpointing_enable": "elbowroom.activations.checkpoint",
+    "checkpoint": "elbowroom.activations.recompute",
+    "gradient_checkpointing_enable": "elbowroom.activations.recompute",
     "offload": "elbowroom.activations.offload",
-    "linear_cross_entropy": "elbowroom.activations.loss",
+    "linear_cross_entropy": "elbowroom.ops.linear_cross_entropy",
     "CPUOffloadOptimizer": "elbowroom.optim.offload",
-    "ModelConfig": "elbowroom.train.models",
-    "build_model": "elbowroom.train.models",
+    "ModelConfig": "elbowroom.models",
+    "build_model": "elbowroom.models",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -50,7 +50,7 @@ class ModelSection:
     """Compute q, k and v with one matmul."""
 
     def __post_init__(self) -> None:
-        from elbowroom.train.models import PRESETS
+        from elbowroom.models import PRESETS
 
         if self.preset not in PRESETS:
             raise ConfigError(f"model.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")

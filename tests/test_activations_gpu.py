@@ -21,7 +21,7 @@ from elbowroom.activations import (
     get_offload_engine,
     remove_activation_policy,
 )
-from elbowroom.train.models import ModelConfig, build_model
+from elbowroom.models import ModelConfig, build_model
 
 pytestmark = pytest.mark.gpu
 

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import elbowroom
 from elbowroom.activations import BlockPolicy, OffloadEngine, _wrap, apply_block_policies, offload_module
 from elbowroom.activations.offload import _RatioState
-from elbowroom.train.models import ModelConfig, build_model
+from elbowroom.models import ModelConfig, build_model
 
 
 def run_grads(module: nn.Module, x: torch.Tensor, seed: int = 7) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from elbowroom.activations import (
     remove_activation_policy,
 )
 from elbowroom.activations.policy import get_block_policies
-from elbowroom.train.models import ModelConfig, build_model
+from elbowroom.models import ModelConfig, build_model
 
 TOL = 1e-6  # fp32 on CPU: max relative error (norm-wise) per parameter gradient
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from elbowroom.activations import BlockPolicy, OffloadEngine, apply_block_policies
-from elbowroom.train.models import ModelConfig, build_model
+from elbowroom.models import ModelConfig, build_model
 
 
 class SimEvent:

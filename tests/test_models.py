@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elbowroom.train.models import PRESETS, ModelConfig, build_model, count_params, flops_per_token
+from elbowroom.models import PRESETS, ModelConfig, build_model, count_params, flops_per_token
 
 
 def expected_params(cfg: ModelConfig) -> int:
@@ -79,7 +79,7 @@ def test_bad_model_config() -> None:
 
 
 def test_rope_scores_depend_only_on_relative_position() -> None:
-    from elbowroom.train.rope import RotaryEmbedding
+    from elbowroom.ops.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(16, 32, 10000.0)
     q, k = torch.randn(16), torch.randn(16)
@@ -98,7 +98,7 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rope_matches_eager_forward_and_backward(dtype: torch.dtype) -> None:
-    from elbowroom.train.rope import RotaryEmbedding, _fused_applies, rotate_eager
+    from elbowroom.ops.rope import RotaryEmbedding, _fused_applies, rotate_eager
 
     rope = RotaryEmbedding(128, 512, 10000.0).cuda()
     qkv = torch.randn(2, 512, 3, 16, 128, device="cuda", dtype=dtype, requires_grad=True)
@@ -138,7 +138,7 @@ def test_swiglu_flag_selects_the_same_function() -> None:
 def test_fused_swiglu_matches_eager_forward_and_backward(dtype: torch.dtype, f: int) -> None:
     import torch.nn.functional as F
 
-    from elbowroom.train.swiglu import _fused_applies, swiglu
+    from elbowroom.ops.swiglu import _fused_applies, swiglu
 
     # a (b, s, 2f) projection output and an odd element count (the kernel's last block is partial)
     gu = torch.randn(3, 37, 2 * f, device="cuda", dtype=dtype, requires_grad=True)

@@ -15,7 +15,7 @@ torch.cuda._lazy_init = lambda *a, **k: calls.append(1)
 import elbowroom
 for name in elbowroom.__all__:
     getattr(elbowroom, name)
-import elbowroom.cli, elbowroom.config, elbowroom.train.trainer, elbowroom.train.data, elbowroom.train.rope
+import elbowroom.cli, elbowroom.config, elbowroom.train.trainer, elbowroom.train.data, elbowroom.ops.rope
 import elbowroom.activations, elbowroom.optim
 assert not calls, calls
 print("clean")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from elbowroom.cli import main
+from elbowroom.models import ModelConfig, build_model
 from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointManager
-from elbowroom.train.models import ModelConfig, build_model
 from elbowroom.train.trainer import accumulate_gradients
 
 SMALL = [

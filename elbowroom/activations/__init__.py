@@ -32,15 +32,6 @@ and :func:`offload_module`. The output head and the loss: :func:`linear_cross_en
 ``cross_entropy(head(h), targets)`` chunk by chunk, so the logits never exist whole.
 """
 
-from elbowroom.activations.checkpoint import (
-    checkpoint,
-    checkpoint_blocks,
-    gradient_checkpointing_disable,
-    gradient_checkpointing_enable,
-    selective_policy,
-    uncheckpoint,
-)
-from elbowroom.activations.loss import LinearCrossEntropy, linear_cross_entropy
 from elbowroom.activations.offload import OffloadEngine, OffloadStats, offload, offload_module
 from elbowroom.activations.policy import (
     ActivationConfig,
@@ -50,6 +41,15 @@ from elbowroom.activations.policy import (
     get_offload_engine,
     remove_activation_policy,
 )
+from elbowroom.activations.recompute import (
+    checkpoint,
+    checkpoint_blocks,
+    gradient_checkpointing_disable,
+    gradient_checkpointing_enable,
+    selective_policy,
+    uncheckpoint,
+)
+from elbowroom.ops.linear_cross_entropy import LinearCrossEntropy, linear_cross_entropy
 
 __all__ = [
     "ActivationConfig",

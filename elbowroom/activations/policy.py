@@ -21,13 +21,13 @@ import torch
 import torch.nn as nn
 
 from elbowroom.activations import _wrap
-from elbowroom.activations.checkpoint import CHECKPOINT_MODES, checkpoint, find_blocks, select_blocks, uncheckpoint
 from elbowroom.activations.offload import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     DEFAULT_PREFETCH_WINDOW_BYTES,
     OffloadEngine,
     offload_module,
 )
+from elbowroom.activations.recompute import CHECKPOINT_MODES, checkpoint, find_blocks, select_blocks, uncheckpoint
 
 logger = logging.getLogger(__name__)
 

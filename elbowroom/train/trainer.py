@@ -22,12 +22,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elbowroom.activations.loss import linear_cross_entropy
 from elbowroom.config import Config, ConfigError, to_dict, to_toml
+from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
+from elbowroom.ops.linear_cross_entropy import linear_cross_entropy
 from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager
 from elbowroom.train.metrics import MetricsLogger, peak_flops, peak_memory
-from elbowroom.train.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
 from elbowroom.train.schedule import build_scheduler
 
 log = logging.getLogger("elbowroom.train")

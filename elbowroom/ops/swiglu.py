@@ -18,6 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from elbowroom.ops._triton import triton_modules
+
 
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
     """``silu(g) * u`` for ``g, u = gu.chunk(2, dim=-1)``: fused on CUDA, eager elsewhere."""
@@ -39,11 +41,10 @@ def _fused_applies(gu: torch.Tensor) -> bool:
 
 @functools.cache
 def _triton_kernels():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    modules = triton_modules()
+    if modules is None:
         return None
+    triton, tl = modules
 
     @triton.jit
     def load(GU, N, F_: tl.constexpr, BLOCK: tl.constexpr):

@@ -13,6 +13,8 @@ import functools
 import torch
 import torch.nn as nn
 
+from elbowroom.ops._triton import triton_modules
+
 
 class RotaryEmbedding(nn.Module):
     """Precomputed RoPE tables (buffers, not parameters), rotate-half convention.
@@ -56,11 +58,10 @@ def rotate_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @functools.cache
 def _triton_kernel():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    modules = triton_modules()
+    if modules is None:
         return None
+    triton, tl = modules
 
     @triton.jit
     def rope_kernel(X, Y, COS, SIN, S, N, sxb, sxs, sxn, syb, sys, syn, cos_stride,

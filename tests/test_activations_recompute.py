@@ -14,8 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import elbowroom
 from elbowroom.activations import checkpoint_blocks, gradient_checkpointing_disable, uncheckpoint
-from elbowroom.activations.checkpoint import default_selective_ops, find_blocks, select_blocks
-from elbowroom.train.models import ModelConfig, build_model
+from elbowroom.activations.recompute import default_selective_ops, find_blocks, select_blocks
+from elbowroom.models import ModelConfig, build_model
 
 TOL = 1e-6  # fp32 on CPU: max relative error (norm-wise) per parameter gradient
 ARCHES = ("llama", "gpt2")
@@ -340,7 +340,7 @@ def test_selective_never_keeps_an_op_that_draws_random_numbers() -> None:
 
 
 def test_policy_recomputes_attention_only_when_it_has_dropout() -> None:
-    from elbowroom.activations.checkpoint import _resolve_policy, draws_random_numbers
+    from elbowroom.activations.recompute import _resolve_policy, draws_random_numbers
 
     policy = _resolve_policy("selective", None)
     aten = torch.ops.aten

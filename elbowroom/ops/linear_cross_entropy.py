@@ -26,6 +26,8 @@ import functools
 import torch
 from torch import nn
 
+from elbowroom.ops._triton import triton_modules
+
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
 
@@ -38,11 +40,10 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 @functools.cache
 def _triton_kernel():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    modules = triton_modules()
+    if modules is None:
         return None
+    triton, tl = modules
 
     @triton.jit
     def ce_kernel(L, stride_l, T, LOSS, SCALE, V, ignore_index, BLOCK: tl.constexpr, GRAD: tl.constexpr):

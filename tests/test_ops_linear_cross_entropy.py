@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import elbowroom
 from elbowroom.activations import LinearCrossEntropy, linear_cross_entropy
-from elbowroom.train.models import ModelConfig, build_model
+from elbowroom.models import ModelConfig, build_model
 
 
 def make(n_tok: int = 37, d: int = 24, vocab: int = 50, seed: int = 0, pad: int = 5):
@@ -103,7 +103,7 @@ def test_cuda_kernel_matches_fp64_reference_and_torch_path(dtype: torch.dtype, m
     # the Triton kernel (softmax, loss and gradient in one pass over each chunk) against F.cross_entropy in
     # float64 on the same inputs, and against the torch-op path of the same function on the same device;
     # fresh random inputs, padding, a vocabulary no block size divides, chunks that do not divide the tokens
-    from elbowroom.activations import loss as L
+    from elbowroom.ops import linear_cross_entropy as L
 
     assert L._kernel_applies(torch.empty(1, device="cuda"))
     torch.manual_seed(3)

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elbowroom.train.rope import RotaryEmbedding
-from elbowroom.train.swiglu import swiglu
+from elbowroom.ops.rope import RotaryEmbedding
+from elbowroom.ops.swiglu import swiglu
 
 Arch = Literal["llama", "gpt2"]
 
@@ -139,13 +139,13 @@ class LlamaBlock(nn.Module):
         self.dropout = cfg.dropout
         self.rope: RotaryEmbedding | None = None  # set by the model; shared, not a submodule
         self.fused_swiglu = True
-        """SwiGLU through :func:`elbowroom.train.swiglu.swiglu` (fused on CUDA) instead of chunk, silu, mul."""
+        """SwiGLU through :func:`elbowroom.ops.swiglu.swiglu` (fused on CUDA) instead of chunk, silu, mul."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), self.rope)
         gu = self.w13(self.mlp_norm(x))
         if self.fused_swiglu:
-            h = self.w2(swiglu(gu))  # one kernel per direction on CUDA (elbowroom.train.swiglu)
+            h = self.w2(swiglu(gu))  # one kernel per direction on CUDA (elbowroom.ops.swiglu)
         else:
             g, u = gu.chunk(2, dim=-1)
             h = self.w2(F.silu(g) * u)
