@@ -1,0 +1,163 @@
+"""What the planner knows about a model and a machine: the result types of profiling.
+
+Data flows one way: model + sample batch -> :class:`Profile` -> cost model and search -> ``Plan`` -> apply.
+A profile is plain data (dataclasses of ints, floats and strings) so that it can be cached, printed,
+saved as JSON and compared between its two sources:
+
+- ``measured``: on the device itself, saved-tensor hooks for bytes and CUDA events (or the host clock on
+  a CPU) for times, over one or two warm-up steps;
+- ``analytic``: no device needed, bytes from a trace of the model on the meta device, FLOPs from
+  ``FlopCounterMode``, speeds from a device table (``elbowroom.plan.devices``).
+
+Both give the same bytes for the same model; only the times differ in origin. Sizes are bytes, times are
+seconds, rates are per second. A block profile describes one micro-batch (``Profile.micro_batch`` samples
+of ``Profile.seq_len`` tokens) in the precision the profile was taken in (``Profile.compute_dtype``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SavedKind = Literal["matmul", "attention", "pointwise", "input"]
+"""What produced a tensor saved for backward: a matmul output (kept by selective recompute), an attention
+output (kept by selective recompute), a norm / activation / other pointwise output (recomputed by
+selective), or the block's input (saved by every policy, the only thing a fully recomputed block saves)."""
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One repeated block (a transformer layer) for one micro-batch."""
+
+    index: int
+    """Position in forward order."""
+    signature: str
+    """Class name and parameter shapes: blocks with equal signatures behave alike and may share a decision."""
+    num_params: int
+    """Parameters of the block (counted once)."""
+    param_bytes: int
+    """Bytes of the block's parameters in their profiled dtype."""
+    saved_bytes: dict[str, int]
+    """Bytes saved for backward when the block is kept whole, by :data:`SavedKind` (views of one storage
+    counted once; parameters and their casts not counted)."""
+    selective_saved_bytes: int
+    """Bytes saved under selective recompute (the matmul and attention outputs it keeps, plus the input)."""
+    input_bytes: int
+    """Bytes of the block's input activation (what a fully recomputed block saves)."""
+    largest_saved_bytes: int
+    """The largest single saved tensor (it bounds the offload prefetch window from below)."""
+    forward_s: float
+    """Forward time of the block."""
+    backward_s: float
+    """Backward time of the block (without recompute)."""
+    recompute_s: float
+    """Extra time a fully recomputed block spends in backward (about one forward)."""
+    selective_recompute_s: float
+    """Extra time a selectively recomputed block spends in backward (its pointwise ops)."""
+    flops: float
+    """Forward + backward FLOPs of the block (FlopCounterMode), without recompute."""
+
+    @property
+    def total_saved_bytes(self) -> int:
+        return sum(self.saved_bytes.values())
+
+
+@dataclass(frozen=True)
+class HeadProfile:
+    """Everything outside the blocks: embeddings, final norm, output head and loss, for one micro-batch."""
+
+    num_params: int
+    """Parameters outside the blocks (embeddings, final norm, head; tied weights counted once)."""
+    param_bytes: int
+    """Their bytes in the profiled dtype."""
+    saved_bytes: int
+    """Bytes saved for backward outside the blocks with the plain head and loss (logits included)."""
+    logits_transient_bytes: int
+    """Peak extra bytes of the plain head and loss (logits in compute dtype, their fp32 upcast and gradient)."""
+    fused_transient_bytes: int
+    """Peak extra bytes of the chunked head and loss (``linear_cross_entropy``): one chunk's logits."""
+    forward_s: float
+    """Forward time outside the blocks (plain head and loss)."""
+    backward_s: float
+    """Backward time outside the blocks."""
+    flops: float
+    """Forward + backward FLOPs outside the blocks."""
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """The device and its link to the host: measured once per machine and cached, or from the device table."""
+
+    name: str
+    """Device name (``torch.cuda.get_device_name`` or the table's key, e.g. ``h100-80gb``; ``cpu``)."""
+    device_memory_bytes: int
+    """Memory the device has in all."""
+    matmul_flops: float
+    """Achievable dense matmul rate in the compute dtype (FLOP/s), not the data-sheet peak."""
+    memory_bandwidth: float
+    """Device memory bandwidth (bytes/s), for memory-bound work such as the device optimizer step."""
+    h2d_bandwidth: float
+    """Pinned host-to-device copy rate alone (bytes/s); 0 where there is no separate host (CPU)."""
+    d2h_bandwidth: float
+    """Pinned device-to-host copy rate alone (bytes/s)."""
+    duplex_bandwidth: float
+    """Each direction's rate while both run at once (bytes/s)."""
+    host_adam_params_per_s: float
+    """Host fused AdamW rate in parameters per second (fp32 masters and state)."""
+    host_memory_bytes: int
+    """Host memory available for pinned buffers and host optimizer state."""
+    pinned_alloc_s_per_gib: float = 0.5
+    """Cost of allocating pinned host memory (paid once, in the first step)."""
+    source: Literal["measured", "table"] = "table"
+    """Where the numbers came from."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model on a machine, for one micro-batch: what each block saves and costs, and the model states."""
+
+    source: Literal["measured", "analytic"]
+    """How the bytes and times were obtained."""
+    machine: MachineProfile
+    """The device and link the times refer to."""
+    micro_batch: int
+    """Samples per micro-batch profiled."""
+    seq_len: int
+    """Tokens per sample."""
+    compute_dtype: str
+    """Precision of the profiled forward: "bfloat16" (autocast or bf16 weights), "float16" or "float32"."""
+    param_dtype: str
+    """Dtype of the model's parameters as given (usually "float32")."""
+    blocks: tuple[BlockProfile, ...]
+    """The repeated blocks, in forward order."""
+    head: HeadProfile
+    """Everything else."""
+    block_path: str = ""
+    """Where the blocks were found in the model (e.g. ``blocks``, ``model.layers``, ``transformer.h``)."""
+    allocator_overhead_bytes: int = 0
+    """Measured reserved minus allocated at the peak (fragmentation), 0 when unknown."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form details (the trace's kernel split, versions) that are shown, never planned on."""
+
+    @property
+    def num_params(self) -> int:
+        return sum(b.num_params for b in self.blocks) + self.head.num_params
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch."""
+        return self.micro_batch * self.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict (see :func:`profile_from_dict`)."""
+        return dataclasses.asdict(self)
+
+
+def profile_from_dict(d: dict[str, Any]) -> Profile:
+    """The inverse of :meth:`Profile.to_dict`."""
+    d = dict(d)
+    d["machine"] = MachineProfile(**d["machine"])
+    d["blocks"] = tuple(BlockProfile(**b) for b in d["blocks"])
+    d["head"] = HeadProfile(**d["head"])
+    return Profile(**d)
