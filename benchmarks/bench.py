@@ -44,18 +44,14 @@ sys.path.insert(0, str(HERE.parent))
 from common import Setup  # noqa: E402
 
 from elbowroom.models import ModelConfig, build_model, count_params, flops_per_token  # noqa: E402
+from elbowroom.models.workloads import WORKLOADS as _WORKLOADS  # noqa: E402
 from elbowroom.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from elbowroom.train.metrics import peak_flops  # noqa: E402
 
-# name -> (preset, batch, seq, gradient accumulation): the workloads of DESIGN.md
 FUSED_LOSS = "+fl"
-WORKLOADS: dict[str, tuple[str, int, int, int]] = {
-    "w1": ("w1", 4, 4096, 1),
-    "w2": ("w2", 1, 8192, 1),
-    "w3": ("7b", 1, 4096, 1),
-    "w3-accum8": ("7b", 1, 4096, 8),
-    # small shapes to check the harness itself
-    "smoke": ("tiny", 4, 128, 1),
+# the workloads of DESIGN.md, defined once in elbowroom.models.workloads
+WORKLOADS = {
+    name: (w.preset, w.batch_size, w.seq_len, w.gradient_accumulation_steps) for name, w in _WORKLOADS.items()
 }
 
 
@@ -231,12 +227,28 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     row.update(loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), accum=accum)
     if marks:
         row["gpu_ms"] = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
+    row["settings"] = settings(name, workload, args)
     if setup.notes:
         row["notes"] = setup.notes
     if setup.stats is not None:
         row.update(setup.stats())
     del model, setup
     return row
+
+
+def settings(name: str, workload: str, args: Any) -> dict[str, Any]:
+    """Everything that produced a row, so that it can be measured again: the mode, the workload's shape, the
+    harness's arguments, every ``ELBOWROOM_BENCH_*`` knob set, and the versions."""
+    preset, bsz, seq, accum = WORKLOADS[workload]
+    return {
+        "mode": name,
+        "workload": {"name": workload, "preset": preset, "batch_size": bsz, "seq_len": seq,
+                     "gradient_accumulation_steps": args.accum or accum},
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "modes", "reproduce")},
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("ELBOWROOM_BENCH_")},
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
 
 
 def _sync() -> None:
@@ -350,7 +362,12 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true",
                     help="run every mode in this process (default: a fresh process per mode, so that no mode's "
                          "threads, hooks, pinned memory or allocator state can touch the next one)")
+    ap.add_argument("--reproduce", default=None, metavar="ROW.json",
+                    help="measure a recorded row again: a file holding one JSON row (or a JSONL file: its last "
+                         "row) whose `settings` give the mode, workload, arguments and ELBOWROOM_BENCH_* knobs")
     args = ap.parse_args()
+    if args.reproduce:
+        _apply_recorded_settings(args)
     names = args.modes.split(",")
     for name in names:
         if name.removesuffix(FUSED_LOSS) not in MODES and name not in ("minimal", "trainer"):
@@ -369,6 +386,24 @@ def main() -> None:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
     print_table(rows)
+
+
+def _apply_recorded_settings(args) -> None:
+    """Set the mode, workload, arguments and environment knobs of a recorded row (``--reproduce``)."""
+    lines = [line for line in Path(args.reproduce).read_text().splitlines() if line.strip().startswith("{")]
+    if not lines:
+        raise SystemExit(f"{args.reproduce} holds no JSON row")
+    recorded = json.loads(lines[-1]).get("settings")
+    if not recorded:
+        raise SystemExit(f"the last row of {args.reproduce} has no `settings` (rows before 2026-11-23 lack them)")
+    args.modes = recorded["mode"]
+    args.workload = recorded["workload"]["name"]
+    for key, value in recorded["args"].items():
+        if key != "reproduce":
+            setattr(args, key, value)
+    for key in [k for k in os.environ if k.startswith("ELBOWROOM_BENCH_")]:
+        del os.environ[key]  # only the recorded knobs
+    os.environ.update(recorded["env"])
 
 
 def run_one(name: str, args) -> dict[str, Any]:

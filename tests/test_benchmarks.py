@@ -23,6 +23,16 @@ def test_bench_smoke_rows(tmp_path: Path) -> None:
         assert "error" not in r, r
         assert r["tok_per_s"] > 0 and r["loss_last"] < r["loss_first"] + 1.0
     assert "| smoke | plain |" in proc.stdout  # the table
+    # every row carries what produced it, and can be measured again from that alone
+    recorded = rows[-1]["settings"]
+    assert recorded["mode"] == modes[-1] and recorded["workload"]["seq_len"] == 128
+    assert recorded["args"]["steps"] == 2 and recorded["torch"] == __import__("torch").__version__
+    again = tmp_path / "again.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--reproduce", str(out),
+                           "--json", str(again)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = [json.loads(line) for line in again.read_text().splitlines()]
+    assert row["settings"] == recorded and "error" not in row
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--modes", "bogus_mode"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "unknown mode 'bogus_mode'" in bad.stderr
