@@ -152,7 +152,7 @@ MODES: dict[str, Callable[..., Setup]] = {
     "torchao_optim": setup_torchao_optim,
     "torchao_optim+ckpt": setup_torchao_optim_ckpt,
 }
-for _extra in ("modes_activations", "modes_optim", "modes_deepspeed"):
+for _extra in ("modes_activations", "modes_optim", "modes_deepspeed", "modes_fsdp"):
     try:
         MODES.update(importlib.import_module(_extra).MODES)
     except ImportError:
