@@ -9,11 +9,16 @@ GradScaler's division inside a fused kernel).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import io
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -1216,3 +1221,162 @@ def test_trace_steps_timeline(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sum(w == "step" for w, *_ in trace) == n_buckets
     assert trace[-1][0] == "step_call" and trace[-1][2] > 0  # times count from the previous step() call
     assert o.stats()["copy_wait_s"] >= 0.0 and o.stats()["chunked"] is False  # fp32 weights: no casts
+
+
+# ------------------------------------------------------------------------------------------ config, lifecycle
+def test_config_sets_the_knobs_and_keywords_override_it() -> None:
+    cfg = CPUOffloadConfig(offload_fraction=0.5, bucket_bytes=1024, num_staging_slots=1, cpu_threads=1)
+    o1 = CPUOffloadOptimizer(make_model().parameters(), config=cfg, lr=1e-2)
+    assert o1.config is cfg
+    s1 = o1.stats()
+    assert (s1["num_staging_slots"], s1["cpu_threads"]) == (1, 1) and s1["slot_bytes"] <= 1024
+    assert 0 < s1["offloaded_params"] < 8
+    o2 = CPUOffloadOptimizer(make_model().parameters(), config=cfg, offload_fraction=1.0, lr=1e-2)
+    assert o2.config == dataclasses.replace(cfg, offload_fraction=1.0) and cfg.offload_fraction == 0.5
+    assert o2.stats()["offloaded_params"] == 8
+    assert o2.offloaded_parameters() == list(o2.param_groups[0]["params"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.bucket_bytes = 1  # type: ignore[misc]
+    with pytest.raises(TypeError, match="CPUOffloadConfig"):
+        CPUOffloadOptimizer(make_model().parameters(), config={"bucket_bytes": 1})  # type: ignore[arg-type]
+    o1.close()
+    o2.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"bucket_bytes": 0}, "bucket_bytes must be a positive int"),
+        ({"num_staging_slots": 0}, "num_staging_slots must be an int >= 1"),
+        ({"cpu_threads": 0}, "cpu_threads must be an int >= 1"),
+        ({"host_chunk_numel": 100}, "multiple of 64"),
+        ({"device_chunk_numel": -1}, "device_chunk_numel"),
+        ({"param_dtype": "int8"}, "param_dtype must name a floating-point dtype"),
+        ({"offload_fraction": 2.0}, "offload_fraction"),
+        ({"overlap": "yes"}, "overlap must be True or False"),
+        ({"join_timeout_s": 0}, "join_timeout_s"),
+    ],
+)
+def test_config_rejects_bad_values(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CPUOffloadConfig(**fields)
+
+
+def test_build_optimizer_takes_a_config() -> None:
+    kw = {"lr": 1e-2, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "fused": None}
+    cfg = CPUOffloadConfig(offload_fraction=0.5, num_staging_slots=1, cpu_threads=1)
+    o = build_optimizer(make_model().parameters(), config=cfg, **kw)
+    assert isinstance(o, CPUOffloadOptimizer) and o.config == cfg and o.stats()["num_staging_slots"] == 1
+    o.close()
+    plain = build_optimizer(make_model().parameters(), config=cfg, offload_fraction=0.0, **kw)  # keywords win
+    assert type(plain) is torch.optim.AdamW
+
+
+def test_two_optimizers_in_one_process_use_their_own_settings() -> None:
+    # two optimizers stepping in turn with different buckets and staging pools (and one tracing): each
+    # allocates and uses its own, and both step exactly as torch
+    m1, m2, m3 = make_model(), make_model(), make_model()
+    a = CPUOffloadOptimizer(
+        m1.parameters(), config=CPUOffloadConfig(bucket_bytes=2048, num_staging_slots=2, cpu_threads=1), lr=1e-2
+    )
+    b = CPUOffloadOptimizer(
+        m2.parameters(),
+        config=CPUOffloadConfig(bucket_bytes=512, num_staging_slots=1, cpu_threads=1, trace_steps=True),
+        lr=1e-2,
+    )
+    ref = torch.optim.AdamW(m3.parameters(), lr=1e-2, fused=True)
+    for x in batches(4):
+        for m, o in ((m1, a), (m2, b), (m3, ref)):
+            loss_of(m, x).backward()
+            o.step()
+            o.zero_grad()
+    assert_same(m1, m3)
+    assert_same(m2, m3)
+    sa, sb = a.stats(), b.stats()
+    assert (sa["num_staging_slots"], sb["num_staging_slots"]) == (2, 1)
+    assert (sa["slot_bytes"], sb["slot_bytes"]) == (2048, 512)  # the largest bucket, or one piece, of each
+    assert sb["buckets"] > sa["buckets"]
+    assert "trace" in sb and "trace" not in sa
+    a.close()
+    b.close()
+
+
+def _new_workers(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before and t.name.startswith("elbowroom-optim")]
+
+
+def test_close_joins_the_worker_threads_and_a_second_close_does_nothing() -> None:
+    before = set(threading.enumerate())
+    m = make_model()
+    o = make_opt(m.parameters(), lr=1e-2)
+    train(m, o, batches(2))
+    mine = _new_workers(before)
+    assert len(mine) == 2
+    o.close()
+    assert not any(t.is_alive() for t in mine)  # joined, not left running
+    o.close()
+    loss_of(m, batches(1)[0]).backward()  # the hooks went with close(): nothing reaches the closed optimizer
+
+
+def test_close_raises_naming_a_stuck_thread_and_keeps_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a step thread that does not finish (simulated: it waits before its loop) makes close() raise with its
+    # name; the host memory is released only once a later close() has joined it
+    release = threading.Event()
+    real_loop = engine_mod.Engine._step_loop
+
+    def stuck_loop(engine: engine_mod.Engine) -> None:
+        release.wait(30)
+        real_loop(engine)
+
+    released: list[int] = []
+    real_release = buffers_mod.HostMemory.release
+    monkeypatch.setattr(engine_mod.Engine, "_step_loop", stuck_loop)
+    monkeypatch.setattr(buffers_mod.HostMemory, "release", lambda mem: released.append(1) or real_release(mem))
+    knobs(join_timeout_s=0.2)
+    before = set(threading.enumerate())
+    o = make_opt(make_model().parameters(), lr=1e-2)
+    mine = _new_workers(before)
+    with pytest.raises(RuntimeError, match=r"elbowroom-optim-step-\d+ did not finish within 0.2 s"):
+        o.close()
+    assert released == []
+    release.set()
+    o.close()  # the thread finishes now: joined, then the memory is released
+    assert released == [1] and not any(t.is_alive() for t in mine)
+    o.close()
+    assert released == [1]
+
+
+def test_a_stuck_thread_at_collection_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    # without close(), the collection of the optimizer shuts it down; a failure there is reported as an
+    # unraisable error (only at interpreter exit is it swallowed), never silently dropped
+    release = threading.Event()
+    real_loop = engine_mod.Engine._step_loop
+    monkeypatch.setattr(engine_mod.Engine, "_step_loop", lambda e: release.wait(30) or real_loop(e))
+    reported: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_value))
+    knobs(join_timeout_s=0.2)
+    o = make_opt(make_model().parameters(), lr=1e-2)
+    del o
+    gc.collect()
+    release.set()
+    assert len(reported) == 1 and "did not finish" in str(reported[0])
+
+
+def test_interpreter_exit_with_a_stuck_thread_is_quiet(tmp_path) -> None:
+    # at interpreter exit the same failure is expected (CUDA and threads may be torn down) and swallowed
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import threading, torch\n"
+        "from elbowroom.optim import CPUOffloadConfig, CPUOffloadOptimizer, engine\n"
+        "real = engine.Engine._step_loop\n"
+        "engine.Engine._step_loop = lambda e: threading.Event().wait(5) or real(e)\n"
+        "o = CPUOffloadOptimizer([torch.nn.Parameter(torch.zeros(4))], config=CPUOffloadConfig(join_timeout_s=0.2))\n"
+        "print('built')\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "built", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -255,6 +255,11 @@ class Engine(HostStep):
                 self._cv.wait()
         self.raise_error()
 
+    def unfinished(self, jobs: list[Job]) -> list[Job]:
+        """The jobs of ``jobs`` that are not done yet (read under the lock that guards ``finished``)."""
+        with self._cv:
+            return [j for j in jobs if not j.finished]
+
     def raise_error(self) -> None:
         """Raise the first worker failure (with its cause) if there was one."""
         if self.error is not None:

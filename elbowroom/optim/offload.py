@@ -177,7 +177,10 @@ class CPUOffloadOptimizer(Optimizer):
             "master_weights": None if master_weights is None else bool(master_weights),
             "param_dtype": None if param_dtype is None else dtype_name(param_dtype),
         }
-        cfg = dataclasses.replace(config or CPUOffloadConfig(), **{k: v for k, v in given.items() if v is not None})
+        overrides = {k: v for k, v in given.items() if v is not None}
+        cfg = config or CPUOffloadConfig()
+        if overrides:
+            cfg = dataclasses.replace(cfg, **overrides)  # validated again in __post_init__
         if offload_params is not None and cfg.offload_fraction != 1.0:
             raise ValueError(
                 "offload_params chooses the offloaded parameters itself; leave offload_fraction at its default"
@@ -658,6 +661,14 @@ class CPUOffloadOptimizer(Optimizer):
         sd_mapping.link_state(self.state, self._placement)
 
     # ------------------------------------------------------------------------------------ stats
+    def offloaded_parameters(self) -> list[torch.Tensor]:
+        """The parameters whose state lives and steps on the host, in parameter order.
+
+        Returns:
+            The offloaded parameters (the others step on the device).
+        """
+        return [hp.param for hp in self._placement.hps]
+
     def stats(self) -> dict[str, Any]:
         """Numbers for benchmarks and logs: settings in use, placement, host memory, the last step's CPU timing.
 
