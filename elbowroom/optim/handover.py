@@ -302,6 +302,68 @@ class Handover:
         for b in self.placement.buckets:
             self.flush(b)
 
+    def end_step(self) -> None:
+        """Forget the step that ended: the parameters' per-step marks, its gate and hyperparameters."""
+        for hp in self.placement.hps:
+            hp.final = hp.accumulated = hp.early = False
+            hp.grad_ref = hp.norm = None
+        self.gate = None
+        self.hook_hyper = None
+
+    def discard(self, wait: bool) -> None:
+        """``zero_grad``: drop the gradients handed over since the last step (host accumulators included).
+
+        Args:
+            wait: wait for the CPU work even in lazy mode (``zero_grad(set_to_none=False)`` zeroes in place).
+        """
+        pending = bool(self.held) or any(hp.accumulated or hp.in_arrival for hp in self.placement.hps)
+        if not self.lazy or wait or pending:
+            # (lazy mode, the usual case: in-flight copies own references to the grads they read and
+            # record_stream protects their memory, so dropping .grad here needs no wait)
+            self.settle()  # from here no job is outstanding: the host gradients are the training thread's
+            for b in self.placement.buckets:
+                for hp, _ in b.arrived:
+                    hp.in_arrival = False
+                b.arrived = []
+            self.held, self.step_jobs = [], []
+            for hp in self.placement.hps:
+                hp.hgrad_valid = False  # discard gradients accumulated on the host
+        self.end_step()
+
+    def hook_forward(self, model: torch.nn.Module, opt: CPUOffloadOptimizer) -> list[Any]:
+        """Give every module of ``model`` that owns offloaded parameters a forward pre-hook that waits for
+        exactly those, and switch to the lazy mode.
+
+        Args:
+            model: the module whose forward uses the optimizer's parameters.
+            opt: the optimizer (held weakly by the hooks).
+
+        Returns:
+            The hooks' handles.
+
+        Raises:
+            ValueError: an offloaded parameter is not owned by any module of ``model``.
+        """
+        owned: set[int] = set()
+        hooks = []
+        for mod in model.modules():
+            buckets: list[Bucket] = []
+            for p in mod.parameters(recurse=False):
+                hp = self.placement.hp_of.get(p)
+                if hp is not None:
+                    owned.add(id(p))
+                    if hp.bucket not in buckets:
+                        buckets.append(hp.bucket)
+            if buckets:
+                hooks.append(mod.register_forward_pre_hook(forward_hook(opt, buckets)))
+        missing = [hp.index for hp in self.placement.hps if id(hp.param) not in owned]
+        if missing:
+            for h in hooks:
+                h.remove()
+            raise ValueError(f"offloaded parameters {missing[:8]} are not parameters of the given model")
+        self.lazy = True
+        return hooks
+
     def settle(self) -> None:
         """Wait for all CPU work; later work on the compute stream sees the updated weights."""
         self.engine.wait_idle()  # host wait for the CPU steps

@@ -55,19 +55,21 @@ from torch.optim import Optimizer
 
 from elbowroom.optim import clipping, masters
 from elbowroom.optim import state_dict as sd_mapping
-from elbowroom.optim.buffers import HostMemory, SlotPool, Streams, nbytes
+from elbowroom.optim.buffers import HostMemory, SlotPool, Streams
 from elbowroom.optim.clipping import ClipRequest
 from elbowroom.optim.config import CPUOffloadConfig, dtype_name
 from elbowroom.optim.engine import Engine, finalize, shutdown
-from elbowroom.optim.handover import Handover, forward_hook, grad_hook
+from elbowroom.optim.handover import Handover, grad_hook
 from elbowroom.optim.placement import (
     IMPL_KEYS,
     Bucket,
     Placement,
     check_host_memory,
+    param_groups_on_one_device,
     probe_optimizer_class,
     select_offloaded,
 )
+from elbowroom.optim.stats import StepStats
 
 __all__ = ["CPUOffloadConfig", "CPUOffloadOptimizer"]
 
@@ -193,19 +195,7 @@ class CPUOffloadOptimizer(Optimizer):
         self.sync_gradients = True
         """False while accumulating: the gradients of this backward are not the step's final ones."""
 
-        groups = list(params)
-        if not groups:
-            raise ValueError("optimizer got an empty parameter list")
-        if not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        groups = [dict(g) for g in groups]
-        for g in groups:
-            g["params"] = list(g["params"]) if not isinstance(g["params"], torch.Tensor) else [g["params"]]
-        raw = [p[1] if isinstance(p, tuple) else p for g in groups for p in g["params"]]  # (name, param) too
-        devices = {p.device for p in raw}
-        if len(devices) != 1:
-            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-        self.device = devices.pop()
+        groups, self.device = param_groups_on_one_device(params)
 
         cpu_kwargs, dev_kwargs, defaults, state_ratio = probe_optimizer_class(
             optimizer_class, optimizer_kwargs, self.device
@@ -221,9 +211,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._hooks: list[Any] = []
         self._clip: ClipRequest | None = None
         self._learning: dict[str, bool] = {}
-        self._stats: dict[str, Any] = {"steps": 0}
-        self._marks = (0.0, 0, 0, 0.0)  # engine counters at the end of the last step
-        self._trace_t0: float | None = None
+        self._stats = StepStats()
 
         offloaded = select_offloaded(all_params, cfg.offload_fraction, offload_params)
         check_host_memory(sum(p.numel() for p in all_params if id(p) in offloaded), state_ratio, cfg)
@@ -328,9 +316,6 @@ class CPUOffloadOptimizer(Optimizer):
 
     def _hyper(self) -> list[dict[str, Any]]:
         return [self._hyper_of(gi) for gi in range(len(self.param_groups))]
-
-    def _engine_(self) -> Engine:
-        return self._engine
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -438,47 +423,16 @@ class CPUOffloadOptimizer(Optimizer):
                 torch.cuda.current_stream(self.device).wait_stream(self._streams.h2d)
 
         self._end_step()
-        self._record_stats(skip, wait_s, t_start)
-        return loss
-
-    def _record_stats(self, skip: bool, wait_s: float | None, t_start: float) -> None:
-        engine, ho = self._engine, self._handover
         if wait_s is None:  # lazy: what forward pre-hooks waited since the last step (one step behind)
             wait_s, ho.lazy_wait_s = ho.lazy_wait_s, 0.0
-        # per-step numbers count from the end of the last step: CPU steps may run during backward
-        c = engine.counters()  # a consistent snapshot, also while CPU steps still run (lazy mode)
-        cpu0, d2h0, h2d0, cw0 = self._marks
-        self._marks = (c["cpu_s"], c["d2h_bytes"] + c["recopy_bytes"], c["h2d_bytes"], c["copy_wait_s"])
-        cpu_s = c["cpu_s"] - cpu0
-        events = engine.take_trace()  # the workers note into a new list from here
-        if events is not None:
-            events.append(("step_call", -1, t_start, time.perf_counter()))
-            base = self._trace_t0 if self._trace_t0 is not None else t_start
-            self._trace_t0 = t_start
-            self._stats["trace"] = [(w, i, round(a - base, 5), round(b - base, 5)) for w, i, a, b in events]
-        self._stats.update(
-            copy_wait_s=c["copy_wait_s"] - cw0,
-            chunked=engine.chunked,
-            steps=self._stats["steps"] + 1,
-            skipped=skip,
-            cpu_step_s=cpu_s,
-            cpu_wait_s=wait_s,
-            step_call_s=time.perf_counter() - t_start,
-            hidden_fraction=(max(0.0, 1.0 - wait_s / cpu_s) if cpu_s > 0 else 1.0),
-            d2h_bytes=c["d2h_bytes"] + c["recopy_bytes"] - d2h0,
-            h2d_bytes=c["h2d_bytes"] - h2d0,
-        )
+        self._stats.record(engine, skip, wait_s, t_start)
+        return loss
 
     def _end_step(self) -> None:
         ho = self._handover
-        hps = self._placement.hps
-        for hp in hps:
-            hp.final = hp.accumulated = hp.early = False
-            hp.grad_ref = hp.norm = None
-        ho.gate = None
-        ho.hook_hyper = None
+        ho.end_step()
         self._clip = None
-        if self.step_in_backward is None and self.config.overlap and hps:
+        if self.step_in_backward is None and self.config.overlap and self._placement.hps:
             self.step_in_backward = not (self._learning.get("global") or self._learning.get("edited"))
             logger.info(
                 "CPUOffloadOptimizer: CPU steps will start %s",
@@ -512,21 +466,7 @@ class CPUOffloadOptimizer(Optimizer):
         Raises:
             ValueError: an offloaded parameter is not owned by any module of ``model``.
         """
-        owned: set[int] = set()
-        for mod in model.modules():
-            buckets: list[Bucket] = []
-            for p in mod.parameters(recurse=False):
-                hp = self._placement.hp_of.get(p)
-                if hp is not None:
-                    owned.add(id(p))
-                    if hp.bucket not in buckets:
-                        buckets.append(hp.bucket)
-            if buckets:
-                self._hooks.append(mod.register_forward_pre_hook(forward_hook(self, buckets)))
-        missing = [hp.index for hp in self._placement.hps if id(hp.param) not in owned]
-        if missing:
-            raise ValueError(f"offloaded parameters {missing[:8]} are not parameters of the given model")
-        self._handover.lazy = True
+        self._hooks.extend(self._handover.hook_forward(model, self))  # lazy from here
 
     def reload_weights(self) -> None:
         """Re-read the offloaded master weights from the device parameters.
@@ -570,23 +510,7 @@ class CPUOffloadOptimizer(Optimizer):
             set_to_none: free the gradients instead of zeroing them (as torch's default).
         """
         if self._ready:
-            ho, hps = self._handover, self._placement.hps
-            pending = bool(ho.held) or any(hp.accumulated or hp.in_arrival for hp in hps)
-            if not ho.lazy or not set_to_none or pending:
-                # (lazy mode, the usual case: in-flight copies own references to the grads they read and
-                # record_stream protects their memory, so dropping .grad here needs no wait)
-                ho.settle()  # from here no job is outstanding: the host gradients are the training thread's
-                for b in self._placement.buckets:
-                    for hp, _ in b.arrived:
-                        hp.in_arrival = False
-                    b.arrived = []
-                ho.held, ho.step_jobs = [], []
-                for hp in hps:
-                    hp.hgrad_valid = False  # discard gradients accumulated on the host
-            for hp in hps:
-                hp.final = hp.accumulated = hp.early = False
-                hp.grad_ref = hp.norm = None
-            ho.gate = None
+            self._handover.discard(wait=not set_to_none)
         super().zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -683,23 +607,6 @@ class CPUOffloadOptimizer(Optimizer):
             it), ``hidden_fraction`` (1 - wait / CPU time: the share that ran behind other work),
             ``d2h_bytes``/``h2d_bytes`` of the last step, ``step_in_backward``, ``steps``.
         """
-        engine, pl = self._engine, self._placement
-        off = sum(hp.param.numel() for hp in pl.hps)
-        host_bytes = self._host.pinned_bytes + self._host.pageable_bytes + engine.state_bytes()
-        out = {
-            "offloaded_params": len(pl.hps),
-            "offloaded_numel": off,
-            "device_numel": sum(p.numel() for p in pl.dev_params),
-            "buckets": len(pl.buckets),
-            "host_bytes": host_bytes,
-            "pinned_bytes": self._host.pinned_bytes,
-            "host_bytes_per_offloaded_param": host_bytes / off if off else 0.0,
-            "staging_bytes": self._staging_bytes,
-            "scratch_bytes": nbytes(engine.scratch) if engine.scratch is not None else 0,
-            "num_staging_slots": engine.pool.count,
-            "slot_bytes": engine.pool.slot_bytes,
-            "step_in_backward": self.step_in_backward,
-            "cpu_threads": engine.cpu_threads,
-        }
-        out.update(self._stats)
-        return out
+        return self._stats.report(
+            self._engine, self._placement, self._host, self._staging_bytes, self.step_in_backward
+        )

@@ -29,7 +29,16 @@ from elbowroom.optim import _host_adam, masters
 from elbowroom.optim.buffers import HostMemory, align, nbytes
 from elbowroom.optim.config import CPUOffloadConfig
 
-__all__ = ["Bucket", "HostParam", "Placement", "Staging", "probe_optimizer_class", "select_offloaded"]
+__all__ = [
+    "Bucket",
+    "HostParam",
+    "Placement",
+    "Staging",
+    "check_host_memory",
+    "param_groups_on_one_device",
+    "probe_optimizer_class",
+    "select_offloaded",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +211,35 @@ def probe_optimizer_class(
         f"{cls.__name__} cannot step CPU tensors ({type(last_exc).__name__}: {last_exc}); offloading needs "
         "an optimizer class with a CPU implementation, e.g. torch.optim.AdamW, Adam or SGD"
     ) from last_exc
+
+
+def param_groups_on_one_device(
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], torch.device]:
+    """The user's parameters as a list of group dicts (copies), and the one device they all live on.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs or parameter groups, as for any torch optimizer.
+
+    Returns:
+        ``(groups, device)``.
+
+    Raises:
+        ValueError: no parameters, or parameters on several devices.
+    """
+    groups = list(params)
+    if not groups:
+        raise ValueError("optimizer got an empty parameter list")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    groups = [dict(g) for g in groups]
+    for g in groups:
+        g["params"] = list(g["params"]) if not isinstance(g["params"], torch.Tensor) else [g["params"]]
+    raw = [p[1] if isinstance(p, tuple) else p for g in groups for p in g["params"]]  # (name, param) too
+    devices = {p.device for p in raw}
+    if len(devices) != 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    return groups, devices.pop()
 
 
 def check_host_memory(numel: int, state_ratio: float, config: CPUOffloadConfig) -> None:
