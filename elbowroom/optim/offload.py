@@ -39,7 +39,6 @@ On a CPU-only machine the same code runs with the "device" parameters on the CPU
 and events are ``None``, so the bookkeeping is the same and is what the CPU tests exercise.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -99,8 +98,8 @@ class CPUOffloadOptimizer(Optimizer):
     step, and later micro-batches are added to it on the host. With ``master_weights=True`` and bf16
     device parameters (or ``param_dtype=torch.bfloat16``, which casts them) the device keeps 2 bytes per
     offloaded parameter and its gradient, the host the same 12 (the master pinned); the casts run on the
-    device (``CPUOffloadConfig.cast_on_device``), so the host step is the same fused fp32 kernel as for fp32 weights; a
-    host gradient is then 2 bytes. This is the configuration that trains the 7B shape at 226 model TFLOP/s
+    device (``CPUOffloadConfig.cast_on_device``), so the host step is the same fused fp32 kernel as for fp32
+    weights; a host gradient is then 2 bytes. This is the configuration that trains the 7B shape at 226 model TFLOP/s
     on one H100 with 40% of the parameters offloaded, at 12.8 host bytes per offloaded parameter.
 
     Every setting is a field of :class:`~elbowroom.optim.CPUOffloadConfig` (``config=``); the keyword arguments
