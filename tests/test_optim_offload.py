@@ -1380,3 +1380,14 @@ def test_interpreter_exit_with_a_stuck_thread_is_quiet(tmp_path) -> None:
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "built", proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_closed_optimizer_refuses_new_work_instead_of_hanging() -> None:
+    m = make_model()
+    o = make_opt(m.parameters(), lr=1e-2)
+    train(m, o, batches(1))
+    o.close()
+    assert set(o.state_dict()["state"]) == set(range(8))  # what it learned can still be saved
+    loss_of(m, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="was closed"):
+        o.step()

@@ -55,19 +55,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elbowroom.optim.buffers import Closed, HostMemory, SlotPool, Streams, nbytes, piece_spans
+from elbowroom.optim.config import CPUOffloadConfig
 from elbowroom.optim.host_step import HostStep
 
 if TYPE_CHECKING:
-    from elbowroom.optim.placement import Bucket, HostParam
+    from elbowroom.optim.placement import Bucket, HostParam, Staging
 
 __all__ = ["Engine", "Gate", "Job", "StepPlan", "finalize", "shutdown"]
 
 logger = logging.getLogger(__name__)
 
 _serial = itertools.count()  # names the threads of each engine apart ("elbowroom-optim-step-3")
-
-_COUNTERS = ("cpu_s", "copy_wait_s", "d2h_bytes", "recopy_bytes", "h2d_bytes")
-
 
 @dataclasses.dataclass
 class StepPlan:
@@ -115,57 +113,39 @@ class Engine(HostStep):
 
     Args:
         streams: the device's copy streams.
-        pool: the pinned staging slots.
-        h2d_buffers: pinned buffers for weights cast to the device dtype on the host (empty otherwise).
-        scratch: fp32 host scratch for gradients upcast on the host, or None.
-        offload_gradients: host gradients accumulate the micro-batches.
-        host_memory: the optimizer's host buffers (for their accounting).
-        cpu_threads: intra-op threads of the step thread (None: torch's default for a new thread).
-        chunked: buckets of low-precision parameters step chunk by chunk (``_host_adam``).
-        piece_slots: the step thread's own two buffers for pieces of jobs held at a closed gate.
-        host_chunk_numel: elements per chunk of the chunked host step.
-        trace: record a timeline of each step (:meth:`take_trace`).
+        staging: the pinned buffers the placement allocated (slots, piece buffers, H2D buffers, scratch).
+        config: the optimizer's settings (host gradients, step threads, chunk size, tracing).
     """
 
-    def __init__(
-        self,
-        streams: Streams,
-        pool: SlotPool,
-        h2d_buffers: list[torch.Tensor],
-        scratch: torch.Tensor | None,
-        offload_gradients: bool,
-        host_memory: HostMemory,
-        cpu_threads: int | None = None,
-        chunked: bool = False,
-        piece_slots: list[torch.Tensor] | None = None,
-        host_chunk_numel: int | None = None,
-        trace: bool = False,
-    ) -> None:
+    def __init__(self, streams: Streams, staging: Staging, config: CPUOffloadConfig) -> None:
         self.streams = streams
-        self.cpu_threads = cpu_threads
-        self.chunked = chunked
-        self.host_chunk_numel = host_chunk_numel
-        self.pool = pool
+        # intra-op threads of the step thread: by default the constructing (training) thread's count less two
+        # (the training thread, autograd's device thread and the copy thread need cores of their own)
+        self.cpu_threads = config.cpu_threads or max(1, torch.get_num_threads() - 2)
+        self.chunked = staging.chunked
+        self.host_chunk_numel = config.host_chunk_numel
+        self.pool = SlotPool(staging.slots)
         # two pinned buffers of the step thread's own for parameters stepped piece by piece whose pieces it
         # copies itself (outside the pool: the step thread never waits for a slot that only it could free)
-        self.piece_slots = piece_slots or []
-        self.h2d_buffers = h2d_buffers
-        self.h2d_events: list[Any] = [None] * len(h2d_buffers)  # step thread only
+        self.piece_slots = staging.piece_slots
+        self.h2d_buffers = staging.h2d
+        self.h2d_events: list[Any] = [None] * len(staging.h2d)  # step thread only
         self.h2d_next = 0  # step thread only
-        self.scratch = scratch  # step thread only
-        self.offload_gradients = offload_gradients
-        self.host_memory = host_memory
+        self.scratch = staging.scratch  # step thread only
+        self.offload_gradients = config.offload_gradients
         self._copy_q: queue.SimpleQueue = queue.SimpleQueue()
         self._step_q: queue.SimpleQueue = queue.SimpleQueue()
         self._cv = threading.Condition()  # guards the two counts below and each job's pre_done / finished
         self._outstanding = 0
         self._pre_outstanding = 0
         self.error: BaseException | None = None  # set once, under _cv
+        self._stopped = False  # set by stop(), under _cv: no new work from then on
         # traffic and time counters, per-bucket state sizes and the trace: any thread adds, under this lock
         self._stats_lock = threading.Lock()
-        self._counters = dict.fromkeys(_COUNTERS, 0.0)
+        self._counters: dict[str, float] = {"cpu_s": 0.0, "copy_wait_s": 0.0}  # seconds
+        self._counters.update(d2h_bytes=0, recopy_bytes=0, h2d_bytes=0)  # ints
         self._state_bytes: dict[int, int] = {}  # id(bucket) -> bytes of its inner optimizer's state
-        self._trace: list[tuple[str, int, float, float]] | None = [] if trace else None  # (what, index, t0, t1)
+        self._trace: list[tuple[str, int, float, float]] | None = [] if config.trace_steps else None
         n = next(_serial)
         self.threads = (
             threading.Thread(target=self._copy_loop, name=f"elbowroom-optim-d2h-{n}", daemon=True),
@@ -189,10 +169,7 @@ class Engine(HostStep):
             ``{"cpu_s", "copy_wait_s", "d2h_bytes", "recopy_bytes", "h2d_bytes"}`` (bytes as ints).
         """
         with self._stats_lock:
-            out = dict(self._counters)
-        for k in ("d2h_bytes", "recopy_bytes", "h2d_bytes"):
-            out[k] = int(out[k])
-        return out
+            return dict(self._counters)
 
     def note(self, what: str, index: int, t0: float, t1: float) -> None:
         """Add an event to the trace (a no-op unless tracing)."""
@@ -222,8 +199,14 @@ class Engine(HostStep):
 
     # ---- training thread
     def submit(self, job: Job) -> None:
-        """Hand a job to the copy thread (it owns the job, and its parameters' host buffers, from here)."""
+        """Hand a job to the copy thread (it owns the job, and its parameters' host buffers, from here).
+
+        Raises:
+            RuntimeError: the engine was stopped (the optimizer was closed).
+        """
         with self._cv:
+            if self._stopped:
+                raise RuntimeError("the CPUOffloadOptimizer was closed; build a new one to keep training")
             self._outstanding += 1
             self._pre_outstanding += 1
         self._copy_q.put(job)
@@ -235,23 +218,24 @@ class Engine(HostStep):
         self._step_q.put(gate)
 
     def wait_idle(self) -> None:
-        """Host wait until every submitted job is done (its H2D copies are enqueued, not finished)."""
+        """Host wait until every submitted job is done (its H2D copies are enqueued, not finished); the waits
+        return at once once the engine is stopped."""
         with self._cv:
-            while self._outstanding and self.error is None:
+            while self._outstanding and self.error is None and not self._stopped:
                 self._cv.wait()
         self.raise_error()
 
     def wait_jobs(self, jobs: list[Job]) -> None:
         """Host wait until these jobs are done (their H2D copies enqueued)."""
         with self._cv:
-            while not all(j.finished for j in jobs) and self.error is None:
+            while not all(j.finished for j in jobs) and self.error is None and not self._stopped:
                 self._cv.wait()
         self.raise_error()
 
     def wait_pre(self) -> None:
         """Host wait until every submitted job went through its pre-gate phase."""
         with self._cv:
-            while self._pre_outstanding and self.error is None:
+            while self._pre_outstanding and self.error is None and not self._stopped:
                 self._cv.wait()
         self.raise_error()
 
@@ -275,6 +259,9 @@ class Engine(HostStep):
             RuntimeError: a thread is still alive after ``timeout`` (named in the message); its buffers must not
                 be released.
         """
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()  # a training-thread wait returns: nothing it waits for will finish now
         self.pool.close()  # a worker blocked on a slot gives up its job (Closed)
         self._copy_q.put(None)  # the copy thread passes the end marker on to the step thread
         stuck = []
@@ -441,8 +428,7 @@ class Engine(HostStep):
 
     def _step_loop(self) -> None:
         self.streams.bind_thread()
-        if self.cpu_threads is not None:
-            torch.set_num_threads(self.cpu_threads)  # per thread with OpenMP: the training thread keeps its own
+        torch.set_num_threads(self.cpu_threads)  # per thread with OpenMP: the training thread keeps its own
         waiting: list[Job] = []
         while True:
             msg = self._step_q.get()

@@ -54,7 +54,7 @@ from torch.optim import Optimizer
 
 from elbowroom.optim import clipping, masters
 from elbowroom.optim import state_dict as sd_mapping
-from elbowroom.optim.buffers import HostMemory, SlotPool, Streams
+from elbowroom.optim.buffers import HostMemory, Streams
 from elbowroom.optim.clipping import ClipRequest
 from elbowroom.optim.config import CPUOffloadConfig, dtype_name
 from elbowroom.optim.engine import Engine, finalize, shutdown
@@ -218,20 +218,7 @@ class CPUOffloadOptimizer(Optimizer):
             self._place(gi, group["params"], offloaded)
         staging = self._placement.staging()
         self._slot_bytes, self._staging_bytes = staging.slot_bytes, staging.total_bytes
-        buckets = self._placement.buckets
-        self._engine = Engine(
-            self._streams,
-            SlotPool(staging.slots),
-            staging.h2d,
-            staging.scratch,
-            cfg.offload_gradients,
-            self._host,
-            self._cpu_threads(),
-            chunked=cfg.chunked_host_step and any(b.chunked for b in buckets),
-            piece_slots=staging.piece_slots,
-            host_chunk_numel=cfg.host_chunk_numel,
-            trace=cfg.trace_steps,
-        )
+        self._engine = Engine(self._streams, staging, cfg)
         self._handover = Handover(cfg, self._placement, self._engine, self._streams, self._hyper)
         self._finalizer = weakref.finalize(self, finalize, self._engine, self._hooks, self._host, cfg.join_timeout_s)
         self._ready = True
@@ -243,7 +230,7 @@ class CPUOffloadOptimizer(Optimizer):
             len(hps),
             len(all_params),
             100 * n_off / max(n_all, 1),
-            len(buckets),
+            len(self._placement.buckets),
             self._host.pinned_bytes / 2**30,
         )
 
@@ -267,11 +254,6 @@ class CPUOffloadOptimizer(Optimizer):
             if hp.param.requires_grad and self.config.overlap:
                 self._hooks.append(hp.param.register_post_accumulate_grad_hook(grad_hook(self, hp)))
         return new
-
-    def _cpu_threads(self) -> int:
-        if self.config.cpu_threads is not None:
-            return self.config.cpu_threads
-        return max(1, torch.get_num_threads() - 2)  # read on the constructing (training) thread
 
     def close(self) -> None:
         """Stop and join the worker threads, remove the hooks, then unpin host memory; the optimizer is unusable

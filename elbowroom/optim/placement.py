@@ -282,6 +282,8 @@ class Staging:
     """Bytes of one slot (0 without offloaded parameters)."""
     total_bytes: int
     """Pinned staging bytes in all."""
+    chunked: bool
+    """Some bucket of low-precision parameters steps chunk by chunk (``chunked_host_step``)."""
 
 
 class Placement:
@@ -481,4 +483,5 @@ class Placement:
                 numel = max(b.scratch_numel for b in self.buckets)
             scratch = self.host.empty(numel, torch.float32, pinned=False)
         total = slot_bytes * (cfg.num_staging_slots + len(h2d)) + piece_bytes * len(piece_slots)
-        return Staging(slots, piece_slots, h2d, scratch, slot_bytes if self.buckets else 0, total)
+        chunked = cfg.chunked_host_step and any(b.chunked for b in self.buckets)
+        return Staging(slots, piece_slots, h2d, scratch, slot_bytes if self.buckets else 0, total, chunked)
