@@ -20,12 +20,17 @@ Which thread owns what (the rule the code follows; a reader checking a change sh
   ``in_arrival``, ``grad_ref``, ``norm``, ``master_stale``; buckets' ``arrived``), building jobs, opening
   gates, ``HostMemory`` (allocations at set-up, release after ``stop``).
 - **Handed over with a job** (a single owner at a time; the hand-over is a queue or the engine's condition
-  variable, both of which order memory): a job's fields, its staging slot, and for its parameters the host
-  gradient (``hgrad``, ``hgrad_valid``), the host master and the inner optimizer's state. The copy thread owns
-  them from ``submit`` until it puts the job on the step queue, the step thread until the job is done. The
-  training thread touches them only when no job of theirs is outstanding: after ``wait_idle``/``wait_jobs``,
-  or after ``wait_pre`` while the step's gate is still closed (nothing steps then: ``clip_grad_norm_`` reads
-  the host gradients so).
+  variable, both of which order memory): a job's fields and its staging slot, and for its parameters the host
+  master and the inner optimizer's state. The copy thread owns them from ``submit`` until it puts the job on
+  the step queue, the step thread until the job is done. The training thread touches them only when no job of
+  theirs is outstanding: after ``wait_idle``/``wait_jobs`` (``state_dict``, ``reload_weights``, the lazy
+  mode's hand-over of a bucket that still has jobs in flight).
+- **A host gradient** (``offload_gradients``: ``hgrad``, ``hgrad_valid``) passes along the jobs of its
+  parameter in order: the copy thread sets it with the step's first copy (straight into it, on the D2H
+  stream, ahead of every later copy of that parameter), the step thread adds the later micro-batches in
+  ``_pre`` (each after waiting for its copy) and resets it after the step. The training thread reads it after
+  ``wait_pre`` while the step's gate is closed (``clip_grad_norm_``: nothing steps then) and resets it only
+  after ``wait_idle`` (``zero_grad``).
 - **Step thread only**: the H2D staging buffers and their events (``h2d_next``, ``h2d_events``), the piece
   buffers, the fp32 scratch, ``Bucket.h2d_event`` (read by the training thread after ``wait_jobs``).
 - **Written once, then read**: a gate's ``plan`` is set before its ``open`` flag, by the training thread,

@@ -4,8 +4,9 @@ During backward a post-accumulate-grad hook hands each offloaded parameter's gra
 final (or, with ``offload_gradients``, as each micro-batch's gradient arrives, to be added on the host); a
 bucket whose gradients all arrived becomes a :class:`~elbowroom.optim.engine.Job` for the engine. ``step()``
 hands over what the hooks did not see (:meth:`Handover.collect`). Each step's final jobs share one
-:class:`~elbowroom.optim.engine.Gate`, which ``step()`` (or, when steps run in backward, the first hook)
-opens with the values the CPU steps apply.
+:class:`~elbowroom.optim.engine.Gate`, which ``step()`` (:meth:`Handover.start_step`: GradScaler's scale, the
+clip coefficient, gradients edited after their hand-over) or, when steps run in backward, the first hook opens
+with the values the CPU steps apply.
 
 With ``overlap_with_forward`` (the lazy mode) ``step()`` does not wait for the CPU steps: their jobs stay
 ``inflight`` per bucket, and each module's forward pre-hook waits for its own buckets
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 def _same_value(a: Any, b: Any) -> bool:
+    """Whether a hyperparameter kept its value since the step's first hand-over (device tensors: only if the
+    same object, since comparing them would sync)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if a is b:
             return True
