@@ -6,8 +6,8 @@ of one device, or inert stand-ins on a CPU-only machine (copies are plain copies
 the bookkeeping above them is the same and is what the CPU tests exercise).
 
 Thread safety: ``SlotPool`` is shared by the copy thread and the step thread and guards its free list with its
-own condition variable. ``HostMemory`` is used by the training thread only (allocations at set-up, ``release``
-after the worker threads are joined); ``Streams`` holds no mutable state.
+own condition variable. ``HostMemory`` allocates on the training thread at set-up and is released by whoever
+shuts the optimizer down, after the worker threads are joined; ``Streams`` holds no mutable state.
 """
 
 from __future__ import annotations

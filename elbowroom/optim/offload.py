@@ -219,7 +219,8 @@ class CPUOffloadOptimizer(Optimizer):
         staging = self._placement.staging()
         self._slot_bytes, self._staging_bytes = staging.slot_bytes, staging.total_bytes
         self._engine = Engine(self._streams, staging, cfg)
-        self._handover = Handover(cfg, self._placement, self._engine, self._streams, self._hyper)
+        hyper = weakref.WeakMethod(self._hyper)  # no reference cycle: the optimizer stays collectable by refcount
+        self._handover = Handover(cfg, self._placement, self._engine, self._streams, lambda: hyper()())
         self._finalizer = weakref.finalize(self, finalize, self._engine, self._hooks, self._host, cfg.join_timeout_s)
         self._ready = True
         hps = self._placement.hps
