@@ -12,10 +12,11 @@ step pre-hook, as a training run would):
 - ``er_optim_late<F>``: hybrid, the last F of the parameter bytes (the late blocks and the head) on the
   host, the rest fused AdamW on the GPU; ``er_optim_late`` takes F from ``--offload-fraction`` when the
   harness has it, else from ``ELBOWROOM_BENCH_OFFLOAD_FRACTION`` (default 0.4).
-  ``ELBOWROOM_BENCH_CPU_THREADS=N`` sets the CPU step's threads (``cpu_threads``) for any of our modes,
-  ``ELBOWROOM_BENCH_STAGING_SLOTS=N`` the number of staging slots (``num_staging_slots``),
+  ``ELBOWROOM_BENCH_CPU_THREADS=N`` sets the CPU step's threads (``CPUOffloadConfig.cpu_threads``) for any of
+  our modes, ``ELBOWROOM_BENCH_STAGING_SLOTS=N`` the number of staging slots (``num_staging_slots``),
   ``ELBOWROOM_BENCH_BUCKET_MB=N`` the bucket size (``bucket_bytes``; a parameter bigger than that steps piece by
-  piece, so one as big as the largest parameter stages everything whole).
+  piece, so one as big as the largest parameter stages everything whole). Each mode builds its own
+  ``CPUOffloadConfig`` from these and records all of its fields in the row (``settings``).
 - ``er_optim_grads_late<F>[_fwd]``: the hybrid with ``offload_gradients=True``: the device gradients of
   the offloaded part leave as they are copied (less device memory, so a smaller F fits; +4 B/param host).
 - ``er_optim_late<F>_fwd``: the same with ``overlap_with_forward(model)``: ``step()`` returns at once and
@@ -66,7 +67,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from elbowroom.optim import CPUOffloadOptimizer, last_fraction  # noqa: E402
+from elbowroom.optim import CPUOffloadConfig, CPUOffloadOptimizer, last_fraction  # noqa: E402
 
 LATE_FRACTIONS = (0.25, 0.3, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
 DEFAULT_LATE_FRACTION = 0.4
@@ -140,6 +141,7 @@ def _stats(opt: CPUOffloadOptimizer, rss0: int) -> Callable[[], dict[str, Any]]:
             "d2h_GB": round(s.get("d2h_bytes", 0) / 1e9, 2),
             "h2d_GB": round(s.get("h2d_bytes", 0) / 1e9, 2),
             "cpu_threads": s["cpu_threads"],
+            "settings": opt.config.as_dict(),  # every CPUOffloadConfig field this row ran with
             "rss_before_opt_GiB": round(rss0 / 2**30, 2),
             "rss_GiB": round(rss / 2**30, 2),
             "rss_peak_GiB": round(hwm / 2**30, 2),
@@ -170,26 +172,12 @@ def _ours(
     if all_bf16:
         model.to(torch.bfloat16)  # every weight bf16 on the device, fp32 masters on both sides
     params = list(model.parameters())
-    kwargs: dict[str, Any] = {"lr": 1e-4, "fused": True, "offload_gradients": offload_gradients}
-    if bf16:
-        kwargs["param_dtype"] = torch.bfloat16
-    if all_bf16:
-        kwargs["master_weights"] = True
+    kwargs: dict[str, Any] = {"lr": 1e-4, "fused": True}
     if late is not None:
         kwargs["offload_params"] = last_fraction(params, late)
-    threads = os.environ.get("ELBOWROOM_BENCH_CPU_THREADS")
-    if threads:  # one mode per process: setting the class default here touches no other row
-        CPUOffloadOptimizer.cpu_threads = int(threads)
-    slots = os.environ.get("ELBOWROOM_BENCH_STAGING_SLOTS")
-    if slots:
-        CPUOffloadOptimizer.num_staging_slots = int(slots)
-    bucket_mb = os.environ.get("ELBOWROOM_BENCH_BUCKET_MB")
-    if bucket_mb:
-        CPUOffloadOptimizer.bucket_bytes = int(bucket_mb) << 20
-    if os.environ.get("ELBOWROOM_BENCH_TRACE"):
-        CPUOffloadOptimizer.trace_steps = True  # stats()["trace"]: the last step's timeline, into the row
+    config = _config(offload_gradients=offload_gradients, bf16=bf16, all_bf16=all_bf16)
     rss0 = _proc_status_bytes("VmRSS")  # the host footprint before the optimizer (CUDA context, model code)
-    opt = CPUOffloadOptimizer(params, torch.optim.AdamW, **kwargs)
+    opt = CPUOffloadOptimizer(params, torch.optim.AdamW, config=config, **kwargs)
     if lazy:
         opt.overlap_with_forward(model)  # the next forward waits per module, not step()
     accum = _accum(args)
@@ -201,6 +189,28 @@ def _ours(
         context = _inside(context, lambda: torch.autocast(dev, enabled=False))
     notes = {"late_fraction": late, "param_dtype": "bf16 (all)" if all_bf16 else "bf16" if bf16 else "fp32"}
     return _bench().Setup(opt, context=context, stats=_stats(opt, rss0), notes=notes)
+
+
+def _config(*, offload_gradients: bool, bf16: bool, all_bf16: bool) -> CPUOffloadConfig:
+    """The optimizer's settings for one of our modes: the mode's own, and the engine's knobs from the
+    ``ELBOWROOM_BENCH_*`` variables (read here, in the harness: the library reads no environment)."""
+    fields: dict[str, Any] = {
+        "offload_gradients": offload_gradients,
+        "param_dtype": "bfloat16" if bf16 else None,
+        "master_weights": all_bf16,  # fp32 masters on both sides for a bf16 model
+    }
+    threads = os.environ.get("ELBOWROOM_BENCH_CPU_THREADS")
+    if threads:
+        fields["cpu_threads"] = int(threads)
+    slots = os.environ.get("ELBOWROOM_BENCH_STAGING_SLOTS")
+    if slots:
+        fields["num_staging_slots"] = int(slots)
+    bucket_mb = os.environ.get("ELBOWROOM_BENCH_BUCKET_MB")
+    if bucket_mb:
+        fields["bucket_bytes"] = int(bucket_mb) << 20
+    if os.environ.get("ELBOWROOM_BENCH_TRACE"):
+        fields["trace_steps"] = True  # stats()["trace"]: the last step's timeline, into the row
+    return CPUOffloadConfig(**fields)
 
 
 def _inside(
@@ -253,7 +263,7 @@ def _with_our_ckpt(make: Callable[[torch.nn.Module, Any], Any]) -> Callable[[tor
         s.notes.update(ckpt_blocks=k, rest=rest.checkpoint, rest_offload=rest.offload_ratio)
         if os.environ.get("ELBOWROOM_BENCH_COMPILE"):
             # torch.compile each block whose weights stay on the device (no optimizer hooks inside it)
-            offloaded = {id(hp.param) for hp in getattr(s.optimizer, "_hps", [])}
+            offloaded = {id(p) for p in s.optimizer.offloaded_parameters()}
             blocks = list(model.blocks)
             compiled = [i for i, b in enumerate(blocks) if not any(id(p) in offloaded for p in b.parameters())]
             for i in compiled:

@@ -18,6 +18,7 @@ _EXPORTS = {
     "offload": "elbowroom.activations.offload",
     "linear_cross_entropy": "elbowroom.ops.linear_cross_entropy",
     "CPUOffloadOptimizer": "elbowroom.optim.offload",
+    "CPUOffloadConfig": "elbowroom.optim.config",
     "ModelConfig": "elbowroom.models",
     "build_model": "elbowroom.models",
 }

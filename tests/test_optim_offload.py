@@ -9,19 +9,34 @@ GradScaler's division inside a fused kernel).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import io
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import elbowroom
-from elbowroom.optim import CPUOffloadOptimizer, _host_adam, build_optimizer, first_fraction, last_fraction
-from elbowroom.optim import offload as offload_mod
+from elbowroom.optim import (
+    CPUOffloadConfig,
+    CPUOffloadOptimizer,
+    _host_adam,
+    build_optimizer,
+    clipping,
+    first_fraction,
+    last_fraction,
+)
+from elbowroom.optim import buffers as buffers_mod
+from elbowroom.optim import engine as engine_mod
+from elbowroom.optim import placement as placement_mod
 
 OPTIMS = {
     "adam": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01}),
@@ -30,13 +45,27 @@ OPTIMS = {
 }
 
 
+_KNOBS: dict[str, object] = {}  # the CPUOffloadConfig fields of the optimizers the current test builds
+
+
 @pytest.fixture(autouse=True)
-def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+def small_buckets() -> Iterator[None]:
     # several buckets even for these small models, so bucketing and the slot pool are exercised
-    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 2048)
-    monkeypatch.setattr(CPUOffloadOptimizer, "num_staging_slots", 2)
+    _KNOBS.update(bucket_bytes=2048, num_staging_slots=2)
     # two OpenMP teams on CI's two cores slow each other down a lot; these models need no threads
-    monkeypatch.setattr(CPUOffloadOptimizer, "cpu_threads", 1)
+    _KNOBS.update(cpu_threads=1)
+    yield
+    _KNOBS.clear()
+
+
+def knobs(**fields: object) -> None:
+    """Set CPUOffloadConfig fields for the optimizers this test builds next with ``make_opt``."""
+    _KNOBS.update(fields)
+
+
+def make_opt(params, *args, config: CPUOffloadConfig | None = None, **kwargs) -> CPUOffloadOptimizer:
+    """A CPUOffloadOptimizer with this test's settings (small buckets, see ``small_buckets`` and ``knobs``)."""
+    return CPUOffloadOptimizer(params, *args, config=config or CPUOffloadConfig(**_KNOBS), **kwargs)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -107,7 +136,7 @@ def assert_same(m1: nn.Module, m2: nn.Module, atol: float = 0.0, rtol: float = 0
 def test_matches_torch_exactly(name: str, with_groups: bool, fraction: float, overlap: bool) -> None:
     cls, kw = OPTIMS[name]
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(groups_of(m1, with_groups), cls, offload_fraction=fraction, overlap=overlap, **kw)
+    o1 = make_opt(groups_of(m1, with_groups), cls, offload_fraction=fraction, overlap=overlap, **kw)
     o2 = cls(groups_of(m2, with_groups), fused=True, **kw)
     data = batches(10)
     train(m1, o1, data)
@@ -126,7 +155,7 @@ def test_matches_torch_exactly(name: str, with_groups: bool, fraction: float, ov
 def test_close_to_unfused_torch(name: str) -> None:
     cls, kw = OPTIMS[name]
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), cls, offload_fraction=0.5, **kw)
+    o1 = make_opt(m1.parameters(), cls, offload_fraction=0.5, **kw)
     o2 = cls(m2.parameters(), **kw)  # torch's default (for-loop) implementation
     data = batches(10)
     train(m1, o1, data)
@@ -137,7 +166,7 @@ def test_close_to_unfused_torch(name: str) -> None:
 @pytest.mark.parametrize("mode", [None, True, False])
 def test_step_in_backward_modes(mode: bool | None) -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, lr=1e-2)
+    o1 = make_opt(m1.parameters(), torch.optim.AdamW, lr=1e-2)
     o1.step_in_backward = mode
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
     data = batches(6)
@@ -149,14 +178,14 @@ def test_step_in_backward_modes(mode: bool | None) -> None:
 
 def test_step_in_backward_learned_off_by_clipping() -> None:
     m = make_model()
-    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    o = make_opt(m.parameters(), torch.optim.AdamW, lr=1e-2)
     train(m, o, batches(2), clip=1.0)
     assert o.step_in_backward is False
 
 
 def test_eager_step_then_clip_raises() -> None:
     m = make_model()
-    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    o = make_opt(m.parameters(), torch.optim.AdamW, lr=1e-2)
     o.step_in_backward = True
     loss_of(m, batches(1)[0]).backward()
     with pytest.raises(RuntimeError, match="step_in_backward"):
@@ -165,7 +194,7 @@ def test_eager_step_then_clip_raises() -> None:
 
 def test_closure() -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.Adam, offload_fraction=0.5, lr=1e-2)
+    o1 = make_opt(m1.parameters(), torch.optim.Adam, offload_fraction=0.5, lr=1e-2)
     o2 = torch.optim.Adam(m2.parameters(), lr=1e-2, fused=True)
     for x in batches(4):
         for m, o in ((m1, o1), (m2, o2)):
@@ -187,7 +216,7 @@ def test_closure() -> None:
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_accumulation(fraction: float, offload_gradients: bool, clip: float | None) -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(
+    o1 = make_opt(
         m1.parameters(), torch.optim.AdamW, offload_fraction=fraction, offload_gradients=offload_gradients, lr=1e-2
     )
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
@@ -203,10 +232,10 @@ def test_accumulation(fraction: float, offload_gradients: bool, clip: float | No
 
 def test_offload_gradients_frees_device_grads() -> None:
     m = make_model()
-    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, offload_fraction=0.5, offload_gradients=True, lr=1e-2)
+    o = make_opt(m.parameters(), torch.optim.AdamW, offload_fraction=0.5, offload_gradients=True, lr=1e-2)
     loss_of(m, batches(1)[0]).backward()
-    offloaded = [p for p in m.parameters() if p in o._hp_of]
-    resident = [p for p in m.parameters() if p not in o._hp_of]
+    offloaded = [p for p in m.parameters() if p in o._placement.hp_of]
+    resident = [p for p in m.parameters() if p not in o._placement.hp_of]
     assert offloaded and resident
     assert all(p.grad is None for p in offloaded)  # taken by the hooks as soon as final
     assert all(p.grad is not None for p in resident)
@@ -215,7 +244,7 @@ def test_offload_gradients_frees_device_grads() -> None:
 
 def test_accumulation_without_signal_raises() -> None:
     m = make_model()
-    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)  # alive: its hooks check
+    o = make_opt(m.parameters(), torch.optim.AdamW, lr=1e-2)  # alive: its hooks check
     x = batches(1)[0]
     loss_of(m, x).backward()
     with pytest.raises(RuntimeError, match="accumulating"):
@@ -225,7 +254,7 @@ def test_accumulation_without_signal_raises() -> None:
 
 def test_sync_gradients_attribute() -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-2)
+    o1 = make_opt(m1.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-2)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
     data = batches(4)
     for i, x in enumerate(data):
@@ -242,7 +271,7 @@ def test_sync_gradients_attribute() -> None:
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_clip_matches_torch(fraction: float, offload_gradients: bool) -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(
+    o1 = make_opt(
         m1.parameters(), torch.optim.AdamW, offload_fraction=fraction, offload_gradients=offload_gradients, lr=1e-2
     )
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
@@ -259,7 +288,7 @@ def test_torch_clip_on_model_params_is_seen() -> None:
     # torch.nn.utils.clip_grad_norm_ edits the device grads in place after the hooks copied them:
     # the optimizer notices (tensor version counters) and copies them again
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    o1 = make_opt(m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
     data = batches(5)
     train(m1, o1, data, clip=0.05, torch_clip=True)
@@ -271,7 +300,7 @@ def test_torch_clip_on_model_params_is_seen() -> None:
 @pytest.mark.parametrize("offload_gradients", [False, True])
 def test_skip_if_nonfinite(offload_gradients: bool) -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(
+    o1 = make_opt(
         m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, offload_gradients=offload_gradients, lr=1e-2
     )
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
@@ -296,7 +325,7 @@ def test_skip_if_nonfinite(offload_gradients: bool) -> None:
 
 def test_error_if_nonfinite() -> None:
     m = make_model()
-    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    o = make_opt(m.parameters(), torch.optim.AdamW, lr=1e-2)
     x = batches(1)[0].clone()
     x[0, 0] = float("nan")
     loss_of(m, x).backward()
@@ -309,7 +338,7 @@ def test_error_if_nonfinite() -> None:
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_grad_scaler(fraction: float, unscale_and_clip: bool) -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_fraction=fraction, lr=1e-2)
+    o1 = make_opt(m1.parameters(), torch.optim.AdamW, offload_fraction=fraction, lr=1e-2)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=False)  # GradScaler unscales its grads in place
     s1 = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     s2 = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
@@ -337,7 +366,7 @@ def test_grad_scaler(fraction: float, unscale_and_clip: bool) -> None:
 
 def test_grad_scaler_with_offload_gradients_raises() -> None:
     m = make_model()
-    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-2)
+    o = make_opt(m.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-2)
     s = torch.amp.GradScaler("cpu")
     s.scale(loss_of(m, batches(1)[0])).backward()
     with pytest.raises(ValueError, match="GradScaler"):
@@ -347,7 +376,7 @@ def test_grad_scaler_with_offload_gradients_raises() -> None:
 # ------------------------------------------------------------------------------------------ schedulers
 def test_lr_schedulers_take_effect() -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(groups_of(m1, True), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    o1 = make_opt(groups_of(m1, True), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
     o2 = torch.optim.AdamW(groups_of(m2, True), lr=1e-2, fused=True)
     assert isinstance(o1, torch.optim.Optimizer)
     # OneCycleLR also cycles Adam's beta1: every hyperparameter in param_groups must reach the inner steps
@@ -363,7 +392,7 @@ def test_lr_schedulers_take_effect() -> None:
 
 def test_step_lr() -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    o1 = make_opt(m1.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
     o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9, fused=True)
     s1 = torch.optim.lr_scheduler.StepLR(o1, step_size=2, gamma=0.1)
     s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=2, gamma=0.1)
@@ -377,7 +406,7 @@ def test_step_lr() -> None:
 # ------------------------------------------------------------------------------------------ state dict
 def test_state_empty_before_first_step_and_layout() -> None:
     m = make_model()
-    o = CPUOffloadOptimizer(groups_of(m, True), torch.optim.Adam, offload_fraction=0.5, lr=1e-2)
+    o = make_opt(groups_of(m, True), torch.optim.Adam, offload_fraction=0.5, lr=1e-2)
     assert len(o.state_dict()["state"]) == 0
     train(m, o, batches(1))
     sd = o.state_dict()
@@ -393,7 +422,7 @@ def test_state_empty_before_first_step_and_layout() -> None:
 @pytest.mark.parametrize(("src", "dst"), [(1.0, 0.5), (0.5, 0.0), (0.0, 1.0), (0.5, 0.5)])
 def test_state_dict_round_trip(src: float, dst: float) -> None:
     ma = make_model()
-    oa = CPUOffloadOptimizer(groups_of(ma, True), torch.optim.AdamW, offload_fraction=src, lr=1e-2)
+    oa = make_opt(groups_of(ma, True), torch.optim.AdamW, offload_fraction=src, lr=1e-2)
     data = batches(6)
     train(ma, oa, data[:3])
     buf = io.BytesIO()
@@ -401,7 +430,7 @@ def test_state_dict_round_trip(src: float, dst: float) -> None:
     buf.seek(0)
     ck = torch.load(buf, weights_only=True)
     mb = make_model(seed=123)  # different weights: the masters must be re-read after loading
-    ob = CPUOffloadOptimizer(groups_of(mb, True), torch.optim.AdamW, offload_fraction=dst, lr=5.0)
+    ob = make_opt(groups_of(mb, True), torch.optim.AdamW, offload_fraction=dst, lr=5.0)
     ob.load_state_dict(ck["opt"])
     mb.load_state_dict(ck["model"])  # after the optimizer: masters are refreshed at the next step
     assert ob.param_groups[0]["lr"] == 2e-2 and ob.param_groups[1]["lr"] == 1e-2
@@ -419,10 +448,10 @@ def test_load_state_dict_copies_instead_of_sharing(src: float, dst: float) -> No
     # b.load_state_dict(a.state_dict()) without a save in between: torch keeps a state tensor that is
     # already where it belongs, so without copies a and b would advance the same moments and step counts
     ma, mb = make_model(), make_model()
-    oa = CPUOffloadOptimizer(ma.parameters(), torch.optim.AdamW, offload_fraction=src, lr=1e-2)
+    oa = make_opt(ma.parameters(), torch.optim.AdamW, offload_fraction=src, lr=1e-2)
     train(ma, oa, batches(3))
     mb.load_state_dict(ma.state_dict())
-    ob = CPUOffloadOptimizer(mb.parameters(), torch.optim.AdamW, offload_fraction=dst, lr=1e-2)
+    ob = make_opt(mb.parameters(), torch.optim.AdamW, offload_fraction=dst, lr=1e-2)
     ob.load_state_dict(oa.state_dict())
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
     for k in sa:
@@ -439,7 +468,7 @@ def test_host_norm_is_accurate_for_big_gradients() -> None:
     g = torch.Generator().manual_seed(0)
     for n in (2**24 + 3, 4096, 5, 0):
         x = torch.randn(n, generator=g) * 1e-3
-        got = offload_mod._host_norm(x.view(-1, 1) if n else x)
+        got = clipping.host_norm(x.view(-1, 1) if n else x)
         want = torch.linalg.vector_norm(x.double())
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
@@ -451,7 +480,7 @@ def test_state_dict_interop_with_torch() -> None:
     data = batches(6)
     train(m1, ref, data[:3])
     m2.load_state_dict(m1.state_dict())
-    ours = CPUOffloadOptimizer(m2.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    ours = make_opt(m2.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
     ours.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch -> ours
     back = torch.optim.AdamW(m3.parameters(), lr=1e-2, fused=True)
     train(m2, ours, data[3:5])
@@ -466,7 +495,7 @@ def test_state_dict_interop_with_torch() -> None:
 
 def test_reload_weights() -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    o1 = make_opt(m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
     data = batches(4)
     train(m1, o1, data[:2])
@@ -483,8 +512,8 @@ def test_reload_weights() -> None:
 
 def test_load_state_dict_mismatch_raises() -> None:
     m = make_model()
-    o = CPUOffloadOptimizer(groups_of(m, True), torch.optim.AdamW, lr=1e-2)
-    other = CPUOffloadOptimizer(make_model().parameters(), torch.optim.AdamW, lr=1e-2)
+    o = make_opt(groups_of(m, True), torch.optim.AdamW, lr=1e-2)
+    other = make_opt(make_model().parameters(), torch.optim.AdamW, lr=1e-2)
     with pytest.raises(ValueError, match="number of parameter groups"):
         o.load_state_dict(other.state_dict())
 
@@ -494,10 +523,10 @@ def test_offload_params_list_and_predicate() -> None:
     m1, m2, m3 = make_model(), make_model(), make_model()
     late = last_fraction(m1.parameters(), 0.3)
     assert late[-1] is list(m1.parameters())[-1]
-    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_params=late, lr=1e-2)
-    assert set(o1._hp_of) == set(late)
-    o2 = CPUOffloadOptimizer(m2.parameters(), torch.optim.AdamW, offload_params=lambda p: p.dim() == 2, lr=1e-2)
-    assert {tuple(p.shape) for p in o2._hp_of} == {(24, 12), (24, 24), (16, 24), (3, 16)}
+    o1 = make_opt(m1.parameters(), torch.optim.AdamW, offload_params=late, lr=1e-2)
+    assert set(o1._placement.hp_of) == set(late)
+    o2 = make_opt(m2.parameters(), torch.optim.AdamW, offload_params=lambda p: p.dim() == 2, lr=1e-2)
+    assert {tuple(p.shape) for p in o2._placement.hp_of} == {(24, 12), (24, 24), (16, 24), (3, 16)}
     o3 = torch.optim.AdamW(m3.parameters(), lr=1e-2, fused=True)
     data = batches(4)
     for m, o in ((m1, o1), (m2, o2), (m3, o3)):
@@ -509,14 +538,14 @@ def test_offload_params_list_and_predicate() -> None:
 def test_fraction_split_is_by_bytes_in_order() -> None:
     m = make_model()
     ps = list(m.parameters())
-    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
-    assert set(o._hp_of) == set(first_fraction(ps, 0.5)) == set(ps[:3])  # 288+24+576 >= half of 1587
+    o = make_opt(m.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    assert set(o._placement.hp_of) == set(first_fraction(ps, 0.5)) == set(ps[:3])  # 288+24+576 >= half of 1587
 
 
 def test_add_param_group() -> None:
     m1, m2 = make_model(), make_model()
     p1, p2 = list(m1.parameters()), list(m2.parameters())
-    o1 = CPUOffloadOptimizer(p1[:4], torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
+    o1 = make_opt(p1[:4], torch.optim.AdamW, offload_fraction=0.5, lr=1e-2)
     o2 = torch.optim.AdamW(p2[:4], lr=1e-2, fused=True)
     data = batches(6)
     train(m1, o1, data[:2])
@@ -532,19 +561,17 @@ def test_add_param_group() -> None:
 # cast there), or on the host around torch's fused kernel, chunk by chunk or over whole buckets; all three
 # bitwise torch's. Small chunks, so that every parameter spans several.
 @pytest.fixture(params=["device", "chunked", "whole"])
-def host_step(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", request.param == "device")
-    monkeypatch.setattr(CPUOffloadOptimizer, "chunked_host_step", request.param == "chunked")
-    monkeypatch.setattr(_host_adam, "CHUNK_NUMEL", 128)
-    monkeypatch.setattr(CPUOffloadOptimizer, "device_chunk_numel", 128)  # the device masters' step, too
+def host_step(request: pytest.FixtureRequest) -> str:
+    knobs(cast_on_device=request.param == "device", chunked_host_step=request.param == "chunked")
+    knobs(host_chunk_numel=128, device_chunk_numel=128)  # the device masters' step, too
     return request.param
 
 
 def _used_casts(opt: CPUOffloadOptimizer, kind: str) -> None:
-    cast = [hp for hp in opt._hps if not hp.same_dtype]
+    cast = [hp for hp in opt._placement.hps if not hp.same_dtype]
     assert cast and all(hp.device_cast == (kind == "device") for hp in cast)
-    assert opt._engine_().chunked == (kind == "chunked")
-    assert bool(opt._engine_().h2d_buffers) == (kind != "device")  # host-side casts stage bf16 copies
+    assert opt._engine.chunked == (kind == "chunked")
+    assert bool(opt._engine.h2d_buffers) == (kind != "device")  # host-side casts stage bf16 copies
 
 
 def _master_step(masters: list[torch.Tensor], model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -564,7 +591,7 @@ def test_master_weights_bf16(host_step: str) -> None:
     m1 = make_model().to(torch.bfloat16)
     m2 = make_model().to(torch.bfloat16)
     masters = [p.detach().float() for p in m2.parameters()]
-    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, master_weights=True, lr=1e-2)
+    o1 = make_opt(m1.parameters(), torch.optim.AdamW, offload_fraction=0.5, master_weights=True, lr=1e-2)
     o2 = torch.optim.AdamW(masters, lr=1e-2, fused=True)
     for x in batches(5):
         loss_of(m1, x.bfloat16()).float().backward()
@@ -585,7 +612,7 @@ def test_device_masters_accumulate_and_step_in_chunks(opt_class, monkeypatch: py
     # the device half of a bf16 model keeps fp32 masters on the device; Adam(W) steps them chunk by chunk
     # (no fp32 copy of all gradients at once), other optimizers through torch's own step on upcast
     # gradients; both equal a hand-written loop over two accumulated micro-batches per step
-    monkeypatch.setattr(CPUOffloadOptimizer, "device_chunk_numel", 192)
+    knobs(device_chunk_numel=192)
     calls: list[int] = []
     real = _host_adam.step_chunked
     monkeypatch.setattr(
@@ -595,7 +622,7 @@ def test_device_masters_accumulate_and_step_in_chunks(opt_class, monkeypatch: py
     m1 = make_model().to(torch.bfloat16)
     m2 = make_model().to(torch.bfloat16)
     masters = [p.detach().float() for p in m2.parameters()]
-    o1 = CPUOffloadOptimizer(m1.parameters(), opt_class, offload_fraction=0.5, master_weights=True, **kw)
+    o1 = make_opt(m1.parameters(), opt_class, offload_fraction=0.5, master_weights=True, **kw)
     o2 = opt_class(masters, fused=True, **kw)
     data = batches(6)
     for i in range(0, 6, 2):
@@ -607,8 +634,8 @@ def test_device_masters_accumulate_and_step_in_chunks(opt_class, monkeypatch: py
         o1.zero_grad()
         _master_step(masters, m2, o2)
     assert_same(m1, m2)
-    assert all(m.grad is None for m in o1._dev_masters.values())
-    device_numel = sorted(m.numel() for m in o1._dev_masters.values())
+    assert all(m.grad is None for m in o1._placement.dev_masters.values())
+    device_numel = sorted(m.numel() for m in o1._placement.dev_masters.values())
     if opt_class is torch.optim.AdamW:
         assert sorted(calls[: len(device_numel)]) == device_numel and len(calls) == 3 * len(device_numel)
         assert max(device_numel) > 192  # some parameter spans several chunks
@@ -641,22 +668,20 @@ def test_parameters_bigger_than_a_slot_step_in_pieces(
     # per module, whose jobs are copied after step(); and bf16 steps in backward after the first), or copied by
     # the step thread through its own two buffers for a job held at a closed gate (fp32 clipping without
     # overlap_with_forward; the first bf16 step, which learns whether steps may run in backward)
-    monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", host_step == "device")
-    monkeypatch.setattr(CPUOffloadOptimizer, "chunked_host_step", host_step == "chunked")
-    monkeypatch.setattr(_host_adam, "CHUNK_NUMEL", 128)
+    knobs(cast_on_device=host_step == "device", chunked_host_step=host_step == "chunked", host_chunk_numel=128)
     clip = weights == "fp32"
     m1, m2 = _wide_model(), _wide_model()
     p1 = list(m1.parameters())
     kw = {"lr": 1e-2, "weight_decay": 0.1} if weights == "fp32" else {"lr": 1e-2}  # bf16: the reference's
     if weights == "bf16":
-        o1 = CPUOffloadOptimizer(p1, offload_fraction=1.0, param_dtype=torch.bfloat16, **kw)
+        o1 = make_opt(p1, offload_fraction=1.0, param_dtype=torch.bfloat16, **kw)
         step2, _ = _bf16_reference(m2, list(m2.parameters()))
     else:
-        o1 = CPUOffloadOptimizer(p1, offload_fraction=1.0, **kw)
+        o1 = make_opt(p1, offload_fraction=1.0, **kw)
         o2 = torch.optim.AdamW(m2.parameters(), fused=True, **kw)
     if lazy:
         o1.overlap_with_forward(m1)
-    big = o1._hp_of[m1[2].weight].bucket
+    big = o1._placement.hp_of[m1[2].weight].bucket
     host_cast = weights == "bf16" and host_step != "device"  # bf16 gradients staged: 2 B per element
     assert big.piece_numel == (1024 if host_cast else 512)  # a 2 kB slot's worth, a multiple of 64
     assert 2880 % big.piece_numel
@@ -681,22 +706,23 @@ def test_parameters_bigger_than_a_slot_step_in_pieces(
     # every byte of every gradient crossed once per step (the per-step figure lags under overlap_with_forward:
     # count the engine's totals once all steps are done), the big one through the step thread's own buffers
     # (counted as its re-copies) only for the steps held at a closed gate
-    engine = o1._engine_()
+    engine = o1._engine
     per_step = sum(p.numel() * (2 if p.dtype == torch.bfloat16 and host_cast else 4) for p in p1)
-    assert engine.d2h_bytes + engine.recopy_bytes == 3 * per_step
+    counts = engine.counters()
+    assert counts["d2h_bytes"] + counts["recopy_bytes"] == 3 * per_step
     own_steps = 0 if lazy else 3 if clip else 1
-    assert engine.recopy_bytes == own_steps * 2880 * (2 if host_cast else 4)
+    assert counts["recopy_bytes"] == own_steps * 2880 * (2 if host_cast else 4)
     # staging is bounded by the bucket size (2 kB here; at most twice that for a bucket of bf16 weights staged
     # in fp32), not by the largest gradient: also with the big layer four times as wide
     wider = list(_wide_model(width=288).parameters())
     if weights == "bf16":
-        o3 = CPUOffloadOptimizer(wider, offload_fraction=1.0, param_dtype=torch.bfloat16, **kw)
+        o3 = make_opt(wider, offload_fraction=1.0, param_dtype=torch.bfloat16, **kw)
     else:
-        o3 = CPUOffloadOptimizer(wider, offload_fraction=1.0, **kw)
+        o3 = make_opt(wider, offload_fraction=1.0, **kw)
     for o in (o1, o3):
-        e, slot = o._engine_(), o._slot_bytes
+        e, slot = o._engine, o._slot_bytes
         assert 2048 <= slot <= 4096 and [t.numel() for t in e.piece_slots] == [2048, 2048]
-        assert o.stats()["staging_bytes"] == slot * (o.num_staging_slots + len(e.h2d_buffers)) + 2 * 2048
+        assert o.stats()["staging_bytes"] == slot * (o.config.num_staging_slots + len(e.h2d_buffers)) + 2 * 2048
     sd = o1.state_dict()
     n = 2  # the big weight's index
     assert sd["state"][n]["step"].item() == 3  # advanced once per step, not once per piece
@@ -707,7 +733,7 @@ def test_a_failed_piece_copy_fails_the_step_without_hanging(monkeypatch: pytest.
     # the copy thread streams a big parameter's pieces to the step thread; if a copy fails there, step() raises
     # the optimizer's error (with the cause) instead of leaving the step thread waiting for pieces
     m = _wide_model()
-    o = CPUOffloadOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2)
+    o = make_opt(m.parameters(), offload_fraction=1.0, lr=1e-2)
     data = batches(3)
     loss_of(m, data[0]).backward()
     o.step()  # the first step learns that steps may run in backward; the next ones stream their pieces
@@ -719,12 +745,12 @@ def test_a_failed_piece_copy_fails_the_step_without_hanging(monkeypatch: pytest.
 
     streamed = []
 
-    def failing(engine: offload_mod._Engine, job: offload_mod._Job, g: torch.Tensor) -> None:
+    def failing(engine: engine_mod.Engine, job: engine_mod.Job, g: torch.Tensor) -> None:
         streamed.append(job.params[0].index)
         real(engine, job, Unreadable())  # type: ignore[arg-type]
 
-    real = offload_mod._Engine._stream_pieces
-    monkeypatch.setattr(offload_mod._Engine, "_stream_pieces", failing)
+    real = engine_mod.Engine._stream_pieces
+    monkeypatch.setattr(engine_mod.Engine, "_stream_pieces", failing)
     loss_of(m, data[1]).backward()
     done = threading.Event()
     errors: list[BaseException] = []
@@ -748,12 +774,12 @@ def test_a_failed_piece_copy_fails_the_step_without_hanging(monkeypatch: pytest.
 def test_sgd_parameters_bigger_than_a_slot_widen_the_slots() -> None:
     # pieces are for Adam/AdamW; other optimizers stage a big parameter whole (slots sized by it), exactly
     m1, m2 = _wide_model(), _wide_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), torch.optim.SGD, offload_fraction=1.0, lr=1e-2, momentum=0.9)
+    o1 = make_opt(m1.parameters(), torch.optim.SGD, offload_fraction=1.0, lr=1e-2, momentum=0.9)
     o2 = torch.optim.SGD(m2.parameters(), lr=1e-2, momentum=0.9, fused=True)
     train(m1, o1, batches(4))
     train(m2, o2, batches(4))
     assert_same(m1, m2)
-    assert not any(b.piece_numel for b in o1._buckets)
+    assert not any(b.piece_numel for b in o1._placement.buckets)
     assert o1.stats()["staging_bytes"] >= 2 * 2880 * 4
 
 
@@ -799,14 +825,14 @@ def test_param_dtype_casts_offloaded_params(offload_gradients: bool, host_step: 
     p1 = list(m1.parameters())
     late1 = last_fraction(p1, 0.5)
     original = [p.detach().clone() for p in p1]
-    o1 = CPUOffloadOptimizer(
+    o1 = make_opt(
         p1, offload_params=late1, param_dtype=torch.bfloat16, offload_gradients=offload_gradients, lr=1e-2
     )
     late_ids = {id(p) for p in late1}
     bf16 = [id(p) in late_ids and p.dim() >= 2 for p in p1]
     assert [p.dtype for p in m1.parameters()] == [torch.bfloat16 if b else torch.float32 for b in bf16]
     assert list(m1.parameters()) == p1  # cast in place: the module still holds the same Parameter objects
-    for hp in o1._hps:
+    for hp in o1._placement.hps:
         if bf16[hp.index]:  # the cast ones' masters hold the full-precision values (the others re-read theirs)
             torch.testing.assert_close(hp.master, original[hp.index], atol=0, rtol=0)
     step2, pairs = _bf16_reference(m2, last_fraction(list(m2.parameters()), 0.5))
@@ -829,11 +855,11 @@ def test_param_dtype_casts_offloaded_params(offload_gradients: bool, host_step: 
     st = o1.stats()
     # fp32 scratch only where a host gradient is not in its master's dtype: none with the casts on the device
     # (unless bf16 host gradients), one chunk when they step chunk by chunk, a bucket's upcast otherwise
-    largest = max(hp.param.numel() for hp in o1._hps if not hp.same_dtype)
+    largest = max(hp.param.numel() for hp in o1._placement.hps if not hp.same_dtype)
     if host_step == "device" and not offload_gradients:
         assert st["scratch_bytes"] == 0
     elif host_step == "chunked":
-        assert st["scratch_bytes"] == 4 * min(_host_adam.CHUNK_NUMEL, largest)
+        assert st["scratch_bytes"] == 4 * min(o1.config.host_chunk_numel, largest)
     else:
         assert st["scratch_bytes"] >= 4 * largest
     staging = st["staging_bytes"] + st["scratch_bytes"]
@@ -892,13 +918,12 @@ def test_chunked_step_declines_what_it_cannot_run() -> None:
 def test_host_casts_with_clipping_and_accumulation(offload_gradients: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # bf16 device weights, 2 micro-batches, global-norm clipping: casts on the device, chunked or whole-bucket
     # casts on the host agree bitwise
-    monkeypatch.setattr(_host_adam, "CHUNK_NUMEL", 128)
+    knobs(host_chunk_numel=128)
     results = []
     for kind in ("device", "chunked", "whole"):
-        monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", kind == "device")
-        monkeypatch.setattr(CPUOffloadOptimizer, "chunked_host_step", kind == "chunked")
+        knobs(cast_on_device=kind == "device", chunked_host_step=kind == "chunked")
         m = make_model()
-        o = CPUOffloadOptimizer(
+        o = make_opt(
             m.parameters(),
             offload_fraction=0.7,
             param_dtype=torch.bfloat16,
@@ -914,8 +939,8 @@ def test_host_casts_with_clipping_and_accumulation(offload_gradients: bool, monk
             o.clip_grad_norm_(0.05)
             o.step()
             o.zero_grad()
-        assert o._engine_().chunked == (kind == "chunked")
-        results.append((m, [hp.master.clone() for hp in o._hps]))
+        assert o._engine.chunked == (kind == "chunked")
+        results.append((m, [hp.master.clone() for hp in o._placement.hps]))
     m2, w2 = results[-1]
     for m1, w1 in results[:-1]:
         assert_same(m1, m2)
@@ -928,14 +953,14 @@ def test_param_dtype_resumes_exactly() -> None:
     # the fp32 masters travel in the state dict (the bf16 model weights alone would lose them)
     data = batches(8)
     m1 = make_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), offload_fraction=0.6, param_dtype=torch.bfloat16, lr=1e-2)
+    o1 = make_opt(m1.parameters(), offload_fraction=0.6, param_dtype=torch.bfloat16, lr=1e-2)
     for x in data[:4]:
         _autocast_loss(m1, x).backward()
         o1.step()
         o1.zero_grad()
     msd, osd = copy.deepcopy(m1.state_dict()), copy.deepcopy(o1.state_dict())
     m2 = make_model(seed=5)
-    o2 = CPUOffloadOptimizer(m2.parameters(), offload_fraction=0.6, param_dtype=torch.bfloat16, lr=1e-2)
+    o2 = make_opt(m2.parameters(), offload_fraction=0.6, param_dtype=torch.bfloat16, lr=1e-2)
     m2.load_state_dict(msd)
     o2.load_state_dict(osd)
     for x in data[4:]:
@@ -949,7 +974,7 @@ def test_param_dtype_resumes_exactly() -> None:
 @pytest.mark.parametrize("bad", [torch.int8, "bfloat16", torch.bool])
 def test_param_dtype_rejects_non_float(bad) -> None:
     with pytest.raises(ValueError, match="param_dtype must be a floating-point"):
-        CPUOffloadOptimizer(make_model().parameters(), param_dtype=bad, lr=1e-2)
+        make_opt(make_model().parameters(), param_dtype=bad, lr=1e-2)
 
 
 # ------------------------------------------------------------------------------------------ overlap with forward
@@ -968,7 +993,7 @@ class _SlowAdamW(torch.optim.AdamW):
 def test_overlap_with_forward(clip: float | None, offload_gradients: bool, accum: int) -> None:
     m1, m2 = make_model(), make_model()
     late = last_fraction(m1.parameters(), 0.6)
-    o1 = CPUOffloadOptimizer(
+    o1 = make_opt(
         m1.parameters(), _SlowAdamW, offload_params=late, offload_gradients=offload_gradients, lr=1e-2
     )
     o1.overlap_with_forward(m1)
@@ -997,9 +1022,9 @@ def test_overlap_with_forward_functional_use(
         y = torch.nn.functional.linear(h, m[-1].weight, m[-1].bias)
         return y.pow(2).mean()
 
-    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 256)  # the last layer in buckets of its own
+    knobs(bucket_bytes=256)  # the last layer in buckets of its own
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(
+    o1 = make_opt(
         m1.parameters(),
         _SlowAdamW,
         offload_params=last_fraction(m1.parameters(), 0.6),
@@ -1023,7 +1048,7 @@ def test_overlap_with_forward_functional_use(
 
 def test_overlap_with_forward_state_dict_waits() -> None:
     m1, m2 = make_model(), make_model()
-    o1 = CPUOffloadOptimizer(m1.parameters(), _SlowAdamW, offload_fraction=1.0, lr=1e-2)
+    o1 = make_opt(m1.parameters(), _SlowAdamW, offload_fraction=1.0, lr=1e-2)
     o1.overlap_with_forward(m1)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
     data = batches(3)
@@ -1037,16 +1062,16 @@ def test_overlap_with_forward_state_dict_waits() -> None:
 
 def test_overlap_with_forward_needs_the_model() -> None:
     m = make_model()
-    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    o = make_opt(m.parameters(), torch.optim.AdamW, lr=1e-2)
     with pytest.raises(ValueError, match="not parameters of the given model"):
         o.overlap_with_forward(make_model())
 
 
 # ------------------------------------------------------------------------------------------ memory, stats
 def test_host_memory_within_13_bytes_per_param(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 64 << 10)
+    knobs(bucket_bytes=64 << 10)
     model = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(48)])  # 786k params
-    o = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    o = make_opt(model.parameters(), torch.optim.AdamW, lr=1e-3)
     before = o.stats()["host_bytes_per_offloaded_param"]
     assert before <= 4.5  # set-up: masters and the staging pool only; moments come with the first step
     model(torch.randn(2, 128)).sum().backward()
@@ -1060,9 +1085,9 @@ def test_host_memory_within_13_bytes_per_param(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_offload_gradients_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 64 << 10)
+    knobs(bucket_bytes=64 << 10)
     model = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(48)])
-    o = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-3)
+    o = make_opt(model.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-3)
     model(torch.randn(2, 128)).sum().backward()
     assert all(p.grad is None for p in model.parameters())
     o.step()
@@ -1077,7 +1102,7 @@ def test_threads_stop_when_optimizer_is_collected() -> None:
     gc.collect()  # optimizers of earlier tests that sit in reference cycles stop now, not in the middle
     n0 = workers()
     m = make_model()
-    o = CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    o = make_opt(m.parameters(), torch.optim.AdamW, lr=1e-2)
     train(m, o, batches(1))
     assert workers() == n0 + 2
     del o
@@ -1088,17 +1113,17 @@ def test_threads_stop_when_optimizer_is_collected() -> None:
 
 def test_cpu_threads_default_leaves_two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     # the training thread, autograd's device thread and the copy thread need cores of their own
-    monkeypatch.setattr(CPUOffloadOptimizer, "cpu_threads", None)
+    knobs(cpu_threads=None)
     n = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        o = CPUOffloadOptimizer(make_model().parameters(), torch.optim.AdamW, lr=1e-2)
+        o = make_opt(make_model().parameters(), torch.optim.AdamW, lr=1e-2)
     finally:
         torch.set_num_threads(n)
     assert o.stats()["cpu_threads"] == 2
     o.close()
-    monkeypatch.setattr(CPUOffloadOptimizer, "cpu_threads", 3)
-    o = CPUOffloadOptimizer(make_model().parameters(), torch.optim.AdamW, lr=1e-2)
+    knobs(cpu_threads=3)
+    o = make_opt(make_model().parameters(), torch.optim.AdamW, lr=1e-2)
     assert o.stats()["cpu_threads"] == 3
     o.close()
 
@@ -1119,12 +1144,12 @@ def test_build_optimizer() -> None:
 @pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan"), "0.5", True])
 def test_bad_fraction(fraction: object) -> None:
     with pytest.raises(ValueError, match="offload_fraction"):
-        CPUOffloadOptimizer(make_model().parameters(), offload_fraction=fraction)  # type: ignore[arg-type]
+        make_opt(make_model().parameters(), offload_fraction=fraction)  # type: ignore[arg-type]
 
 
 def test_not_an_optimizer_class() -> None:
     with pytest.raises(TypeError, match="optimizer_class"):
-        CPUOffloadOptimizer(make_model().parameters(), object)  # type: ignore[arg-type]
+        make_opt(make_model().parameters(), object)  # type: ignore[arg-type]
 
 
 class _DeviceOnlySGD(torch.optim.SGD):
@@ -1141,33 +1166,33 @@ class _DeviceOnlySGD(torch.optim.SGD):
 
 def test_optimizer_class_not_runnable_on_cpu() -> None:
     with pytest.raises(ValueError, match="cannot step CPU tensors"):
-        CPUOffloadOptimizer(make_model().parameters(), _DeviceOnlySGD)
+        make_opt(make_model().parameters(), _DeviceOnlySGD)
 
 
 def test_bad_optimizer_kwargs_raise_the_class_error() -> None:
     with pytest.raises(ValueError, match="learning rate"):
-        CPUOffloadOptimizer(make_model().parameters(), torch.optim.AdamW, lr=-1.0)
+        make_opt(make_model().parameters(), torch.optim.AdamW, lr=-1.0)
 
 
 def test_offload_params_conflicts() -> None:
     m = make_model()
     with pytest.raises(ValueError, match="offload_params"):
-        CPUOffloadOptimizer(m.parameters(), offload_fraction=0.5, offload_params=list(m.parameters())[:2])
+        make_opt(m.parameters(), offload_fraction=0.5, offload_params=list(m.parameters())[:2])
     with pytest.raises(ValueError, match="not parameters"):
-        CPUOffloadOptimizer(list(m.parameters())[:2], offload_params=[torch.zeros(3, requires_grad=True)])
+        make_opt(list(m.parameters())[:2], offload_params=[torch.zeros(3, requires_grad=True)])
 
 
 def test_params_on_two_devices() -> None:
     a = nn.Parameter(torch.zeros(3))
     b = nn.Parameter(torch.zeros(3, device="meta"))
     with pytest.raises(ValueError, match="one device"):
-        CPUOffloadOptimizer([a, b])
+        make_opt([a, b])
 
 
 def test_host_memory_too_small(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(offload_mod, "_available_host_bytes", lambda: 10_000)
+    monkeypatch.setattr(placement_mod, "available_host_bytes", lambda: 10_000)
     with pytest.raises(RuntimeError, match="host memory"):
-        CPUOffloadOptimizer(make_model().parameters(), torch.optim.AdamW)
+        make_opt(make_model().parameters(), torch.optim.AdamW)
 
 
 def test_pinned_alloc_failure(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1177,22 +1202,192 @@ def test_pinned_alloc_failure(monkeypatch: pytest.MonkeyPatch) -> None:
             return 2  # cudaErrorMemoryAllocation
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart)
-    mem = offload_mod._HostMemory(pin=True)
+    mem = buffers_mod.HostMemory(pin=True)
     with pytest.raises(RuntimeError, match="could not pin"):
         mem.empty((1024,), torch.float32, pinned=True)
 
 
 def test_trace_steps_timeline(monkeypatch: pytest.MonkeyPatch) -> None:
     # trace_steps: each step's timeline, in order, from the previous step() call: hand-over, copy, CPU step
-    monkeypatch.setattr(CPUOffloadOptimizer, "trace_steps", True)
+    knobs(trace_steps=True)
     m = make_model()
-    o = CPUOffloadOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2)
+    o = make_opt(m.parameters(), offload_fraction=1.0, lr=1e-2)
     train(m, o, batches(3))
     trace = o.stats()["trace"]
     kinds = {w for w, *_ in trace}
     assert {"flush", "copied", "step", "step_call"} <= kinds
     assert all(t0 <= t1 for _, _, t0, t1 in trace)
-    n_buckets = len(o._buckets)
+    n_buckets = len(o._placement.buckets)
     assert sum(w == "step" for w, *_ in trace) == n_buckets
     assert trace[-1][0] == "step_call" and trace[-1][2] > 0  # times count from the previous step() call
     assert o.stats()["copy_wait_s"] >= 0.0 and o.stats()["chunked"] is False  # fp32 weights: no casts
+
+
+# ------------------------------------------------------------------------------------------ config, lifecycle
+def test_config_sets_the_knobs_and_keywords_override_it() -> None:
+    cfg = CPUOffloadConfig(offload_fraction=0.5, bucket_bytes=1024, num_staging_slots=1, cpu_threads=1)
+    o1 = CPUOffloadOptimizer(make_model().parameters(), config=cfg, lr=1e-2)
+    assert o1.config is cfg
+    s1 = o1.stats()
+    assert (s1["num_staging_slots"], s1["cpu_threads"]) == (1, 1) and s1["slot_bytes"] <= 1024
+    assert 0 < s1["offloaded_params"] < 8
+    o2 = CPUOffloadOptimizer(make_model().parameters(), config=cfg, offload_fraction=1.0, lr=1e-2)
+    assert o2.config == dataclasses.replace(cfg, offload_fraction=1.0) and cfg.offload_fraction == 0.5
+    assert o2.stats()["offloaded_params"] == 8
+    assert o2.offloaded_parameters() == list(o2.param_groups[0]["params"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.bucket_bytes = 1  # type: ignore[misc]
+    with pytest.raises(TypeError, match="CPUOffloadConfig"):
+        CPUOffloadOptimizer(make_model().parameters(), config={"bucket_bytes": 1})  # type: ignore[arg-type]
+    o1.close()
+    o2.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"bucket_bytes": 0}, "bucket_bytes must be a positive int"),
+        ({"num_staging_slots": 0}, "num_staging_slots must be an int >= 1"),
+        ({"cpu_threads": 0}, "cpu_threads must be an int >= 1"),
+        ({"host_chunk_numel": 100}, "multiple of 64"),
+        ({"device_chunk_numel": -1}, "device_chunk_numel"),
+        ({"param_dtype": "int8"}, "param_dtype must name a floating-point dtype"),
+        ({"offload_fraction": 2.0}, "offload_fraction"),
+        ({"overlap": "yes"}, "overlap must be True or False"),
+        ({"join_timeout_s": 0}, "join_timeout_s"),
+    ],
+)
+def test_config_rejects_bad_values(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CPUOffloadConfig(**fields)
+
+
+def test_build_optimizer_takes_a_config() -> None:
+    kw = {"lr": 1e-2, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "fused": None}
+    cfg = CPUOffloadConfig(offload_fraction=0.5, num_staging_slots=1, cpu_threads=1)
+    o = build_optimizer(make_model().parameters(), config=cfg, **kw)
+    assert isinstance(o, CPUOffloadOptimizer) and o.config == cfg and o.stats()["num_staging_slots"] == 1
+    o.close()
+    plain = build_optimizer(make_model().parameters(), config=cfg, offload_fraction=0.0, **kw)  # keywords win
+    assert type(plain) is torch.optim.AdamW
+
+
+def test_two_optimizers_in_one_process_use_their_own_settings() -> None:
+    # two optimizers stepping in turn with different buckets and staging pools (and one tracing): each
+    # allocates and uses its own, and both step exactly as torch
+    m1, m2, m3 = make_model(), make_model(), make_model()
+    a = CPUOffloadOptimizer(
+        m1.parameters(), config=CPUOffloadConfig(bucket_bytes=2048, num_staging_slots=2, cpu_threads=1), lr=1e-2
+    )
+    b = CPUOffloadOptimizer(
+        m2.parameters(),
+        config=CPUOffloadConfig(bucket_bytes=512, num_staging_slots=1, cpu_threads=1, trace_steps=True),
+        lr=1e-2,
+    )
+    ref = torch.optim.AdamW(m3.parameters(), lr=1e-2, fused=True)
+    for x in batches(4):
+        for m, o in ((m1, a), (m2, b), (m3, ref)):
+            loss_of(m, x).backward()
+            o.step()
+            o.zero_grad()
+    assert_same(m1, m3)
+    assert_same(m2, m3)
+    sa, sb = a.stats(), b.stats()
+    assert (sa["num_staging_slots"], sb["num_staging_slots"]) == (2, 1)
+    assert (sa["slot_bytes"], sb["slot_bytes"]) == (2048, 512)  # the largest bucket, or one piece, of each
+    assert sb["buckets"] > sa["buckets"]
+    assert "trace" in sb and "trace" not in sa
+    a.close()
+    b.close()
+
+
+def _new_workers(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before and t.name.startswith("elbowroom-optim")]
+
+
+def test_close_joins_the_worker_threads_and_a_second_close_does_nothing() -> None:
+    before = set(threading.enumerate())
+    m = make_model()
+    o = make_opt(m.parameters(), lr=1e-2)
+    train(m, o, batches(2))
+    mine = _new_workers(before)
+    assert len(mine) == 2
+    o.close()
+    assert not any(t.is_alive() for t in mine)  # joined, not left running
+    o.close()
+    loss_of(m, batches(1)[0]).backward()  # the hooks went with close(): nothing reaches the closed optimizer
+
+
+def test_close_raises_naming_a_stuck_thread_and_keeps_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a step thread that does not finish (simulated: it waits before its loop) makes close() raise with its
+    # name; the host memory is released only once a later close() has joined it
+    release = threading.Event()
+    real_loop = engine_mod.Engine._step_loop
+
+    def stuck_loop(engine: engine_mod.Engine) -> None:
+        release.wait(30)
+        real_loop(engine)
+
+    released: list[int] = []
+    real_release = buffers_mod.HostMemory.release
+    monkeypatch.setattr(engine_mod.Engine, "_step_loop", stuck_loop)
+    monkeypatch.setattr(buffers_mod.HostMemory, "release", lambda mem: released.append(1) or real_release(mem))
+    knobs(join_timeout_s=0.2)
+    before = set(threading.enumerate())
+    o = make_opt(make_model().parameters(), lr=1e-2)
+    mine = _new_workers(before)
+    with pytest.raises(RuntimeError, match=r"elbowroom-optim-step-\d+ did not finish within 0.2 s"):
+        o.close()
+    assert released == []
+    release.set()
+    o.close()  # the thread finishes now: joined, then the memory is released
+    assert released == [1] and not any(t.is_alive() for t in mine)
+    o.close()
+    assert released == [1]
+
+
+def test_a_stuck_thread_at_collection_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    # without close(), the collection of the optimizer shuts it down; a failure there is reported as an
+    # unraisable error (only at interpreter exit is it swallowed), never silently dropped
+    release = threading.Event()
+    real_loop = engine_mod.Engine._step_loop
+    monkeypatch.setattr(engine_mod.Engine, "_step_loop", lambda e: release.wait(30) or real_loop(e))
+    reported: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_value))
+    knobs(join_timeout_s=0.2)
+    o = make_opt(make_model().parameters(), lr=1e-2)
+    del o
+    gc.collect()
+    release.set()
+    assert len(reported) == 1 and "did not finish" in str(reported[0])
+
+
+def test_interpreter_exit_with_a_stuck_thread_is_quiet(tmp_path) -> None:
+    # at interpreter exit the same failure is expected (CUDA and threads may be torn down) and swallowed
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import threading, torch\n"
+        "from elbowroom.optim import CPUOffloadConfig, CPUOffloadOptimizer, engine\n"
+        "real = engine.Engine._step_loop\n"
+        "engine.Engine._step_loop = lambda e: threading.Event().wait(5) or real(e)\n"
+        "o = CPUOffloadOptimizer([torch.nn.Parameter(torch.zeros(4))], config=CPUOffloadConfig(join_timeout_s=0.2))\n"
+        "print('built')\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "built", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_closed_optimizer_refuses_new_work_instead_of_hanging() -> None:
+    m = make_model()
+    o = make_opt(m.parameters(), lr=1e-2)
+    train(m, o, batches(1))
+    o.close()
+    assert set(o.state_dict()["state"]) == set(range(8))  # what it learned can still be saved
+    loss_of(m, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="was closed"):
+        o.step()

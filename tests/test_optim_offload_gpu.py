@@ -8,15 +8,34 @@ CPU and CUDA kernels round differently.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elbowroom.optim import CPUOffloadOptimizer, last_fraction
+from elbowroom.optim import CPUOffloadConfig, CPUOffloadOptimizer, last_fraction
 
 pytestmark = pytest.mark.gpu
+
+_KNOBS: dict[str, object] = {}  # the CPUOffloadConfig fields of the optimizers the current test builds
+
+
+@pytest.fixture(autouse=True)
+def default_knobs() -> Iterator[None]:
+    yield
+    _KNOBS.clear()
+
+
+def knobs(**fields: object) -> None:
+    """Set CPUOffloadConfig fields for the optimizers this test builds next with ``make_opt``."""
+    _KNOBS.update(fields)
+
+
+def make_opt(params, *args, **kwargs) -> CPUOffloadOptimizer:
+    """A CPUOffloadOptimizer with this test's settings (``knobs``)."""
+    return CPUOffloadOptimizer(params, *args, config=CPUOffloadConfig(**_KNOBS), **kwargs)
 
 
 class LeNet(nn.Module):
@@ -106,7 +125,7 @@ def check_first_step(opt: CPUOffloadOptimizer, name: str, fraction: float) -> No
 @pytest.mark.parametrize("with_groups", [False, True])
 def test_hybrid_matches_gpu_optimizer(with_groups: bool, name: str, fraction: float, overlap: bool, n_steps: int):
     net, ref_net = seeded(LeNet)
-    opt = CPUOffloadOptimizer(
+    opt = make_opt(
         groups(list(net.parameters()), with_groups), CLASSES[name], offload_fraction=fraction, overlap=overlap, lr=1e-3
     )
     ref = CLASSES[name](groups(list(ref_net.parameters()), with_groups), lr=1e-3)
@@ -133,7 +152,7 @@ def test_race_detector(with_groups: bool, name: str, fraction: float, n_steps: i
     # all offloaded steps back to back, no host sync in between: a missing stream wait (forward reading a
     # weight before its H2D copy landed, a D2H copy reading a grad before backward wrote it) shows up here
     net, ref_net = seeded(BigNet)
-    opt = CPUOffloadOptimizer(
+    opt = make_opt(
         groups(list(net.parameters()), with_groups), CLASSES[name], offload_fraction=fraction, overlap=True, lr=1e-3
     )
     ref = CLASSES[name](groups(list(ref_net.parameters()), with_groups), lr=1e-3)
@@ -164,7 +183,7 @@ def test_race_detector(with_groups: bool, name: str, fraction: float, n_steps: i
 def test_late_blocks_accumulation_and_clipping(offload_gradients: bool, clip: float | None) -> None:
     net, ref_net = seeded(BigNet)
     late = last_fraction(net.parameters(), 0.6)
-    opt = CPUOffloadOptimizer(
+    opt = make_opt(
         net.parameters(), torch.optim.AdamW, offload_params=late, offload_gradients=offload_gradients, lr=1e-4
     )
     ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-4, fused=True)
@@ -190,8 +209,8 @@ def test_late_blocks_accumulation_and_clipping(offload_gradients: bool, clip: fl
 
 def test_host_buffers_are_pinned_and_bounded() -> None:
     net, _ = seeded(BigNet)
-    opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-4)
-    for hp in opt._hps:
+    opt = make_opt(net.parameters(), torch.optim.AdamW, lr=1e-4)
+    for hp in opt._placement.hps:
         assert hp.master.is_pinned() and hp.master.device.type == "cpu"
     net(torch.randn(2, 3, 32, 32, device="cuda")).sum().backward()
     opt.step()
@@ -209,7 +228,7 @@ def test_offload_gradients_saves_device_memory() -> None:
     gc.collect()
     net, ref_net = seeded(BigNet)
     grads = sum(p.numel() * 4 for p in net.parameters())
-    opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-4)
+    opt = make_opt(net.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-4)
     ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-4, fused=True)
     torch.cuda.synchronize()
     both = torch.cuda.memory_allocated()  # the two nets' weights (and anything older), always resident
@@ -222,7 +241,7 @@ def test_offload_gradients_saves_device_memory() -> None:
             torch.cuda.reset_peak_memory_stats()
             n(x).sum().backward()
             if o is opt and it == 1:
-                opt._engine_().wait_pre()  # every gradient copied (the copy thread dropped its references)
+                opt._engine.wait_pre()  # every gradient copied (the copy thread dropped its references)
                 torch.cuda.synchronize()
                 assert torch.cuda.memory_allocated() - both < (8 << 20)  # no offloaded grad left on the GPU
             o.step()
@@ -236,7 +255,7 @@ def test_offload_gradients_saves_device_memory() -> None:
 
 def test_no_implicit_sync_in_overlapped_steps() -> None:
     net, _ = seeded(BigNet)
-    opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-4)
+    opt = make_opt(net.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-4)
     x = torch.randn(2, 3, 32, 32, device="cuda")
     net(x).sum().backward()
     opt.step()  # the first step learns that CPU steps may start during backward
@@ -260,7 +279,7 @@ def _bf16_with_masters(fraction: float, lr: float, steps: int):
     net.bfloat16()
     ref_net.bfloat16()
     masters = [p.detach().float() for p in ref_net.parameters()]
-    opt = CPUOffloadOptimizer(
+    opt = make_opt(
         net.parameters(), torch.optim.AdamW, offload_fraction=fraction, master_weights=True, lr=lr
     )
     ref = torch.optim.AdamW(masters, lr=lr, fused=True)
@@ -281,9 +300,9 @@ def _bf16_with_masters(fraction: float, lr: float, steps: int):
 
 
 @pytest.mark.parametrize("device_chunk", [None, 1 << 20])
-def test_master_weights_bf16(device_chunk: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_master_weights_bf16(device_chunk: int | None) -> None:
     if device_chunk:  # the device masters' step in chunks: fc2's 16.8M elements span 16 of them
-        monkeypatch.setattr(CPUOffloadOptimizer, "device_chunk_numel", device_chunk)
+        knobs(device_chunk_numel=device_chunk)
     net, ref_net, opt, masters = _bf16_with_masters(0.5, 1e-4, 5)
     sd = opt.state_dict()
     for i, w in enumerate(masters):
@@ -292,34 +311,32 @@ def test_master_weights_bf16(device_chunk: int | None, monkeypatch: pytest.Monke
     assert_weights_close(net, ref_net)
 
 
-def test_device_masters_step_in_chunks_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_masters_step_in_chunks_bitwise() -> None:
     # nothing offloaded: every bf16 weight's fp32 master on the GPU, stepped chunk by chunk (fc2's 16.8M
     # elements in 16 chunks) with the CUDA kernel the reference runs on whole upcast gradients: bitwise
-    monkeypatch.setattr(CPUOffloadOptimizer, "device_chunk_numel", 1 << 20)
+    knobs(device_chunk_numel=1 << 20)
     net, ref_net, opt, masters = _bf16_with_masters(0, 1e-3, 3)
-    assert len(opt._dev_masters) == len(masters)
+    assert len(opt._placement.dev_masters) == len(masters)
     for p, w in zip(net.parameters(), masters):
-        torch.testing.assert_close(opt._dev_masters[p], w, atol=0, rtol=0)
-        assert opt._dev_masters[p].grad is None
+        torch.testing.assert_close(opt._placement.dev_masters[p], w, atol=0, rtol=0)
+        assert opt._placement.dev_masters[p].grad is None
     for a, b in zip(net.parameters(), ref_net.parameters()):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("cast_on_device", [True, False])
 @pytest.mark.parametrize("offload_gradients", [False, True])
-def test_param_dtype_bf16_hybrid(
-    offload_gradients: bool, cast_on_device: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_param_dtype_bf16_hybrid(offload_gradients: bool, cast_on_device: bool) -> None:
     # an fp32 net; param_dtype=bf16 casts the offloaded (late) parameters on the device and keeps their fp32
     # values as host masters. Reference: the same cast by hand, fp32 masters stepped by the GPU's fused AdamW.
     # The casts of each step run on the GPU (gradients upcast there, masters cast there) or on the host.
-    monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", cast_on_device)
+    knobs(cast_on_device=cast_on_device)
     gc.collect()
     net, ref_net = seeded(BigNet)
     late = last_fraction(list(net.parameters()), 0.6)
     late_ids = {id(p) for p in late}
     before = torch.cuda.memory_allocated()
-    opt = CPUOffloadOptimizer(
+    opt = make_opt(
         net.parameters(), offload_params=late, param_dtype=torch.bfloat16, offload_gradients=offload_gradients, lr=1e-4
     )
     torch.cuda.synchronize()
@@ -363,13 +380,13 @@ def test_param_dtype_bf16_hybrid(
 
 def test_state_dict_round_trip_across_fractions() -> None:
     net, ref_net = seeded(LeNet)
-    a = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, offload_fraction=1.0, lr=1e-3)
+    a = make_opt(net.parameters(), torch.optim.AdamW, offload_fraction=1.0, lr=1e-3)
     for _ in range(3):
         net(torch.randn(2, 3, 32, 32, device="cuda")).sum().backward()
         a.step()
         a.zero_grad()
     ref_net.load_state_dict(net.state_dict())
-    b = CPUOffloadOptimizer(ref_net.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-3)
+    b = make_opt(ref_net.parameters(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-3)
     b.load_state_dict(a.state_dict())
     sd = b.state_dict()
     assert not sd["state"][0]["exp_avg"].is_cuda and sd["state"][len(sd["state"]) - 1]["exp_avg"].is_cuda
@@ -388,7 +405,7 @@ def test_overlap_with_forward_race_detector(clip: float | None, offload_gradient
     # step() returns before the CPU updates land; each module's forward pre-hook waits for its weights.
     # Steps back to back with no host sync: a missing wait would feed stale weights to the next forward.
     net, ref_net = seeded(BigNet)
-    opt = CPUOffloadOptimizer(
+    opt = make_opt(
         net.parameters(),
         torch.optim.AdamW,
         offload_params=last_fraction(net.parameters(), 0.6),
@@ -416,16 +433,16 @@ def test_overlap_with_forward_race_detector(clip: float | None, offload_gradient
 
 @pytest.mark.parametrize("offload_gradients", [False, True])
 @pytest.mark.parametrize("cast_on_device", [True, False])
-def test_bf16_overlap_with_forward_race_detector(cast_on_device: bool, offload_gradients: bool, monkeypatch) -> None:
+def test_bf16_overlap_with_forward_race_detector(cast_on_device: bool, offload_gradients: bool) -> None:
     # bf16 device weights, step() returning at once, steps back to back with no host sync: bitwise the same
     # weights as the same optimizer stepping synchronously (a missing stream or host wait on the casts' copies
     # or on the device scratch they use would feed the next forward stale or torn weights)
-    monkeypatch.setattr(CPUOffloadOptimizer, "cast_on_device", cast_on_device)
+    knobs(cast_on_device=cast_on_device)
     inputs = [torch.randn(8, 3, 32, 32, device="cuda") for _ in range(10)]
     nets = []
     for lazy in (True, False):
         net, _ = seeded(BigNet)
-        opt = CPUOffloadOptimizer(
+        opt = make_opt(
             net.parameters(),
             offload_params=last_fraction(net.parameters(), 0.6),
             param_dtype=torch.bfloat16,

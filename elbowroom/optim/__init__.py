@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from elbowroom.optim.config import CPUOffloadConfig, dtype_name
 from elbowroom.optim.offload import CPUOffloadOptimizer
 from elbowroom.optim.split import first_fraction, last_fraction
 
-__all__ = ["CPUOffloadOptimizer", "build_optimizer", "first_fraction", "last_fraction"]
+__all__ = ["CPUOffloadConfig", "CPUOffloadOptimizer", "build_optimizer", "first_fraction", "last_fraction"]
 
 
 def build_optimizer(
@@ -21,13 +23,17 @@ def build_optimizer(
     betas: tuple[float, float],
     eps: float,
     fused: bool | None,
-    offload_fraction: float,
-    offload_gradients: bool,
+    offload_fraction: float | None = None,
+    offload_gradients: bool | None = None,
     offload_params: Iterable[torch.Tensor] | None = None,
     param_dtype: torch.dtype | None = None,
-    master_weights: bool = False,
+    master_weights: bool | None = None,
+    config: CPUOffloadConfig | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW for the trainer: torch's own when nothing is offloaded, else a :class:`CPUOffloadOptimizer`.
+
+    The offload settings come from ``config`` (default ``CPUOffloadConfig(offload_fraction=0.0)``: nothing
+    offloaded), overridden by the keyword arguments of the same name that are given (not None).
 
     Args:
         params: parameters or parameter groups (a group's own ``weight_decay`` wins over the argument).
@@ -43,6 +49,7 @@ def build_optimizer(
         param_dtype: device dtype of the offloaded parameters (see :class:`CPUOffloadOptimizer`).
         master_weights: fp32 masters for low-precision (bf16) parameters, on the host for offloaded ones and
             on the device for the rest; a :class:`CPUOffloadOptimizer` even when nothing is offloaded.
+        config: every offload setting at once, including the engine's (bucket size, staging slots, threads).
 
     Returns:
         ``torch.optim.AdamW`` if ``offload_fraction == 0`` and neither ``offload_gradients`` nor
@@ -54,11 +61,22 @@ def build_optimizer(
     kwargs: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps}
     if fused is not None:
         kwargs["fused"] = fused
-    if offload_fraction == 0 and not offload_gradients and not master_weights:
-        if param_dtype is not None:
+    if param_dtype is not None and not (isinstance(param_dtype, torch.dtype) and param_dtype.is_floating_point):
+        raise ValueError(f"param_dtype must be a floating-point torch.dtype such as torch.bfloat16, got {param_dtype}")
+    given = {
+        "offload_fraction": offload_fraction,
+        "offload_gradients": offload_gradients,
+        "master_weights": master_weights,
+        "param_dtype": None if param_dtype is None else dtype_name(param_dtype),
+    }
+    cfg = config if config is not None else CPUOffloadConfig(offload_fraction=0.0)
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None})
+    if cfg.offload_fraction == 0 and not cfg.offload_gradients and not cfg.master_weights:
+        if cfg.param_dtype is not None:
             raise ValueError("param_dtype applies to offloaded parameters: set offload_fraction > 0")
         return torch.optim.AdamW(params, **kwargs)
-    kwargs.update(offload_gradients=offload_gradients, param_dtype=param_dtype, master_weights=master_weights)
     if offload_params is not None:
-        return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_params=list(offload_params), **kwargs)
-    return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_fraction=offload_fraction, **kwargs)
+        # the chosen parameters replace the fraction rule (which must then stay at its neutral 1.0)
+        cfg = dataclasses.replace(cfg, offload_fraction=1.0)
+        return CPUOffloadOptimizer(params, torch.optim.AdamW, config=cfg, offload_params=list(offload_params), **kwargs)
+    return CPUOffloadOptimizer(params, torch.optim.AdamW, config=cfg, **kwargs)

@@ -1,7 +1,7 @@
 """The Adam/AdamW step for fp32 masters whose gradients and parameter copies are in another dtype.
 
 Used on the host for offloaded parameters (below), and on the device for the fp32 masters of bf16
-parameters that stay there (``CPUOffloadOptimizer._step_device_masters``): there chunking keeps the upcast
+parameters that stay there (``elbowroom.optim.masters.step_device``): there chunking keeps the upcast
 gradients to one chunk of scratch instead of an fp32 copy of every gradient at the end of each step.
 
 With bf16 device weights the host step of an offloaded parameter has three parts: upcast the bf16
@@ -17,7 +17,7 @@ gradients.
 Measured on the lent H100 host (16 cores, 14 threads, ``benchmarks/host_adam.py``): torch's fused AdamW on
 fp32 gradients 4.29-5.25 G params/s (two machines), the three passes over whole bf16 parameters 2.15-2.94,
 chunk by chunk 2.54 (on the machine that gave 2.15 and 4.29): far from the fp32 rate, so the optimizer runs
-these casts on the device by default (``CPUOffloadOptimizer.cast_on_device``) and this path only where they
+these casts on the device by default (``CPUOffloadConfig.cast_on_device``) and this path only where they
 stay on the host.
 
 (A ``torch.compile``-built one-pass kernel was tried first and dropped: Inductor's CPU kernel ran at 2.7-2.9 G
