@@ -231,7 +231,11 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     if setup.notes:
         row["notes"] = setup.notes
     if setup.stats is not None:
-        row.update(setup.stats())
+        stats = setup.stats()
+        mechanism = stats.pop("settings", None)  # a mode's own settings (e.g. its optimizer's config)
+        row.update(stats)
+        if mechanism is not None:
+            row["settings"]["mechanism"] = mechanism
     del model, setup
     return row
 
