@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "profile": "elbowroom.plan.profile",
+    "profile": "elbowroom.plan.profiler",
     "get_device": "elbowroom.plan.devices",
     "DEVICES": "elbowroom.plan.devices",
     "measure_machine": "elbowroom.plan.machine",

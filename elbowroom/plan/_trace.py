@@ -1,6 +1,6 @@
 """The tracing machinery of the profile: who produced each tensor, what each block saves, when it runs.
 
-Private to :mod:`elbowroom.plan.profile`. Three instruments share one :class:`Tracer`:
+Private to :mod:`elbowroom.plan.profiler`. Three instruments share one :class:`Tracer`:
 
 - an op recorder (a ``TorchDispatchMode``, below autograd) that notes, for every new storage an op writes,
   the kind of op that produced it (matmul, attention, a pure function of model state such as a weight
@@ -315,6 +315,10 @@ class MetaEmulation(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.__bool__ and args and args[0].device.type == "meta":
+            # a data-dependent branch on meta (Hugging Face's mask preparation asks whether a batch is packed):
+            # there is no data; answer True, the ordinary case of those checks (an all-ones mask, no packing)
+            return True
         if self.dtype is not None:
             if func in _LOWER or func in _SDPA:
                 args, kwargs = _cast(args, self.dtype), {k: _cast(v, self.dtype) for k, v in kwargs.items()}
