@@ -92,6 +92,23 @@ def test_bf16_autocast_halves_matmul_bytes() -> None:
     assert bf16.compute_dtype == "bfloat16" and bf16.param_dtype == "float32" and bf16.extra["autocast"]
 
 
+def test_profiling_twice_gives_the_same_bytes() -> None:
+    # the second time, RoPE's cast tables are already in its cache: still model state, not activations
+    torch.manual_seed(0)
+    model = build_model(_cfg("llama"))
+    first = _quick(model, _ids(), dtype=torch.bfloat16)
+    second = _quick(model, _ids(), dtype=torch.bfloat16)
+    _assert_same_bytes(first, second)
+
+
+def test_analytic_for_a_gpu_uses_its_attention_kernel() -> None:
+    prof = profile(build_model(_cfg("gpt2", dropout=0.1), device="meta"), _ids(), machine="h100-80gb")
+    blk = prof.blocks[0]
+    # flash attention on the H100, dropout included: bf16 output + fp32 logsumexp (+ its philox seed/offset)
+    assert blk.saved_bytes["attention"] >= T * D * 2 + B * H * S * 4
+    assert blk.saved_bytes["attention"] < T * D * 2 + B * H * S * 4 + 64
+
+
 def test_gpt2_dropout_masks_are_pointwise() -> None:
     torch.manual_seed(0)
     plain = _quick(build_model(_cfg("gpt2")), _ids(), dtype=torch.float32)
@@ -235,7 +252,7 @@ def _hf_llama():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=128, hidden_size=D, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=H,
-        num_key_value_heads=H, max_position_embeddings=64, attn_implementation="sdpa",
+        num_key_value_heads=H // 2, max_position_embeddings=64, attn_implementation="sdpa",  # grouped k/v
     )
     return lambda: transformers.LlamaForCausalLM(cfg)
 

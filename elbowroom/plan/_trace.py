@@ -162,6 +162,10 @@ class Tracer:
             k = skey(o)
             if k in in_keys:
                 continue  # a view or an in-place op: the storage keeps its producer
+            # a new storage: any earlier entry under this key was a storage since freed, whose address the
+            # allocator reused (parameters and buffers live throughout, so they are never "new")
+            if kind != "state":
+                self.state.discard(k)
             self.producer[k] = kind
             if self.track_liveness and not self.backward and self.fwd_block != HEAD:
                 region.produced.append((k, storage_bytes(o), kind))
@@ -183,7 +187,9 @@ class Tracer:
         elif k in region.input_keys:
             kind = "shared"  # another input of the block (HF's rotary tables, a mask), made once for all blocks
         else:
-            kind = self.producer.get(k, "pointwise")
+            # a storage no op of this step produced existed before it (a module's cache of cast tables, the
+            # batch): model state or data, not an activation of this step
+            kind = self.producer.get(k, "state")
         region.saved[kind] += n
         if kind in KINDS:
             region.largest = max(region.largest, n)
@@ -332,34 +338,39 @@ class MetaEmulation(TorchFunctionMode):
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False) -> torch.Tensor:
         aten = torch.ops.aten
-        if q.device.type != "meta" or (enable_gqa and q.shape[-3] != k.shape[-3]):
+        if q.device.type != "meta":
             return func(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa)
-        backend = self._backend(q, k, v, attn_mask, dropout_p, is_causal)
+        gqa = enable_gqa and q.shape[-3] != k.shape[-3]
+        backend = self._backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
+        # the fused kernels take grouped k and v as they are (no repeat), as torch's dispatch passes them
         if backend == "flash_cpu":
             return aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
         if backend == "flash":
             return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
-        if backend == "efficient":
+        if backend == "efficient" and not gqa:
             need_lse = q.requires_grad or k.requires_grad or v.requires_grad
             return aten._scaled_dot_product_efficient_attention(
                 q, k, v, attn_mask, need_lse, dropout_p, is_causal, scale=scale)[0]
-        return func(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        return func(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
 
     def _backend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_p: float,
-                 is_causal: bool) -> str:
+                 is_causal: bool, enable_gqa: bool) -> str:
         if self.target == "cpu":
             # ask torch's own CPU choice on stand-ins of the same shapes and dtypes (stride-0 expansions of one
-            # row: no memory), so the rules (dropout -> math, head sizes, masks) are torch's
+            # row: no memory), so the rules (dropout -> math, head sizes, masks, GQA) are torch's
             def stand_in(t: torch.Tensor) -> torch.Tensor:
                 return torch.empty(t.shape[-1], dtype=t.dtype, requires_grad=t.requires_grad).expand(t.shape)
 
             m = None if mask is None else torch.empty(mask.shape[-1], dtype=mask.dtype).expand(mask.shape)
-            choice = torch._fused_sdp_choice(stand_in(q), stand_in(k), stand_in(v), m, dropout_p, is_causal)
+            choice = torch._fused_sdp_choice(stand_in(q), stand_in(k), stand_in(v), m, dropout_p, is_causal,
+                                             enable_gqa=enable_gqa)
             return "flash_cpu" if choice == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION) else "math"
-        # CUDA (sm80+): flash for fp16/bf16 without a mask and head dim <= 256 in steps of 8, the
-        # memory-efficient kernel for fp32 or masks, as torch's choice does on an H100
+        # CUDA (sm80+), as torch's choice runs on an H100: flash for fp16/bf16 without a mask and head dim
+        # <= 256 in steps of 8 (grouped k/v included), the memory-efficient kernel for fp32 or a mask (math
+        # when k/v are grouped: the efficient kernel does not take them)
         hd = q.shape[-1]
         if mask is None and q.dtype in (torch.float16, torch.bfloat16) and hd <= 256 and hd % 8 == 0:
             return "flash"
