@@ -109,6 +109,20 @@ def test_analytic_for_a_gpu_uses_its_attention_kernel() -> None:
     assert blk.saved_bytes["attention"] < T * D * 2 + B * H * S * 4 + 64
 
 
+def test_analytic_for_a_gpu_runs_fused_rms_norm_and_dropout() -> None:
+    llama = build_model(_cfg("llama"), device="meta")
+    on_cpu = profile(llama, _ids(), machine=CPU, dtype=torch.float32).blocks[0].saved_bytes
+    on_gpu = profile(llama, _ids(), machine="h100-80gb", dtype=torch.float32).blocks[0].saved_bytes
+    # CUDA's fused RMSNorm saves its input and rstd; the decomposition also saves the normalised input (x2 norms)
+    assert on_cpu["pointwise"] - on_gpu["pointwise"] == 2 * T * D * 4
+    gpt2 = build_model(_cfg("gpt2", dropout=0.1), device="meta")
+    on_cpu = profile(gpt2, _ids(), machine=CPU, dtype=torch.float32).blocks[0].saved_bytes
+    on_gpu = profile(gpt2, _ids(), machine="h100-80gb", dtype=torch.float32).blocks[0].saved_bytes
+    # CUDA dropout saves a bool mask, the CPU one an fp32 noise tensor: residual and MLP dropout, T x D each;
+    # attention dropout runs inside the CUDA kernel, on the CPU in the math path
+    assert on_gpu["pointwise"] < on_cpu["pointwise"] - 2 * T * D * 3
+
+
 def test_gpt2_dropout_masks_are_pointwise() -> None:
     torch.manual_seed(0)
     plain = _quick(build_model(_cfg("gpt2")), _ids(), dtype=torch.float32)

@@ -292,6 +292,26 @@ _FP32_CUDA = {
 _FP32 = {F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.binary_cross_entropy_with_logits,
          F.kl_div}
 _SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_RMS_NORM = {F.rms_norm, torch.rms_norm}
+
+
+class _FusedRMSNormOnMeta(torch.autograd.Function):
+    """CUDA's ``_fused_rms_norm`` as autograd sees it, on meta tensors: the output, and saved for backward
+    the input, the per-row rstd (fp32 for 16-bit inputs) and the weight (derivatives.yaml). On meta the op
+    itself decomposes (it has kernels for CUDA only), so the node is built here."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, normalized_shape: tuple, weight: torch.Tensor | None) -> torch.Tensor:
+        n = len(normalized_shape)
+        stat = x.new_empty(tuple(x.shape[: x.dim() - n]) + (1,) * n,
+                           dtype=torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype)
+        ctx.save_for_backward(x, stat, weight)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, _, weight = ctx.saved_tensors
+        return torch.empty_like(x), None, None if weight is None else torch.empty_like(weight)
 
 
 def _cast(obj: Any, dtype: torch.dtype) -> Any:
@@ -308,6 +328,10 @@ class MetaEmulation(TorchFunctionMode):
     Autocast is emulated at the function level, above autograd (as autocast itself sits above autograd), so
     the casts are part of the graph and autograd saves the cast tensors, as on the device. The lists are
     the functions our models and Hugging Face decoders call; an unlisted function runs in its inputs' dtype.
+    For a CUDA target, two more functions run as on CUDA: dropout (one kernel saving a bool mask) and
+    ``rms_norm`` (the fused kernel). Not emulated: elbowroom's own fused RoPE and SwiGLU (``elbowroom.ops``),
+    which pick their Triton kernels by ``x.is_cuda``; their eager forms run on meta (RoPE saves the same,
+    SwiGLU saves one more ``tokens x ffn`` activation than its fused kernel).
 
     Args:
         dtype: the autocast dtype, or None for no autocast.
@@ -332,7 +356,29 @@ class MetaEmulation(TorchFunctionMode):
                 args = _cast(args, torch.float32)
         if func in _SDPA:
             return self._sdpa(func, *args, **kwargs)
+        if self.target == "cuda" and func is F.dropout:
+            return self._dropout(func, *args, **kwargs)
+        if self.target == "cuda" and func in _RMS_NORM:
+            return self._rms_norm(func, *args, **kwargs)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _dropout(func: Any, x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+        # CUDA runs dropout as one kernel that saves a bool mask; elsewhere (CPU, meta) it multiplies by a
+        # noise tensor of the input's dtype and saves that
+        if x.device.type != "meta" or not training or not 0.0 < p < 1.0 or inplace:
+            return func(x, p, training, inplace)
+        return torch.ops.aten.native_dropout(x, p, True)[0]
+
+    @staticmethod
+    def _rms_norm(func: Any, x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,
+                  eps: float | None = None) -> Any:
+        # CUDA runs rms_norm as the fused kernel (input, rstd and weight saved); elsewhere it decomposes into
+        # pow/mean/rsqrt/mul, which also saves the normalised input. torch falls back to the decomposition
+        # itself when the weight's dtype differs from the input's.
+        if x.device.type != "meta" or (weight is not None and weight.dtype != x.dtype) or x.is_complex():
+            return func(x, normalized_shape, weight, eps)
+        return _FusedRMSNormOnMeta.apply(x, tuple(normalized_shape), weight)
 
     def _sdpa(self, func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
