@@ -476,6 +476,7 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
         "state_saved_bytes": [int(plain.regions[i].saved.get("state", 0)) for i in range(len(blocks))],
         "shared_saved_bytes": [int(plain.regions[i].saved.get("shared", 0)) for i in range(len(blocks))],
         "forward_flops": [plain.regions[i].fwd_flops for i in range(len(blocks))],
+        "head_state_saved_bytes": int(h.saved.get("state", 0)),
         "head_forward_flops": h.fwd_flops,
     }
     return Profile(
