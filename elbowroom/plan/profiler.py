@@ -40,6 +40,10 @@ How each number is obtained (one or two traced steps, plus a few timed ones when
   the reference models' fused RoPE and SwiGLU kernels save less than their eager forms (which the meta
   trace runs), so an analytic profile of those models overstates their pointwise bytes slightly.
 
+Cost: two traced steps (plain, then a selective forward) and, when measured, ``warmup + iters`` timed steps
+in each of three modes (plain, full, selective): 11 steps with the defaults. The traced steps run an op
+recorder in Python and are several times slower than a plain step; the timed steps run without it.
+
 Profiling leaves the model as it found it: training flags restored, no hooks or wrappers left, gradients
 set to None, the CPU (and CUDA) RNG state restored so that a later run draws the same dropout masks.
 """
@@ -262,7 +266,12 @@ def profile(
     if dtype is None:
         gpu = device.type == "cuda" or (source == "analytic" and machine.name != "cpu")
         dtype = torch.bfloat16 if gpu else param_dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     autocast_dtype = dtype if dtype != param_dtype else None
+    if autocast_dtype == torch.float32:
+        raise ValueError(f"the parameters are {param_dtype} and autocast only lowers precision: profile with "
+                         f"dtype={param_dtype} or cast the model to float32 first")
     target = "cuda" if (device.type == "cuda" or (device.type == "meta" and machine.name != "cpu")) else "cpu"
 
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample_batch)
