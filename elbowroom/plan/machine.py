@@ -1,0 +1,206 @@
+"""Measure the machine the planner plans for: matmul rate, link bandwidth, host optimizer rate.
+
+:func:`measure_machine` takes about ten seconds on a GPU (a few large bf16 matmuls, pinned copies of
+256 MiB each way alone and both at once, a device-to-device copy for memory bandwidth, a pinned
+allocation, torch's fused CPU AdamW over ~50M fp32 parameters) and caches the result as JSON, keyed by the
+device name and the torch version, in ``cache_dir`` (the CLI passes ``~/.cache/elbowroom``; the library reads
+no environment variable and writes nowhere unless given a directory). On a CPU it measures the matmul rate,
+a copy's memory bandwidth and the AdamW rate, and reports no link.
+
+Every measurement synchronises the device before and after (host-device syncs, on purpose: these are
+wall-clock rates), and takes the best of a few repeats, since the planner wants what the hardware can do,
+not what a noisy first call did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from elbowroom.plan.devices import host_memory_bytes
+from elbowroom.plan.types import MachineProfile
+
+__all__ = ["measure_machine", "machine_for"]
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+def _best_time(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
+    """Shortest wall time of ``repeats`` calls of ``fn`` (after one warm-up), each bracketed by ``sync``."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _cache_path(cache_dir: str | Path, name: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-torch{torch.__version__}")
+    return Path(cache_dir) / f"machine-{safe}.json"
+
+
+def _host_adam_rate(numel: int, repeats: int) -> float:
+    """Parameters per second of torch's fused AdamW on fp32 CPU tensors (what the host optimizer runs)."""
+    p = torch.nn.Parameter(torch.zeros(numel))
+    p.grad = torch.full((numel,), 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    t = _best_time(opt.step, lambda: None, repeats)
+    return numel / t
+
+
+def measure_machine(
+    device: str | torch.device = "cuda",
+    *,
+    cache_dir: str | Path | None = None,
+    refresh: bool = False,
+    matmul_size: int | None = None,
+    copy_bytes: int = 256 << 20,
+    adam_numel: int = 50_000_000,
+    repeats: int = 3,
+) -> MachineProfile:
+    """Measure ``device`` and its link to the host (or read the cached measurement).
+
+    Args:
+        device: a CUDA device (``"cuda"``, ``"cuda:1"``) or ``"cpu"``.
+        cache_dir: directory for the JSON cache (``machine-<device name>-torch<version>.json``); None
+            neither reads nor writes a cache.
+        refresh: measure again even if a cached result exists (and overwrite it).
+        matmul_size: side of the square matmuls (default 8192 on CUDA, 1024 on CPU).
+        copy_bytes: size of each pinned copy and of the device copy.
+        adam_numel: parameters in the host AdamW measurement (50M, as a block of a large model).
+        repeats: timed repeats per measurement (the best one counts).
+
+    Returns:
+        A :class:`MachineProfile` with ``source="measured"``.
+
+    Raises:
+        ValueError: for a device type other than cuda or cpu, or CUDA requested where there is none.
+    """
+    dev = torch.device(device)
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"measure_machine measures a cuda or cpu device, got {dev}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("measure_machine(device='cuda') needs a CUDA device; use device='cpu' or "
+                         "elbowroom.plan.get_device(name) for the table's numbers")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    path = _cache_path(cache_dir, name) if cache_dir is not None else None
+    if path is not None and path.exists() and not refresh:
+        try:
+            return MachineProfile(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:  # a cache from another version of the type: measure again
+            logger.info("ignoring machine cache %s: %s", path, e)
+    prof = _measure_cuda(dev, name, matmul_size or 8192, copy_bytes, adam_numel, repeats) if dev.type == "cuda" \
+        else _measure_cpu(matmul_size or 1024, copy_bytes, min(adam_numel, 8_000_000), repeats)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(prof), indent=1))
+    return prof
+
+
+def _measure_cpu(n: int, copy_bytes: int, adam_numel: int, repeats: int) -> MachineProfile:
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    t = _best_time(lambda: torch.mm(a, b), lambda: None, repeats)
+    src = torch.empty(copy_bytes // 4)
+    dst = torch.empty_like(src)
+    t_copy = _best_time(lambda: dst.copy_(src), lambda: None, repeats)
+    host = host_memory_bytes()
+    return MachineProfile(
+        name="cpu", device_memory_bytes=host, matmul_flops=2 * n**3 / t, memory_bandwidth=2 * copy_bytes / t_copy,
+        h2d_bandwidth=0.0, d2h_bandwidth=0.0, duplex_bandwidth=0.0,
+        host_adam_params_per_s=_host_adam_rate(adam_numel, repeats), host_memory_bytes=host,
+        pinned_alloc_s_per_gib=0.0, source="measured",
+    )
+
+
+def _cuda_matmul_rate(dev: torch.device, n: int, repeats: int, sync: Callable[[], None]) -> float:
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    iters = 10
+
+    def matmuls() -> None:
+        for _ in range(iters):
+            torch.mm(a, b)
+
+    return 2 * n**3 * iters / _best_time(matmuls, sync, repeats)
+
+
+def _cuda_copy_rates(dev: torch.device, copy_bytes: int, repeats: int,
+                     sync: Callable[[], None]) -> tuple[float, float, float, float, float]:
+    """Device memory bandwidth, pinned H2D and D2H alone, each way at once, pinned allocation s/GiB."""
+    numel = copy_bytes // 4
+    dsrc = torch.empty(numel, device=dev)
+    ddst = torch.empty_like(dsrc)
+    # a device-to-device copy reads and writes every byte
+    memory_bandwidth = 2 * copy_bytes / _best_time(lambda: ddst.copy_(dsrc), sync, repeats)
+
+    t0 = time.perf_counter()
+    h_in = torch.empty(numel, pin_memory=True)
+    pinned_alloc_s_per_gib = (time.perf_counter() - t0) * _GIB / copy_bytes
+    h_out = torch.empty(numel, pin_memory=True)
+    up, down = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+    def h2d() -> None:
+        ddst.copy_(h_in, non_blocking=True)
+
+    def d2h() -> None:
+        h_out.copy_(dsrc, non_blocking=True)
+
+    def both() -> None:
+        # each direction on its own stream so that the two copy engines run at once; the sync after
+        # (in _best_time) waits for the whole device, both streams included
+        with torch.cuda.stream(up):
+            h2d()
+        with torch.cuda.stream(down):
+            d2h()
+
+    h2d_bw = copy_bytes / _best_time(h2d, sync, repeats)
+    d2h_bw = copy_bytes / _best_time(d2h, sync, repeats)
+    duplex_bw = copy_bytes / _best_time(both, sync, repeats)
+    return memory_bandwidth, h2d_bw, d2h_bw, duplex_bw, pinned_alloc_s_per_gib
+
+
+def _measure_cuda(dev: torch.device, name: str, n: int, copy_bytes: int, adam_numel: int,
+                  repeats: int) -> MachineProfile:
+    def sync() -> None:
+        torch.cuda.synchronize(dev)  # host-device sync: these are wall-clock rates
+
+    with torch.cuda.device(dev):
+        matmul_flops = _cuda_matmul_rate(dev, n, repeats, sync)
+        memory_bandwidth, h2d_bw, d2h_bw, duplex_bw, alloc_s = _cuda_copy_rates(dev, copy_bytes, repeats, sync)
+        total = torch.cuda.get_device_properties(dev).total_memory
+
+    return MachineProfile(
+        name=name, device_memory_bytes=int(total), matmul_flops=matmul_flops, memory_bandwidth=memory_bandwidth,
+        h2d_bandwidth=h2d_bw, d2h_bandwidth=d2h_bw, duplex_bandwidth=duplex_bw,
+        host_adam_params_per_s=_host_adam_rate(adam_numel, repeats), host_memory_bytes=host_memory_bytes(),
+        pinned_alloc_s_per_gib=alloc_s, source="measured",
+    )
+
+
+def machine_for(device: str | torch.device, *, cache_dir: str | Path | None = None) -> MachineProfile:
+    """The profile :func:`elbowroom.plan.profile` uses when given no machine: measured for a CUDA or CPU
+    device (cached in ``cache_dir`` when given).
+
+    Args:
+        device: the device the model lives on.
+        cache_dir: see :func:`measure_machine`.
+
+    Returns:
+        The measured :class:`MachineProfile`.
+    """
+    return measure_machine(device, cache_dir=cache_dir)

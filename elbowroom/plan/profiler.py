@@ -1,0 +1,497 @@
+"""Profile a model for the planner: per block what it saves (by kind) and what it costs, and the head.
+
+::
+
+    import elbowroom
+    from elbowroom.plan import profile
+    prof = profile(model, input_ids)                       # measured on the model's device
+    with torch.device("meta"):                             # a model that fits nowhere: build it on meta
+        big = build_model(cfg)                             # (or LlamaForCausalLM(config))
+    prof = profile(big, torch.zeros(1, 4096, dtype=torch.long), machine="h100-80gb")   # analytic
+
+How each number is obtained (one or two traced steps, plus a few timed ones when measured):
+
+- **Bytes**: one forward + backward with saved-tensor hooks and an op recorder (see :mod:`._trace`).
+  Every tensor autograd saves is attributed to the block running and classified by the op that produced
+  its storage: ``matmul`` (mm/addmm/bmm/baddbmm), ``attention`` (the fused SDPA kernels: output and
+  logsumexp), ``input`` (the block's residual-stream input), ``pointwise`` (everything else: norms,
+  activations, casts of activations, dropout masks). Each storage counts once per block, views included
+  (what the offload engine moves). Not counted per block: parameters, buffers and tensors computed from
+  them alone (the bf16 copies of weights autocast saves, RoPE tables): model state, reported per block in
+  ``extra["state_saved_bytes"]``; and other block inputs made once for all blocks (Hugging Face's rotary
+  cos/sin, masks): ``extra["shared_saved_bytes"]``.
+- **Selective bytes**: a second step with every block under ``elbowroom.checkpoint(block, "selective")``:
+  what the hooks see (the inputs the checkpoint saves) plus the storages the block produced that are
+  still alive after its forward (the matmul/attention outputs the checkpoint's cache keeps). Measured, not
+  predicted.
+- **Times, measured**: per block forward (pre/post hooks) and backward (gradient hooks on the block's
+  output and input) on CUDA events, or ``time.perf_counter`` on a CPU; the median over ``iters`` steps after
+  ``warmup`` steps, plain, under full and under selective checkpoint: recompute time is the difference
+  in backward time. The head is the step minus the blocks.
+- **Times, analytic**: forward = forward FLOPs / ``machine.matmul_flops`` + 2 x pointwise saved bytes /
+  ``machine.memory_bandwidth`` (a pointwise op writes its output once and the next op reads it; the
+  documented assumption), backward = backward FLOPs / rate + twice the forward's memory term; full
+  recompute = forward, selective recompute = the forward's memory term. FLOPs are torch's formulas
+  (``FlopCounterMode``'s registry) counted per block, forward and backward apart; attention FLOPs are
+  counted without the causal mask's saving, as torch counts them.
+- **Analytic bytes**: the same traced step on the meta device (no memory, no device); autocast and the
+  attention kernel are emulated as the target device would run them (:class:`._trace.MetaEmulation`).
+  The bytes equal a measured trace of the same model (tested on CPU, fp32 and bf16 autocast). On CUDA
+  the reference models' fused RoPE and SwiGLU kernels save less than their eager forms (which the meta
+  trace runs), so an analytic profile of those models overstates their pointwise bytes slightly.
+
+Cost: two traced steps (plain, then a selective forward) and, when measured, ``warmup + iters`` timed steps
+in each of three modes (plain, full, selective): 11 steps with the defaults. The traced steps run an op
+recorder in Python and are several times slower than a plain step; the timed steps run without it.
+
+Profiling leaves the model as it found it: training flags restored, no hooks or wrappers left, gradients
+set to None, the CPU (and CUDA) RNG state restored so that a later run draws the same dropout masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
+from elbowroom.activations import _wrap
+from elbowroom.activations.recompute import checkpoint, find_blocks, uncheckpoint
+from elbowroom.plan._trace import HEAD, KINDS, Clock, MetaEmulation, OpRecorder, Tracer, skey
+from elbowroom.plan.devices import get_device
+from elbowroom.plan.machine import measure_machine
+from elbowroom.plan.types import BlockProfile, HeadProfile, MachineProfile, Profile
+
+__all__ = ["profile"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+_POINTWISE_TRAFFIC = 2.0
+"""Bytes moved in forward per pointwise byte saved (written once, read once): the analytic memory term."""
+
+
+def _resolve_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None) -> tuple[list[nn.Module], str]:
+    names = {id(m): n for n, m in model.named_modules()}
+    if blocks is None:
+        found = find_blocks(model)
+        return list(found), names.get(id(found), "")
+    if isinstance(blocks, str):
+        try:
+            found = model.get_submodule(blocks)
+        except AttributeError as e:
+            raise ValueError(f"blocks={blocks!r} is not a submodule path of {type(model).__name__}: {e}") from e
+        if not isinstance(found, (nn.ModuleList, nn.Sequential)):
+            raise ValueError(f"blocks={blocks!r} is a {type(found).__name__}; give the path of a ModuleList")
+        return list(found), blocks
+    out = list(blocks)
+    if not out or not all(isinstance(b, nn.Module) for b in out):
+        raise TypeError("blocks= takes a non-empty list of modules of the model, or a dotted path such as "
+                        "'model.layers'")
+    for b in out:
+        if id(b) not in names:
+            raise ValueError(f"a {type(b).__name__} given in blocks= is not a submodule of the model")
+    common = {names[id(b)].rpartition(".")[0] for b in out}
+    return out, common.pop() if len(common) == 1 else ""
+
+
+def _unique_params(modules: Sequence[nn.Module]) -> dict[int, nn.Parameter]:
+    out: dict[int, nn.Parameter] = {}
+    for m in modules:
+        for p in m.parameters():
+            out.setdefault(id(p), p)
+    return out
+
+
+def _nbytes(params: Mapping[int, torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def _signature(block: nn.Module) -> str:
+    shapes = ",".join("x".join(map(str, p.shape)) for p in block.parameters())
+    return f"{type(block).__name__}({shapes})"
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        logits = out[0]
+    if logits is None:
+        raise TypeError(f"the model returned a {type(out).__name__} without logits; pass loss_fn=")
+    return logits
+
+
+class _Step:
+    """One training micro-step's forward and loss, for the batch forms :func:`profile` accepts."""
+
+    def __init__(self, model: nn.Module, batch: Any, loss_fn: LossFn | None) -> None:
+        self.model, self.batch, self.loss_fn = model, batch, loss_fn
+        # training never uses a KV cache; Hugging Face models build one unless told (it would hold k and v)
+        self.extra = {"use_cache": False} if _accepts(model.forward, "use_cache") else {}
+        self.vocab = 0
+
+    def __call__(self) -> torch.Tensor:
+        model, batch = self.model, self.batch
+        if self.loss_fn is not None:
+            return self.loss_fn(model, batch)
+        if isinstance(batch, Mapping):
+            out = model(**{**self.extra, **batch})
+            loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+            if loss is None:
+                raise ValueError("the model returned no loss for the dict batch: add 'labels' to it or pass loss_fn=")
+            with contextlib.suppress(TypeError):
+                self.vocab = _logits(out).shape[-1]
+            return loss
+        if isinstance(batch, (tuple, list)):
+            inputs, targets = batch
+            logits = _logits(model(inputs, **self.extra))
+        else:
+            # next-token prediction on the ids themselves: position t predicts token t + 1
+            logits = _logits(model(batch, **self.extra))[:, :-1]
+            targets = batch[:, 1:]
+        self.vocab = logits.shape[-1]
+        # the loss in fp32, as the trainer computes it (autocast-independent)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _batch_shape(batch: Any) -> tuple[int, int]:
+    ids = batch
+    if isinstance(batch, Mapping):
+        ids = batch.get("input_ids", next((v for v in batch.values() if isinstance(v, torch.Tensor)), None))
+    elif isinstance(batch, (tuple, list)):
+        ids = batch[0]
+    if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+        raise TypeError("sample_batch must be a (batch, seq) tensor of token ids, an (inputs, targets) pair, or a "
+                        "dict with 'input_ids'")
+    return int(ids.shape[0]), int(ids.shape[1])
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    if p is None:
+        raise ValueError(f"{type(model).__name__} has no parameters to profile")
+    return p.device
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def profile(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    source: str = "auto",
+    machine: MachineProfile | str | None = None,
+    dtype: torch.dtype | None = None,
+    blocks: Sequence[nn.Module] | str | None = None,
+    cache_dir: str | None = None,
+    warmup: int = 1,
+    iters: int = 2,
+) -> Profile:
+    """Profile ``model`` on one micro-batch: per block saved bytes by kind and times, the head, the machine.
+
+    Args:
+        model: the model to train: elbowroom's reference models (``model(ids) -> logits``), a Hugging Face
+            causal LM, or any module with repeated blocks. On the meta device for the analytic source
+            (build it under ``with torch.device("meta"):`` when it fits nowhere).
+        sample_batch: one micro-batch: a ``(batch, seq)`` tensor of token ids (loss = next-token
+            cross-entropy on the logits), an ``(inputs, targets)`` pair (cross-entropy of the logits
+            against ``targets``), or a dict of keyword arguments (loss = ``out.loss``: include ``labels``).
+            Moved to the model's device.
+        loss_fn: ``loss_fn(model, batch) -> loss`` replaces the default loss.
+        source: "measured" (run on the model's device), "analytic" (trace on meta; the model must be on
+            meta), or "auto" (analytic for a model on meta, else measured).
+        machine: a :class:`MachineProfile`, a device table name (``"h100-80gb"``), or None: measured for the
+            model's device (cached in ``cache_dir``), ``h100-80gb`` for an analytic profile.
+        dtype: compute dtype. Autocast to it when it differs from the parameters' dtype. None: bfloat16 on
+            CUDA and for an analytic profile for a GPU, else the parameters' dtype.
+        blocks: the repeated blocks (a list of modules, or a dotted path such as ``"model.layers"``); None
+            finds them (:func:`elbowroom.activations.recompute.find_blocks`).
+        cache_dir: where :func:`measure_machine` caches the machine's numbers (None: no cache).
+        warmup: untimed steps before each timed mode (measured source).
+        iters: timed steps per mode, the median counts (measured source).
+
+    Returns:
+        The :class:`Profile`.
+
+    Raises:
+        ValueError: on an unknown source, a measured profile of a meta model, blocks already wrapped by
+            elbowroom, or a dict batch without a loss.
+        TypeError: on a sample batch of another form.
+    """
+    if source not in ("auto", "measured", "analytic"):
+        raise ValueError(f"source must be 'auto', 'measured' or 'analytic', got {source!r}")
+    device = _model_device(model)
+    if source == "auto":
+        source = "analytic" if device.type == "meta" else "measured"
+    if source == "measured" and device.type == "meta":
+        raise ValueError("a model on the meta device has no data to measure: use source='analytic'")
+    if source == "analytic" and device.type != "meta":
+        raise ValueError(
+            "source='analytic' traces on the meta device: build the model under `with torch.device('meta'):` "
+            "(or build_model(cfg, device='meta')), or use source='measured' for a model that is on a device"
+        )
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
+    block_list, block_path = _resolve_blocks(model, blocks)
+    for b in block_list:
+        if _wrap.get_policy(b) is not None:
+            raise ValueError("profile the model before applying recompute or offload to its blocks "
+                             "(elbowroom.activations.remove_activation_policy(model) undoes them)")
+
+    if machine is None:
+        machine = measure_machine(device, cache_dir=cache_dir) if source == "measured" else get_device("h100-80gb")
+    elif isinstance(machine, str):
+        machine = get_device(machine)
+    param_dtype = next(model.parameters()).dtype
+    if dtype is None:
+        gpu = device.type == "cuda" or (source == "analytic" and machine.name != "cpu")
+        dtype = torch.bfloat16 if gpu else param_dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    autocast_dtype = dtype if dtype != param_dtype else None
+    if autocast_dtype == torch.float32:
+        raise ValueError(f"the parameters are {param_dtype} and autocast only lowers precision: profile with "
+                         f"dtype={param_dtype} or cast the model to float32 first")
+    target = "cuda" if (device.type == "cuda" or (device.type == "meta" and machine.name != "cpu")) else "cpu"
+
+    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample_batch)
+    micro_batch, seq_len = _batch_shape(batch)
+    step = _Step(model, batch, loss_fn)
+    runner = _Runner(model, block_list, step, device, autocast_dtype, target)
+
+    with runner.preserved():
+        plain = runner.trace(mode=None)
+        selective = runner.trace(mode="selective")
+        timings = runner.time_modes(warmup, iters) if source == "measured" else None
+
+    return _assemble(
+        model, block_list, block_path, plain, selective, timings, step.vocab, machine, source, micro_batch, seq_len,
+        dtype, param_dtype, runner.allocator_overhead,
+    )
+
+
+class _Runner:
+    """Runs traced and timed steps on the model, and puts it back as it was."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], step: _Step, device: torch.device,
+                 autocast_dtype: torch.dtype | None, target: str) -> None:
+        self.model, self.blocks, self.step, self.device = model, blocks, step, device
+        self.autocast_dtype, self.target = autocast_dtype, target
+        self.clock = Clock(device)
+        self.allocator_overhead = 0
+
+    @contextlib.contextmanager
+    def preserved(self) -> Any:
+        """Training mode on, and afterwards: flags, RNG, autocast cache setting restored, no grads, no wrappers."""
+        model = self.model
+        flags = [(m, m.training) for m in model.modules()]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        cache = torch.is_autocast_cache_enabled()
+        if self.device.type == "meta":
+            # elbowroom's checkpoint wrapper asks torch.is_autocast_enabled(x.device.type) when the autocast cache
+            # is on, which raises for "meta"; the meta trace has no real autocast, so the cache is moot
+            torch.set_autocast_cache_enabled(False)
+        model.train()
+        try:
+            yield
+        finally:
+            for b in self.blocks:
+                uncheckpoint(b)
+            for m, t in flags:
+                m.training = t
+            torch.set_autocast_cache_enabled(cache)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+            model.zero_grad(set_to_none=True)
+
+    def _state(self) -> set:
+        return {skey(t) for t in list(self.model.parameters()) + list(self.model.buffers())}
+
+    def _autocast(self) -> Any:
+        if self.autocast_dtype is None or self.device.type == "meta":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _run(self, tracer: Tracer, record: bool, backward: bool = True) -> tuple[float, float]:
+        """One forward (+ backward); returns the forward's and the backward's seconds, read after a sync."""
+        handles = tracer.install()
+        try:
+            with contextlib.ExitStack() as stack:
+                if record:
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t))
+                    stack.enter_context(OpRecorder(tracer))
+                if self.device.type == "meta":
+                    stack.enter_context(MetaEmulation(self.autocast_dtype, self.target))
+                t0 = self.clock.mark()
+                with self._autocast():
+                    loss = self.step()
+                t1 = self.clock.mark()
+                if not backward:
+                    del loss  # frees the graph, and with it what the blocks saved
+                    return self.clock.seconds(t0, t1), 0.0
+                tracer.backward = True
+                # not loss.backward(): under a TorchFunctionMode that call is itself intercepted, and the mode is
+                # off while it runs, so the meta emulation would miss the recompute of checkpointed blocks
+                torch.autograd.backward(loss)
+                t2 = self.clock.mark()
+        finally:
+            for h in handles:
+                h.remove()
+        self.model.zero_grad(set_to_none=True)
+        self.clock.sync()
+        return self.clock.seconds(t0, t1), self.clock.seconds(t1, t2)
+
+    def _apply(self, mode: str | None) -> None:
+        for b in self.blocks:
+            if mode is None:
+                uncheckpoint(b)
+            else:
+                checkpoint(b, mode)
+
+    def trace(self, mode: str | None) -> Tracer:
+        """One recorded step, plain (None) or with every block under ``checkpoint(block, mode)``.
+
+        Under a checkpoint only the forward runs: what the blocks keep is known when it ends, and on meta the
+        recompute in backward would run outside the emulation (autograd does not carry torch function modes
+        into backward).
+        """
+        self._apply(mode)
+        try:
+            tracer = Tracer(self.blocks, self._state(), self.clock, track_liveness=mode is not None)
+            self._run(tracer, record=True, backward=mode is None)
+        finally:
+            self._apply(None)
+        return tracer
+
+    def time_modes(self, warmup: int, iters: int) -> dict[str | None, dict[str, Any]]:
+        """Median per-block forward/backward seconds and step totals, plain, full and selective."""
+        out: dict[str | None, dict[str, Any]] = {}
+        cuda = self.device.type == "cuda"
+        for mode in (None, "full", "selective"):
+            self._apply(mode)
+            try:
+                if cuda and mode is None:
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                fwd: list[list[float]] = [[] for _ in self.blocks]
+                bwd: list[list[float]] = [[] for _ in self.blocks]
+                tot_f: list[float] = []
+                tot_b: list[float] = []
+                for it in range(warmup + iters):
+                    tracer = Tracer(self.blocks, set(), self.clock, record_ops=False)
+                    f, b = self._run(tracer, record=False)
+                    if it < warmup:
+                        continue
+                    tot_f.append(f)
+                    tot_b.append(b)
+                    for i in range(len(self.blocks)):
+                        r = tracer.regions[i]
+                        fwd[i].append(self.clock.seconds(*r.fwd))
+                        bwd[i].append(self.clock.seconds(*r.bwd))
+                if cuda and mode is None:
+                    # fragmentation at the plain step's peak: what the caching allocator holds beyond the tensors
+                    self.allocator_overhead = int(torch.cuda.max_memory_reserved(self.device)
+                                                  - torch.cuda.max_memory_allocated(self.device))
+            finally:
+                self._apply(None)
+            out[mode] = {"fwd": [_median(x) for x in fwd], "bwd": [_median(x) for x in bwd],
+                         "total_fwd": _median(tot_f), "total_bwd": _median(tot_b)}
+        return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _fused_chunk_tokens() -> int:
+    from elbowroom.ops.linear_cross_entropy import linear_cross_entropy
+
+    return int(inspect.signature(linear_cross_entropy).parameters["chunk_tokens"].default)
+
+
+def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain: Tracer, selective: Tracer,
+              timings: dict | None, vocab: int, machine: MachineProfile, source: str, micro_batch: int,
+              seq_len: int, dtype: torch.dtype, param_dtype: torch.dtype, allocator_overhead: int) -> Profile:
+    rate, bw = machine.matmul_flops, machine.memory_bandwidth
+    block_params = _unique_params(blocks)
+    out_blocks = []
+    for i, blk in enumerate(blocks):
+        r, s = plain.regions[i], selective.regions[i]
+        saved = {k: int(r.saved.get(k, 0)) for k in KINDS}
+        sel_saved = int(sum(v for k, v in s.saved.items() if k in KINDS) + s.kept_alive)
+        params = _unique_params([blk])
+        if timings is not None:
+            fwd_s, bwd_s = timings[None]["fwd"][i], timings[None]["bwd"][i]
+            rec_s = max(0.0, timings["full"]["bwd"][i] - bwd_s)
+            sel_s = max(0.0, timings["selective"]["bwd"][i] - bwd_s)
+        else:
+            mem = _POINTWISE_TRAFFIC * saved["pointwise"] / bw
+            fwd_s = r.fwd_flops / rate + mem
+            bwd_s = r.bwd_flops / rate + 2 * mem
+            rec_s, sel_s = fwd_s, mem
+        out_blocks.append(BlockProfile(
+            index=i, signature=_signature(blk), num_params=sum(p.numel() for p in params.values()),
+            param_bytes=_nbytes(params), saved_bytes=saved, selective_saved_bytes=sel_saved,
+            input_bytes=int(r.input_bytes), largest_saved_bytes=int(r.largest), forward_s=fwd_s, backward_s=bwd_s,
+            recompute_s=rec_s, selective_recompute_s=sel_s, flops=r.fwd_flops + r.bwd_flops,
+        ))
+
+    h = plain.regions[HEAD]
+    head_params = {k: p for k, p in _unique_params([model]).items() if k not in block_params}
+    head_saved = int(sum(v for k, v in h.saved.items() if k in KINDS))
+    tokens = micro_batch * seq_len
+    c = _itemsize(dtype)
+    # plain head: logits in the compute dtype, their fp32 upcast (none in fp32) and its fp32 gradient
+    logits_transient = tokens * vocab * (c + (4 if c != 4 else 0) + 4)
+    fused_transient = min(tokens, _fused_chunk_tokens()) * vocab * 4  # one chunk's fp32 logits
+    if timings is not None:
+        head_fwd = max(0.0, timings[None]["total_fwd"] - sum(b.forward_s for b in out_blocks))
+        head_bwd = max(0.0, timings[None]["total_bwd"] - sum(b.backward_s for b in out_blocks))
+    else:
+        mem = _POINTWISE_TRAFFIC * h.saved.get("pointwise", 0) / bw
+        head_fwd = h.fwd_flops / rate + mem
+        head_bwd = h.bwd_flops / rate + 2 * mem
+    head = HeadProfile(
+        num_params=sum(p.numel() for p in head_params.values()), param_bytes=_nbytes(head_params),
+        saved_bytes=head_saved, logits_transient_bytes=int(logits_transient),
+        fused_transient_bytes=int(fused_transient),
+        forward_s=head_fwd, backward_s=head_bwd, flops=h.fwd_flops + h.bwd_flops,
+    )
+    extra = {
+        "torch": torch.__version__,
+        "vocab_size": vocab,
+        "autocast": dtype != param_dtype,
+        "state_saved_bytes": [int(plain.regions[i].saved.get("state", 0)) for i in range(len(blocks))],
+        "shared_saved_bytes": [int(plain.regions[i].saved.get("shared", 0)) for i in range(len(blocks))],
+        "forward_flops": [plain.regions[i].fwd_flops for i in range(len(blocks))],
+        "head_state_saved_bytes": int(h.saved.get("state", 0)),
+        "head_forward_flops": h.fwd_flops,
+    }
+    return Profile(
+        source=source, machine=machine, micro_batch=micro_batch, seq_len=seq_len,
+        compute_dtype=str(dtype).split(".")[-1],
+        param_dtype=str(param_dtype).split(".")[-1], blocks=tuple(out_blocks), head=head, block_path=block_path,
+        allocator_overhead_bytes=allocator_overhead, extra=extra,
+    )
+
