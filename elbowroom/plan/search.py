@@ -71,9 +71,11 @@ class _Knapsack:
         self.t = tables
         n = len(profile.blocks)
         self.n = n
-        self.M = int(min(8192, max(2048, 40 * n)))
+        base = int(min(8192, max(2048, 40 * n)))
         total = float(tables.kept[:, _KEEP].sum())
-        self.unit0 = max(1.0, total / self.M)  # bytes per unit at the profile's micro-batch
+        self.unit0 = max(1.0, total / base)  # bytes per unit at the profile's micro-batch
+        # rounding each block up adds at most one unit per block: room for every block kept whole
+        self.M = base + n + 1
         self.units = np.ceil(tables.kept / self.unit0 - 1e-9).astype(np.int64)
         self.offload_ok = offload_ok
         self.window = prefetch_window
