@@ -333,6 +333,10 @@ class BlockTables:
     def cost(self, w: float) -> np.ndarray:
         """Seconds per micro-batch of each option (unscaled): recompute plus the copies' exposed time with a share
         ``w`` of micro-batches at the duplex rate. One expression, used by the search and by :func:`predict`."""
+        if w == 0.0:  # (0 * inf would be nan where a machine without a link makes copies infinitely slow)
+            return self.recompute + self.exposed_oneway
+        if w == 1.0:
+            return self.recompute + self.exposed_duplex
         return self.recompute + ((1.0 - w) * self.exposed_oneway + w * self.exposed_duplex)
 
 
@@ -538,7 +542,9 @@ def duplex_share(d: Decisions) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- predict
-def predict(profile: Profile, d: Decisions, budget_bytes: int, *, prefetch_window_bytes: int | None = None) -> Prediction:
+def predict(
+    profile: Profile, d: Decisions, budget_bytes: int, *, prefetch_window_bytes: int | None = None
+) -> Prediction:
     """Peak memory and step time of ``d`` on ``profile`` (the equations of the module docstring).
 
     Args:

@@ -41,7 +41,10 @@ def parse_budget(budget: str | int) -> int:
     Raises:
         ValueError: anything else, naming the accepted forms.
     """
-    forms = "accepted: a number with GiB, GB, MiB, MB, KiB, KB, TiB, TB or B (e.g. '24GiB', '512MiB'), or an int of bytes"
+    forms = (
+        "accepted: a number with GiB, GB, MiB, MB, KiB, KB, TiB, TB or B (e.g. '24GiB', '512MiB'), "
+        "or an int of bytes"
+    )
     if isinstance(budget, bool):
         raise ValueError(f"budget must be a size, got {budget!r}; {forms}")
     if isinstance(budget, int):

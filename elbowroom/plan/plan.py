@@ -155,7 +155,9 @@ class Plan:
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name} must be one of {', '.join(_DTYPES)}, got {getattr(self, name)!r}")
         if self.weight_dtype == "bfloat16" and self.offload_param_dtype != "bfloat16":
-            raise ValueError("weight_dtype = 'bfloat16' puts every weight in bf16: set offload_param_dtype = 'bfloat16'")
+            raise ValueError(
+                "weight_dtype = 'bfloat16' puts every weight in bf16: set offload_param_dtype = 'bfloat16'"
+            )
         if self.budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {self.budget_bytes}")
         if self.version != PLAN_VERSION:

@@ -199,10 +199,10 @@ def _offload_counts(n: int) -> list[int]:
 
 def _bound_extra(g: cost.Globals, s: float, e: float, off: float, level0: bool, window: int) -> int:
     """The non-additive part of the peak bound (module docstring of :mod:`cost`), scaled."""
-    E, O = s * e, s * off
-    fwd_end = g.head + (g.cache if level0 else 0) + O
-    bwd = E + min(O, window) + g.backward_work
-    fwd_blk = E + g.largest + O
+    ex, of = s * e, s * off
+    fwd_end = g.head + (g.cache if level0 else 0) + of
+    bwd = ex + min(of, window) + g.backward_work
+    fwd_blk = ex + g.largest + of
     return int(math.ceil(max(fwd_end, bwd, fwd_blk)))
 
 
@@ -344,8 +344,10 @@ def plan_for(
         expandable_segments=outer.expandable,
         grad_clipping=grad_clipping,
     )
-    plan = plan_from_decisions(profile, d, budget_bytes, notes=tuple(notes), prefetch_window_bytes=prefetch_window_bytes,
-                               budget_for_margin=budget)
+    plan = plan_from_decisions(
+        profile, d, budget_bytes, notes=tuple(notes), prefetch_window_bytes=prefetch_window_bytes,
+        budget_for_margin=budget,
+    )
     # the search's objective and the cost model's prediction are one expression; keep the search's number so that
     # the monotonicity over budgets is exact to the last bit
     assert math.isclose(plan.predicted_step_seconds, t, rel_tol=1e-9), (plan.predicted_step_seconds, t)
