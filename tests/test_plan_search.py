@@ -11,8 +11,7 @@ import time
 import pytest
 from test_plan_support import GiB, make_profile
 
-from elbowroom.plan import BudgetError, plan_for
-from elbowroom.plan import cost
+from elbowroom.plan import BudgetError, cost, plan_for
 
 
 def _minimum(profile, **kw) -> int:
