@@ -148,3 +148,11 @@ def test_bad_arguments() -> None:
         plan_for(p, GiB, precision="fp16")
     with pytest.raises(ValueError, match="global_batch"):
         plan_for(p, GiB, global_batch=0)
+
+
+def test_selective_can_be_ruled_out() -> None:
+    p = make_profile(n_layers=8)
+    for b in (22 * GiB, 28 * GiB, 40 * GiB):
+        plan = plan_for(p, b, selective_allowed=False)
+        assert all(x.checkpoint != "selective" for x in plan.blocks)
+        assert plan.predicted_step_seconds >= plan_for(p, b).predicted_step_seconds

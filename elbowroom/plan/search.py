@@ -66,7 +66,10 @@ class _Outer:
 class _Knapsack:
     """The per-block programme for one profile: units, levels and cached solutions."""
 
-    def __init__(self, profile: Profile, tables: cost.BlockTables, offload_ok: bool, prefetch_window: int) -> None:
+    def __init__(
+        self, profile: Profile, tables: cost.BlockTables, offload_ok: bool, prefetch_window: int,
+        selective_ok: bool = True,
+    ) -> None:
         self.profile = profile
         self.t = tables
         n = len(profile.blocks)
@@ -80,6 +83,8 @@ class _Knapsack:
         self.offload_ok = offload_ok
         self.window = prefetch_window
         allowed_base = np.ones_like(tables.kept, dtype=bool) if offload_ok else tables.offloaded <= 0
+        if not selective_ok:
+            allowed_base &= np.array([o.checkpoint != "selective" for o in OPTIONS])[None, :]
         ex = np.unique(np.round(tables.extra[allowed_base], 0))
         ex = ex[ex > 0]
         if len(ex) > _MAX_LEVELS - 1:
@@ -217,6 +222,7 @@ def plan_for(
     grad_clipping: bool = True,
     allocator_allowed: bool = True,
     prefetch_window_bytes: int | None = None,
+    selective_allowed: bool = True,
 ) -> Plan:
     """The plan with the shortest predicted step whose predicted peak fits ``budget_bytes``.
 
@@ -232,6 +238,8 @@ def plan_for(
         grad_clipping: the loop clips gradients (or uses a GradScaler): the host step waits for the whole backward.
         allocator_allowed: the plan may set CUDA allocator options (``expandable_segments:True``).
         prefetch_window_bytes: the activation offload engine's prefetch window (its default when None).
+        selective_allowed: blocks may use selective recompute (:func:`~elbowroom.plan.fit` turns it off for
+            blocks that are not elbowroom's reference blocks, see there).
 
     Returns:
         The :class:`~elbowroom.plan.plan.Plan`.
@@ -269,7 +277,8 @@ def plan_for(
         budget = int(m.device_memory_bytes)
 
     tables = cost.block_tables(profile)
-    ks = _Knapsack(profile, tables, offload_ok=link_ok and offload_allowed, prefetch_window=prefetch_window_bytes)
+    ks = _Knapsack(profile, tables, offload_ok=link_ok and offload_allowed, prefetch_window=prefetch_window_bytes,
+                   selective_ok=selective_allowed)
     n = len(profile.blocks)
     mbs = _micro_batches(profile, global_batch)
     gb = global_batch if global_batch is not None else profile.micro_batch
