@@ -156,3 +156,38 @@ def test_selective_can_be_ruled_out() -> None:
         plan = plan_for(p, b, selective_allowed=False)
         assert all(x.checkpoint != "selective" for x in plan.blocks)
         assert plan.predicted_step_seconds >= plan_for(p, b).predicted_step_seconds
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_monotone_on_random_models_and_machines(seed: int) -> None:
+    # shapes, link and host speeds the planner was not written for
+    rng = random.Random(seed)
+    machine = dataclasses.replace(
+        make_profile(n_layers=1).machine,
+        matmul_flops=rng.uniform(1e14, 1e15),
+        h2d_bandwidth=rng.uniform(5e9, 60e9),
+        d2h_bandwidth=rng.uniform(5e9, 60e9),
+        duplex_bandwidth=rng.uniform(3e9, 40e9),
+        host_adam_params_per_s=rng.uniform(5e8, 8e9),
+        device_memory_bytes=rng.choice([24, 48, 80]) * GiB,
+    )
+    heads = rng.choice([8, 16])
+    p = make_profile(dim=heads * rng.choice([64, 128]), n_layers=rng.randint(3, 40), ffn=rng.choice([1024, 4096, 8192]),
+                     vocab=rng.choice([256, 32000, 128256]), micro_batch=rng.choice([1, 2, 8]),
+                     seq_len=rng.choice([512, 2048, 8192]), machine=machine, vary=rng.random() < 0.5)
+    kw = dict(precision=rng.choice(["fp32", "bf16"]), fused_loss_allowed=rng.random() < 0.5,
+              grad_clipping=rng.random() < 0.5, global_batch=rng.choice([None, 16]))
+    try:
+        low = _minimum(p, **kw)
+    except pytest.fail.Exception:  # even 1 MiB is enough: a tiny model
+        low = 1 << 20
+    if low > machine.device_memory_bytes:
+        pytest.skip("the model does not fit this device at all")
+    high = machine.device_memory_bytes
+    prev = None
+    for b in sorted({low, high, *(rng.randint(low, high) for _ in range(10))}):
+        plan = plan_for(p, b, **kw)
+        assert plan.predicted_peak_bytes <= b
+        if prev is not None:
+            assert plan.predicted_step_seconds <= prev
+        prev = plan.predicted_step_seconds
