@@ -162,3 +162,30 @@ def test_blocks_named_by_path() -> None:
     assert got == pytest.approx(want, rel=1e-5)
     with pytest.raises(ValueError, match="has no submodule 'inner.layers'"):
         apply(Wrapped(), hand_plan(4), blocks="inner.layers", lr=1e-2)
+
+
+@pytest.mark.parametrize("where", ["minimum", "between"])
+def test_searched_plan_applies_and_trains_like_plain(where: str) -> None:
+    # search -> apply without the profiler: a hand-made profile of the tiny model's shape
+    from test_plan_support import make_profile
+
+    from elbowroom.plan import BudgetError, plan_for
+
+    p = make_profile(dim=128, n_layers=4, ffn=384, vocab=256, micro_batch=2, seq_len=64)
+    with pytest.raises(BudgetError) as e:
+        plan_for(p, 1, fused_loss_allowed=False)
+    low = e.value.minimum_bytes
+    high = plan_for(p, 80 << 30).predicted_peak_bytes
+    budget = low if where == "minimum" else (low + high) // 2
+    plan = plan_for(p, budget)
+    if where == "minimum":
+        assert plan.offloads_optimizer and any(b.checkpoint != "none" for b in plan.blocks)
+    ref = tiny(0.1, "gpt2")
+    model = copy.deepcopy(ref)
+    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-2, fused=True)
+    got = run(model, opt, 3, clip=1.0)
+    want = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), 3, clip=1.0)
+    assert got == pytest.approx(want, rel=1e-5)
+    if isinstance(opt, CPUOffloadOptimizer):
+        opt.wait_for_weights()
+    assert_params_close(model, ref, 1e-5)

@@ -93,8 +93,10 @@ def fit(
       ``elbowroom.linear_cross_entropy(hidden_states, head.weight, targets)``; if the plan also offloads the
       parameters outside the blocks (``plan.offload_other_params``), call ``optimizer.wait_for(head.weight)``
       before it: that weight is read outside its module's forward, where the optimizer cannot see the read.
-    - ``plan.weight_dtype == "bfloat16"`` (only with ``precision="bf16"``): the parameters are bf16 (fp32
-      masters in the optimizer); autocast may stay on or go.
+    - ``precision="bf16"``: the plan may keep the offloaded weights in bf16 on the device
+      (``plan.offload_param_dtype``) or the whole model (``plan.weight_dtype == "bfloat16"``), always with fp32
+      masters in the optimizer; the loop keeps running under bf16 autocast, as it was profiled (with the whole
+      model in bf16 autocast may also go).
 
     Everything else needs nothing: gradient clipping with ``torch.nn.utils.clip_grad_norm_(model.parameters(),
     ...)`` sees every gradient (the plan never frees device gradients early; ``optimizer.clip_grad_norm_`` works
