@@ -99,3 +99,39 @@ def test_unknown_device_lists_the_known_ones(capsys: pytest.CaptureFixture[str])
     assert cmd_plan(["--model", "w1", "--device", "tpu-v9", "--budget", "24GiB"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "tpu-v9" in err and "h100-80gb" in err
+
+
+def test_model_path_with_a_stand_in_profiler(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the --model path up to the profiler's call, with stand-ins for the profiler and the device table (the real
+    # ones are written in another worktree; test_analytic_w1_on_the_device_table runs against them)
+    import sys
+    import types
+
+    calls = []
+
+    def profile(model, sample, *, source, machine):
+        calls.append((type(model).__name__, len(model.blocks), tuple(sample.shape), sample.device.type, source,
+                      machine))
+        return make_profile(n_layers=len(model.blocks), micro_batch=sample.shape[0], seq_len=sample.shape[1])
+
+    prof_mod = types.ModuleType("elbowroom.plan.profile")
+    prof_mod.profile = profile
+    dev_mod = types.ModuleType("elbowroom.plan.devices")
+    dev_mod.DEVICES = {"h100-80gb": None, "a100-40gb": None}
+    monkeypatch.setitem(sys.modules, "elbowroom.plan.profile", prof_mod)
+    monkeypatch.setitem(sys.modules, "elbowroom.plan.devices", dev_mod)
+    import elbowroom.plan as plan_pkg
+
+    monkeypatch.setattr(plan_pkg, "devices", dev_mod, raising=False)
+    assert cmd_plan(["--model", "w1", "--device", "h100-80gb", "--budget", "24GiB", "--batch", "4x4096"]) == 0
+    assert calls == [("DecoderLM", 24, (4, 4096), "meta", "analytic", "h100-80gb")]
+    assert "predicted peak" in capsys.readouterr().out
+    assert cmd_plan(["--model", "w1", "--device", "tpu-v9", "--budget", "24GiB"]) == 2
+    assert "unknown device 'tpu-v9'; known: a100-40gb, h100-80gb" in capsys.readouterr().err
+    assert cmd_plan(["--model", "tiny", "--device", "h100-80gb", "--budget", "24GiB", "--batch", "4by4096"]) == 2
+    assert "--batch must read SAMPLESxTOKENS" in capsys.readouterr().err
+    assert cmd_plan(["--model", "tiny", "--arch", "gpt2", "--device", "a100-40gb", "--budget", "24GiB",
+                     "--batch", "2x512"]) == 0  # longer than the preset's max_seq_len: the model grows to fit
+    assert calls[-1][:4] == ("DecoderLM", 4, (2, 512), "meta")
