@@ -411,11 +411,46 @@ class Globals:
     """Host memory of the optimizer state."""
 
 
+@dataclass(frozen=True)
+class _Sums:
+    """Per-profile sums the search reads thousands of times."""
+
+    num_params: int
+    block_params: tuple[int, ...]
+    base_s: float
+    largest: int
+    in_max: int
+    params_max: int
+
+
+_SUMS: dict[int, tuple[Profile, _Sums]] = {}
+
+
+def _sums(profile: Profile) -> _Sums:
+    got = _SUMS.get(id(profile))
+    if got is not None and got[0] is profile:
+        return got[1]
+    blocks, head = profile.blocks, profile.head
+    sums = _Sums(
+        num_params=profile.num_params,
+        block_params=tuple(b.num_params for b in blocks),
+        base_s=sum(b.forward_s + b.backward_s for b in blocks) + head.forward_s + head.backward_s,
+        largest=max((b.largest_saved_bytes for b in blocks), default=0),
+        in_max=max((b.input_bytes for b in blocks), default=0),
+        params_max=max((b.num_params for b in blocks), default=0),
+    )
+    if len(_SUMS) > 16:
+        _SUMS.clear()
+    _SUMS[id(profile)] = (profile, sums)  # the profile is held, so its id is not reused while cached
+    return sums
+
+
 def _param_split(profile: Profile, d: Decisions) -> tuple[int, int]:
-    p_off = sum(b.num_params for b, o in zip(profile.blocks, d.offload_blocks) if o)
+    sums = _sums(profile)
+    p_off = sum(n for n, o in zip(sums.block_params, d.offload_blocks) if o)
     if d.offload_other:
         p_off += profile.head.num_params
-    return profile.num_params - p_off, p_off
+    return sums.num_params - p_off, p_off
 
 
 def state_bytes(profile: Profile, d: Decisions) -> int:
@@ -485,11 +520,12 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     elif off_dtype == "bfloat16":
         p32 = p_res
     else:
-        p32 = profile.num_params
+        p32 = _sums(profile).num_params
     bwm = m.memory_bandwidth if m.memory_bandwidth > 0 else math.inf
     cast_s = p32 * CAST_BYTES_PER_PARAM / bwm
-    cast0 = profile.num_params * CAST_BYTES_PER_PARAM / bwm if autocast_profiled(profile) else 0.0
-    base = sum(b.forward_s + b.backward_s for b in blocks) + head.forward_s + head.backward_s
+    sums = _sums(profile)
+    cast0 = sums.num_params * CAST_BYTES_PER_PARAM / bwm if autocast_profiled(profile) else 0.0
+    base = sums.base_s
     compute_s = s * max(0.0, base - cast0) + cast_s
     per = DEVICE_MASTER_ADAM_BYTES_PER_PARAM if weight == "bfloat16" else DEVICE_ADAM_BYTES_PER_PARAM
     device_step_s = p_res * per / bwm
@@ -502,12 +538,11 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     else:
         head_b = s * (head.saved_bytes + head.logits_transient_bytes) + head_params_cast
     block_params_32 = 0 if (not autocast or weight == "bfloat16") else sum(
-        b.num_params for b, o in zip(blocks, d.offload_blocks) if not (o and off_dtype == "bfloat16")
+        n for n, o in zip(sums.block_params, d.offload_blocks) if not (o and off_dtype == "bfloat16")
     )
     cache = 2 * block_params_32
-    largest = max((b.largest_saved_bytes for b in blocks), default=0)
-    in_max = max((b.input_bytes for b in blocks), default=0)
-    grad_t = 2 * max((b.num_params for b in blocks), default=0) if (autocast and weight == "float32") else 0
+    largest, in_max = sums.largest, sums.in_max
+    grad_t = 2 * sums.params_max if (autocast and weight == "float32") else 0
     return Globals(
         states=state_bytes(profile, d),
         head=int(math.ceil(head_b)),
