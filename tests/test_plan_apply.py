@@ -189,3 +189,27 @@ def test_searched_plan_applies_and_trains_like_plain(where: str) -> None:
     if isinstance(opt, CPUOffloadOptimizer):
         opt.wait_for_weights()
     assert_params_close(model, ref, 1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hugging_face_models_train_like_plain(arch: str) -> None:
+    # every mechanism on HF blocks (keyword arguments, tied embeddings, dropout): bitwise the plain run on CPU
+    import test_plan_fit as hf
+
+    ref = hf.hf_gpt2() if arch == "gpt2" else hf.hf_llama()
+    model = copy.deepcopy(ref)
+    rows = (
+        BlockPlan(index=0, checkpoint="full", offload_input=True),
+        BlockPlan(index=1, checkpoint="selective", offload_ratio=0.5),
+        BlockPlan(index=2, offload_ratio=0.5, optimizer_on_host=True),
+        BlockPlan(index=3, checkpoint="selective", optimizer_on_host=True),
+    )
+    plan = Plan(blocks=rows, budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=1.0,
+                predicted_tokens_per_s=1.0, offload_other_params=True)
+    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
+    assert model.config.use_cache is False
+    got = hf.train(model, opt, 3)
+    want = hf.train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True), 3)
+    assert got == pytest.approx(want, rel=1e-6)
+    opt.wait_for_weights()
+    assert_params_close(model, ref, 1e-6)

@@ -104,6 +104,10 @@ def apply(
         blocks: the model's repeated blocks when they cannot be found (a dotted path or the modules).
         **opt_kwargs: passed to the optimizer (``lr``, ``weight_decay``, ``betas``...).
 
+    Besides the plan's own settings, a Hugging Face model that recomputes blocks gets ``config.use_cache =
+    False`` (as ``gradient_checkpointing_enable`` does): a KV cache built in a training forward would change
+    between forward and recompute.
+
     Returns:
         ``(model, optimizer)``: the same model, changed in place.
 
@@ -122,6 +126,13 @@ def apply(
     if plan.weight_dtype == "bfloat16":
         _cast_bf16(model)
 
+    config = getattr(model, "config", None)
+    if any(b.checkpoint != "none" for b in plan.blocks) and getattr(config, "use_cache", False):
+        # a Hugging Face model building its KV cache in a training forward changes state between forward and
+        # recompute (selective recompute then misses the cache's slices in backward); HF's own
+        # gradient_checkpointing_enable turns the cache off in training the same way
+        config.use_cache = False
+        logger.info("plan recomputes blocks: set model.config.use_cache = False (no KV cache in training)")
     owner, proxied = _policy_owner(model, blks)
     engine = None
     if proxied:

@@ -77,7 +77,7 @@ def fit(
     blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     grad_clipping: bool = True,
-    selective: bool | None = None,
+    selective: bool = True,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -117,10 +117,8 @@ def fit(
         blocks: the repeated blocks when they cannot be found (a dotted path such as "model.layers", or modules).
         loss_fn: ``loss_fn(model, batch) -> loss`` for the profile, when ``model(batch)`` is not enough.
         grad_clipping: the loop clips gradients (the planner assumes the host step then waits for the backward).
-        selective: allow selective recompute. None: only for elbowroom's reference blocks (``LlamaBlock``,
-            ``GPT2Block``); on Hugging Face blocks torch's selective-checkpoint storage does not find a slice it
-            saved (``aten.slice.Tensor ... not found in storage`` in backward, torch 2.13), so other blocks get
-            keep / full recompute / offload only until that is fixed in ``elbowroom.activations``.
+        selective: allow selective recompute (False for blocks whose forward changes state a recompute would
+            see differently; a Hugging Face KV cache is switched off by :func:`~elbowroom.plan.apply` instead).
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
 
     Returns:
@@ -130,13 +128,11 @@ def fit(
         BudgetError: no plan fits the budget (the message names the minimum).
         ValueError: a bad budget or argument.
     """
-    from elbowroom.models import GPT2Block, LlamaBlock
     from elbowroom.plan.apply import apply, resolve_blocks
     from elbowroom.plan.search import plan_for
 
     budget_bytes = parse_budget(budget)
-    if selective is None:
-        selective = all(isinstance(b, (LlamaBlock, GPT2Block)) for b in resolve_blocks(model, blocks))
+    resolve_blocks(model, blocks)  # no repeated blocks: say so before profiling
     from elbowroom.plan.profile import profile as take_profile  # the profiler: imported when first needed
 
     prof_kwargs: dict[str, Any] = {"source": source, "machine": machine, "blocks": blocks}
