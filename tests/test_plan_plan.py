@@ -109,3 +109,17 @@ def test_block_rows_validate() -> None:
         BlockPlan(index=0, offload_input=True)
     with pytest.raises(ValueError, match="at least one block"):
         Plan(blocks=(), budget_bytes=1, predicted_peak_bytes=0, predicted_step_seconds=0.0, predicted_tokens_per_s=0.0)
+
+
+def test_importing_the_planner_is_cheap() -> None:
+    # no CUDA initialisation and none of the mechanisms' engines until a plan is applied
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, elbowroom.plan as p\n"
+        "assert p.Plan and p.fit and p.apply and p.plan_for and p.parse_budget and p.BudgetError\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "assert 'elbowroom.optim.offload' not in sys.modules and 'elbowroom.activations.offload' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
