@@ -339,7 +339,7 @@ def plan_for(
                                 if best is None or t < best[0]:
                                     best = (t, outer, li, cap, w)
     if best is None:
-        raise _budget_error(profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch)
+        raise _budget_error(profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed)
     t, outer, li, cap, w = best
     opts = ks.backtrack(li, w, cap)
     d = Decisions(
@@ -384,6 +384,7 @@ def _budget_error(
     layouts: list[str],
     opt_ok: bool,
     global_batch: int | None,
+    fused_allowed: bool,
 ) -> BudgetError:
     n = len(profile.blocks)
     all_dev = Decisions(options=(Option(),) * n, offload_blocks=(False,) * n)
@@ -396,11 +397,14 @@ def _budget_error(
     if minimum is None:
         return BudgetError(f"no plan fits the host memory of {profile.machine.name}; " + "; ".join(parts), 0)
     low, outer, comp = minimum
+    top = max(comp, key=lambda k: comp[k])
     parts.append("the smallest plan: " + ", ".join(f"{k} {_gib(v)}" for k, v in comp.items())
-                 + f" (micro-batch {outer.micro_batch})")
+                 + f" (micro-batch {outer.micro_batch}; {top} dominate)")
     hints = []
     if precision == "fp32" and profile.compute_dtype in ("bfloat16", "float16") and opt_ok:
         hints.append("precision='bf16' allows bf16 device weights")
+    if not fused_allowed:
+        hints.append("fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss")
     if global_batch is None and profile.micro_batch > 1:
         hints.append("global_batch= lets the planner split the batch into micro-batches")
     msg = f"budget {_gib(budget)} is below the minimum {_gib(low)}: " + "; ".join(parts)
