@@ -339,7 +339,9 @@ def plan_for(
                                 if best is None or t < best[0]:
                                     best = (t, outer, li, cap, w)
     if best is None:
-        raise _budget_error(profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed)
+        raise _budget_error(
+            profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed
+        )
     t, outer, li, cap, w = best
     opts = ks.backtrack(li, w, cap)
     d = Decisions(
