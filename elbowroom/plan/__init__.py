@@ -1,8 +1,11 @@
-"""elbowroom.plan: profile -> cost -> planner -> Plan -> apply.
+"""elbowroom.plan: state a memory budget; elbowroom profiles the model, decides, predicts and applies.
 
-Profiling (this round): :func:`profile` measures or traces a model into a :class:`Profile`;
-:func:`get_device` reads the device table, :func:`measure_machine` measures the machine.
-Imports are lazy so that ``import elbowroom.plan`` stays cheap and never initialises CUDA.
+Data flows one way: model + sample batch -> :class:`Profile` (:func:`profile`, measured on the device or traced
+on the meta device against the device table) -> cost model (:mod:`elbowroom.plan.cost`) and search
+(:func:`plan_for`) -> :class:`Plan` (plain data: printed, saved as TOML/JSON, edited, loaded) -> :func:`apply`
+(the mechanisms wired to the model). :func:`fit` does all of it in one call. :func:`get_device` reads the device
+table, :func:`measure_machine` measures this machine. Imports are lazy: ``import elbowroom.plan`` stays cheap and
+never initialises CUDA.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ _EXPORTS = {
     "MachineProfile": "elbowroom.plan.types",
     "Profile": "elbowroom.plan.types",
     "profile_from_dict": "elbowroom.plan.types",
+    "apply": "elbowroom.plan.apply",
+    "fit": "elbowroom.plan.fit",
+    "parse_budget": "elbowroom.plan.fit",
+    "BlockPlan": "elbowroom.plan.plan",
+    "Plan": "elbowroom.plan.plan",
+    "BudgetError": "elbowroom.plan.search",
+    "plan_for": "elbowroom.plan.search",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -193,7 +193,7 @@ def _measure_cuda(dev: torch.device, name: str, n: int, copy_bytes: int, adam_nu
 
 
 def machine_for(device: str | torch.device, *, cache_dir: str | Path | None = None) -> MachineProfile:
-    """The profile :func:`elbowroom.plan.profile` uses when given no machine: measured for a CUDA or CPU
+    """The profile :func:`elbowroom.plan.profiler` uses when given no machine: measured for a CUDA or CPU
     device (cached in ``cache_dir`` when given).
 
     Args:

@@ -1,0 +1,192 @@
+"""Apply a Plan to a model: the one place that wires elbowroom's mechanisms together.
+
+:func:`apply` casts the weights when the plan says bf16, installs the per-block activation policies
+(:func:`~elbowroom.activations.apply_block_policies`), builds the optimizer (torch's own when nothing is
+offloaded and no masters are needed, else :class:`~elbowroom.optim.CPUOffloadOptimizer` with the plan's
+parameters on the host and ``overlap_with_forward``), and sets the CUDA allocator options the plan names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from elbowroom.plan.plan import Plan
+
+__all__ = ["apply", "resolve_blocks"]
+
+logger = logging.getLogger(__name__)
+
+_PROXY_ATTR = "_elbowroom_plan_blocks"
+
+
+class _BlockList(nn.Module):
+    """A stand-in owner of blocks the caller named, so that the policy code finds exactly those blocks."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+
+def resolve_blocks(model: nn.Module, blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None) -> nn.ModuleList:
+    """The repeated blocks of ``model``: found (``model.blocks``, Hugging Face ``model.layers`` /
+    ``transformer.h``: the longest list of one block class) or named by the caller.
+
+    Args:
+        model: the model.
+        blocks: None to find them; a dotted path (``"model.layers"``); or the modules themselves.
+
+    Returns:
+        The blocks as an ``nn.ModuleList`` (the model's own when it has one).
+
+    Raises:
+        ValueError: no blocks found, or a path that does not name a list of modules.
+    """
+    from elbowroom.activations.recompute import find_blocks
+
+    if blocks is None:
+        return find_blocks(model)
+    if isinstance(blocks, str):
+        try:
+            mod = model.get_submodule(blocks)
+        except AttributeError:
+            raise ValueError(f"{type(model).__name__} has no submodule {blocks!r}; name the list of blocks, e.g. "
+                             "'model.layers' or 'transformer.h'") from None
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or not len(mod):
+            raise ValueError(f"{blocks!r} is a {type(mod).__name__}, not a non-empty list of blocks")
+        return mod if isinstance(mod, nn.ModuleList) else nn.ModuleList(list(mod))
+    if isinstance(blocks, nn.ModuleList):
+        return blocks
+    mods = list(blocks)
+    if not mods or not all(isinstance(m, nn.Module) for m in mods):
+        raise ValueError("blocks must be a dotted path, an nn.ModuleList or a non-empty sequence of modules")
+    return nn.ModuleList(mods)
+
+
+def _policy_owner(model: nn.Module, blocks: nn.ModuleList) -> tuple[nn.Module, bool]:
+    """The module whose blocks ``apply_block_policies`` will find: the model itself when they are its own."""
+    from elbowroom.activations.recompute import find_blocks
+
+    try:
+        found = find_blocks(model)
+    except ValueError:
+        found = None
+    if found is not None and len(found) == len(blocks) and all(a is b for a, b in zip(found, blocks)):
+        return model, False
+    return _BlockList(blocks), True
+
+
+def _cast_bf16(model: nn.Module) -> None:
+    # parameters only, in place (the same Parameter objects): buffers such as rotary tables keep their precision
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != torch.bfloat16:
+            p.data = p.data.to(torch.bfloat16)
+
+
+def apply(
+    model: nn.Module,
+    plan: Plan,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    *,
+    blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
+    **opt_kwargs: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Make ``model`` follow ``plan`` and build its optimizer.
+
+    Args:
+        model: the model (on its training device).
+        plan: the plan (from :func:`~elbowroom.plan.plan_for`, or :meth:`Plan.load`).
+        optimizer_class: a torch optimizer class (AdamW by default); offloaded parameters step with its CPU kernel.
+        blocks: the model's repeated blocks when they cannot be found (a dotted path or the modules).
+        **opt_kwargs: passed to the optimizer (``lr``, ``weight_decay``, ``betas``...).
+
+    Besides the plan's own settings, a Hugging Face model that recomputes blocks gets ``config.use_cache =
+    False`` (as ``gradient_checkpointing_enable`` does): a KV cache built in a training forward would change
+    between forward and recompute.
+
+    Returns:
+        ``(model, optimizer)``: the same model, changed in place.
+
+    Raises:
+        ValueError: the plan's block count differs from the model's.
+    """
+    from elbowroom.activations.offload import OffloadEngine
+    from elbowroom.activations.policy import apply_block_policies
+
+    blks = resolve_blocks(model, blocks)
+    if len(blks) != plan.num_blocks:
+        raise ValueError(
+            f"the plan has {plan.num_blocks} blocks but the model has {len(blks)}: plan again for this model "
+            "(elbowroom.plan.fit, or elbowroom plan --model ...)"
+        )
+    if plan.weight_dtype == "bfloat16":
+        _cast_bf16(model)
+
+    config = getattr(model, "config", None)
+    if any(b.checkpoint != "none" for b in plan.blocks) and getattr(config, "use_cache", False):
+        # a Hugging Face model building its KV cache in a training forward changes state between forward and
+        # recompute (selective recompute then misses the cache's slices in backward); HF's own
+        # gradient_checkpointing_enable turns the cache off in training the same way
+        config.use_cache = False
+        logger.info("plan recomputes blocks: set model.config.use_cache = False (no KV cache in training)")
+    owner, proxied = _policy_owner(model, blks)
+    engine = None
+    if proxied:
+        # blocks the caller named: the engine must still never offload the model's own parameters
+        dev = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+        engine = OffloadEngine(device=dev, keep_module=model)
+        model.__dict__[_PROXY_ATTR] = owner
+    apply_block_policies(owner, plan.to_block_policies(), engine=engine)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    offload: list[torch.Tensor] = []
+    if plan.offloads_optimizer:
+        seen: set[int] = set()
+        in_blocks: set[int] = set()
+        for i, blk in enumerate(blks):
+            for p in blk.parameters():
+                in_blocks.add(id(p))
+                if plan.blocks[i].optimizer_on_host and p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    offload.append(p)
+        if plan.offload_other_params:
+            offload += [p for p in params if id(p) not in in_blocks and id(p) not in seen]
+    masters = plan.weight_dtype == "bfloat16"
+    if not offload and not masters:
+        opt: torch.optim.Optimizer = optimizer_class(params, **opt_kwargs)
+    else:
+        from elbowroom.optim import CPUOffloadOptimizer
+
+        param_dtype = torch.bfloat16 if (plan.offload_param_dtype == "bfloat16" and not masters and offload) else None
+        opt = CPUOffloadOptimizer(
+            params,
+            optimizer_class,
+            offload_params=offload,
+            param_dtype=param_dtype,
+            master_weights=masters,
+            **opt_kwargs,
+        )
+        if offload:
+            # step() returns at once; each module waits for its own updated weights in the next forward
+            opt.overlap_with_forward(model)
+    if plan.allocator_settings and any(p.device.type == "cuda" for p in params):
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        if setter is not None:
+            setter(plan.allocator_settings)  # applies to the allocations that follow
+        else:
+            logger.warning("this torch cannot change allocator settings at run time; set PYTORCH_CUDA_ALLOC_CONF=%s",
+                           plan.allocator_settings)
+    logger.info(
+        "plan applied: %d of %d blocks recompute, %d offload activations, %d parameters' optimizer on the host, "
+        "weights %s",
+        sum(b.checkpoint != "none" for b in plan.blocks), plan.num_blocks,
+        sum(b.offload_ratio > 0 or b.offload_input for b in plan.blocks), sum(p.numel() for p in offload),
+        plan.weight_dtype,
+    )
+    return model, opt

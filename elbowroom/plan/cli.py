@@ -1,0 +1,165 @@
+"""``elbowroom plan``: plan a built-in model for a device and a budget, on the CPU, before any step runs.
+
+::
+
+    elbowroom plan --model w1 --device h100-80gb --budget 24GiB [--batch 4x4096] [--precision bf16]
+                   [--global-batch N] [--json] [--out plan.toml]
+    elbowroom plan --profile profile.json --budget 24GiB     # a saved Profile (Profile.to_dict() as JSON)
+
+The model is built on the meta device (no memory) and profiled analytically (bytes from a trace, speeds from
+the device table ``elbowroom.plan.devices``). Prints the plan's table (or its JSON with ``--json``) and the
+predicted peak and step time; ``--out`` saves the plan as TOML or JSON for ``Plan.load``. Bad input (an unknown
+model or device, a bad budget or batch, a budget below the minimum) prints one line on stderr and returns 2,
+writing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cmd_plan"]
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(f"elbowroom plan: {message} (see elbowroom plan --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="elbowroom plan", description="Plan a training step under a device-memory budget.")
+    p.add_argument("--model", default="tiny", help="model preset: tiny, w1, w2, 7b (default tiny)")
+    p.add_argument("--arch", choices=("llama", "gpt2"), default=None, help="block family (default: the preset's)")
+    p.add_argument("--device", default=None, help="device of the table elbowroom.plan.devices, e.g. h100-80gb")
+    p.add_argument("--budget", required=True, help="device memory for the step: 24GiB, 24GB, 512MiB or bytes")
+    p.add_argument("--batch", default=None, help="micro-batch as SAMPLESxTOKENS, e.g. 4x4096 (default 1 x the "
+                   "preset's max_seq_len)")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step (the planner then "
+                   "chooses micro-batch and accumulation)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 allows bf16 device weights "
+                   "with fp32 masters")
+    p.add_argument("--no-fused-loss", action="store_true", help="the loop cannot use the fused head + loss")
+    p.add_argument("--no-clip", action="store_true", help="the loop does not clip gradients")
+    p.add_argument("--profile", default=None, help="plan from a saved profile (JSON of Profile.to_dict()) instead "
+                   "of profiling --model")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--out", default=None, help="save the plan to this .toml or .json file")
+    return p
+
+
+def _parse_batch(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    try:
+        b, s = (int(x) for x in parts)
+    except ValueError:
+        raise _UsageError(f"elbowroom plan: --batch must read SAMPLESxTOKENS such as 4x4096, got {text!r}") from None
+    if b < 1 or s < 1:
+        raise _UsageError(f"elbowroom plan: --batch needs positive sizes, got {text!r}")
+    return b, s
+
+
+def _known_devices() -> list[str] | None:
+    """Names of the device table, whatever shape the table module gives them in (None if it is not there)."""
+    try:
+        from elbowroom.plan import devices
+    except ImportError:
+        return None
+    for attr in ("names", "known", "list_devices", "device_names"):
+        f = getattr(devices, attr, None)
+        if callable(f):
+            return sorted(f())
+    for attr in ("DEVICES", "MACHINES", "TABLE", "devices"):
+        table = getattr(devices, attr, None)
+        if isinstance(table, Mapping):
+            return sorted(table)
+    return None
+
+
+def _profile_from_args(args: argparse.Namespace) -> Any:
+    import torch
+
+    from elbowroom.models import ModelConfig, build_model
+    from elbowroom.models.decoder import PRESETS
+
+    if args.model not in PRESETS:
+        raise _UsageError(f"elbowroom plan: unknown model {args.model!r}; choose one of {', '.join(PRESETS)}")
+    if args.device is None:
+        raise _UsageError("elbowroom plan: --device is needed to profile a model (e.g. --device h100-80gb), or "
+                          "pass --profile FILE.json")
+    names = _known_devices()
+    if names is not None and args.device not in names:
+        raise _UsageError(f"elbowroom plan: unknown device {args.device!r}; known: {', '.join(names)}")
+    preset = PRESETS[args.model]
+    b, s = _parse_batch(args.batch) if args.batch else (1, preset.max_seq_len)
+    try:
+        from elbowroom.plan.profiler import profile
+    except ImportError:
+        raise _UsageError("elbowroom plan: the profiler (elbowroom.plan.profiler) is not in this build; pass "
+                          "--profile FILE.json") from None
+    cfg = ModelConfig.from_preset(args.model, arch=args.arch, max_seq_len=max(preset.max_seq_len, s))
+    model = build_model(cfg, device="meta")
+    sample = torch.zeros((b, s), dtype=torch.long, device="meta")
+    try:
+        return profile(model, sample, source="analytic", machine=args.device)
+    except (KeyError, ValueError) as e:
+        raise _UsageError(f"elbowroom plan: {e}") from None
+
+
+def cmd_plan(argv: Sequence[str] | None = None) -> int:
+    """Run ``elbowroom plan`` with ``argv`` (without the program and command names).
+
+    Returns:
+        0 on success; 2 on bad input (one line on stderr, nothing written).
+    """
+    from elbowroom.plan.fit import parse_budget
+    from elbowroom.plan.search import BudgetError, plan_for
+    from elbowroom.plan.types import profile_from_dict
+
+    try:
+        args = _parser().parse_args(list(argv) if argv is not None else None)
+        try:
+            budget = parse_budget(args.budget)
+        except ValueError as e:
+            raise _UsageError(f"elbowroom plan: {e}") from None
+        if args.out is not None and Path(args.out).suffix not in (".toml", ".json"):
+            raise _UsageError(f"elbowroom plan: --out must end in .toml or .json, got {args.out!r}")
+        if args.global_batch is not None and args.global_batch < 1:
+            raise _UsageError(f"elbowroom plan: --global-batch must be positive, got {args.global_batch}")
+        if args.profile is not None:
+            try:
+                prof = profile_from_dict(json.loads(Path(args.profile).read_text()))
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                raise _UsageError(f"elbowroom plan: cannot read profile {args.profile!r}: {e}") from None
+        else:
+            prof = _profile_from_args(args)
+        try:
+            plan = plan_for(
+                prof,
+                budget,
+                global_batch=args.global_batch,
+                precision=args.precision,
+                fused_loss_allowed=not args.no_fused_loss,
+                grad_clipping=not args.no_clip,
+            )
+        except BudgetError as e:
+            raise _UsageError(f"elbowroom plan: {e}") from None
+    except _UsageError as e:
+        print(str(e).replace("\n", " "), file=sys.stderr)
+        return 2
+    if args.json:
+        print(plan.to_json())
+    else:
+        print(plan.table())
+        print(f"\npredicted peak {plan.predicted_peak_bytes / 2**30:.2f} GiB of {budget / 2**30:.2f} GiB; "
+              f"step {plan.predicted_step_seconds:.3f} s ({plan.predicted_tokens_per_s:,.0f} tokens/s)")
+    if args.out is not None:
+        plan.save(args.out)
+    return 0

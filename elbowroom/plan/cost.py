@@ -1,0 +1,686 @@
+"""The cost model: a :class:`~elbowroom.plan.types.Profile` and a set of decisions -> peak bytes and step seconds.
+
+Everything here is arithmetic on the profile; nothing touches a device. The search (:mod:`elbowroom.plan.search`)
+and the printed plan use the same functions, so that a plan's predictions are exactly the numbers the search
+minimised. Sizes are bytes, times seconds. ``s = micro_batch / profile.micro_batch`` scales every activation byte
+and every block and head time linearly (the request of the design); per-micro-batch costs that do not grow with
+the batch (autocast's weight casts) are kept apart from that scaling.
+
+Decisions
+---------
+Per block one :class:`Option`: keep (``none``), keep and offload a share ``r`` of the saved bytes, selective
+recompute (with a share ``r`` of its kept matmul/attention outputs offloaded, or everything incl. its input),
+full recompute, full recompute with its input offloaded. Globally (:class:`Decisions`): which blocks' parameters
+step on the host (``offload_blocks``), whether the parameters outside the blocks do (``offload_other``), the
+weight layout (:data:`LAYOUTS`), micro-batch and accumulation, the fused head + loss, the allocator setting, and
+whether the training loop clips gradients (it decides when the host step may start).
+
+Memory (peak over forward and backward)
+---------------------------------------
+Model states, per parameter on the device (``P_res`` resident, ``P_off`` offloaded)::
+
+    fp32 weights under autocast:            16 B resident (4 weight + 4 grad + 8 AdamW moments), 8 B offloaded
+    fp32 resident, bf16 offloaded copies:   16 B resident,                                       4 B offloaded
+    bf16 weights, fp32 masters:             16 B resident (2 + 2 + 4 master + 8),                4 B offloaded
+
+plus, when anything is offloaded, ``num_staging_slots * bucket_bytes`` of device staging (the optimizer's config),
+and with bf16 weights the fp32 chunk the device masters step through (``device_chunk_numel * 4``). Gradients are
+counted whole from the start (they live through forward under accumulation and with ``zero_grad(set_to_none=
+False)``; with ``set_to_none`` and one micro-batch the forward's end is over-estimated by them).
+
+Activations, per block ``i`` (bytes of the profile x ``s``): ``S`` every saved byte, ``Sel`` the selective set,
+``In`` the input; the option keeps ``k_i`` on the device and offloads ``o_i``::
+
+    keep:          k = S                         o = 0
+    keep + r:      k = S - r S                   o = r S          (largest first; about r of the bytes)
+    selective:     k = Sel                       o = 0
+    selective + r: k = Sel - r (Sel - In)        o = r (Sel - In) (r of the kept outputs, input stays)
+    selective + 1: k = 0                         o = Sel          (outputs and input offloaded)
+    full:          k = In                        o = 0
+    full + input:  k = 0                         o = In
+
+In backward each block's whole saved set is back on the device (recomputed, or fetched), ``S``; its extra over
+what it kept is ``e_i = S_i - k_i``. Phases (``M`` model states and staging)::
+
+    forward, block i:   M + sum_{j<i} k_j + S_i + L_i + o_{i-1}                    (L: largest saved tensor, a
+                                                                                     temporary; o_{i-1} in flight)
+    forward's end:      M + sum_j k_j + o_last + H + C                            (H: head saved + logits, or the
+                                                                                     fused chunk; C: autocast cache)
+    backward, block i:  M + sum_{j<i} k_j + S_i + min(o_{i-1}, W) + 2 In_i + L_i + G
+                                                                                    (W: prefetch window; 2 In + L:
+                                                                                     gradients of the residual stream
+                                                                                     and of the largest intermediate;
+                                                                                     G: the bf16 weight gradients of
+                                                                                     the largest block before they
+                                                                                     accumulate into fp32 .grad)
+
+The peak is the largest of these plus the allocator margin: ``Profile.allocator_overhead_bytes`` when measured,
+else :data:`ALLOCATOR_MARGIN` (a fraction of the budget). ``C`` is autocast's weight cache, which holds a bf16
+copy of every fp32 block weight to the forward's end only when no block has a policy (an all-default plan
+installs no wrapper; any policy turns the cache off inside every block). ``H``: plain head
+``saved + logits_transient (+ 2 B per head parameter for its autocast cast)``; fused head
+``dh + dW + fused_transient = 2 In_last + 4 B x head parameters + fused_transient`` (``linear_cross_entropy``
+keeps only the gradients of its input and weight; the HeadProfile lumps embeddings with the head, so ``dW`` is
+bounded by all of them).
+
+The search needs a bound that is a sum over blocks plus terms fixed by a few global choices; with the options
+limited to those of extra at most ``E`` (``e_i <= E``, hence ``o_i <= E``), every phase above is at most::
+
+    M + sum_j k_j + max(H + C + O, E + min(O, W) + 2 In_max + L_max + G, E + L_max + O)
+
+where ``O`` is the largest ``o`` among the allowed options. The search enumerates ``E`` over the options' extras
+and solves an exact knapsack on ``sum_j k_j`` below the budget less that bound; the printed peak is the exact
+maximum of the phases, never above the bound.
+
+Time (one optimizer step of ``A`` micro-batches)
+------------------------------------------------
+::
+
+    T_step  = A T_mb + T_dev + T_host
+    T_mb    = s (sum_i (F_i + B_i) + F_h + B_h - X_0) + X + s sum_i c_i
+    c_i     = R_i + (1 - w) x_i(one-way rates) + w x_i(duplex rate)
+    x_i     = max(0, o_i / bw_fwd - F_{i+1}) + max(0, o_i / bw_bwd - B_{i+1})
+
+``F``, ``B``: forward and backward of a block, ``F_h``, ``B_h`` of the head (plain and fused alike: measured on
+the H100 within -1.1..+1.4% of each other, ``BENCHMARKS.md``); ``R_i``: ``recompute_s`` (full) or
+``selective_recompute_s`` (selective). ``x_i``: what compute cannot hide of block ``i``'s copies: they leave while
+the next block computes its forward (the engine releases a region one region later) and come back while the next
+block runs its backward (one-block-ahead prefetch); for the last block the head's forward and backward (index
+``n`` means the head). ``w = 1/A`` when parameters are offloaded (the optimizer's gradients and weights share the
+link in one micro-batch of the step: both directions busy, ``duplex_bandwidth``), else 0 (one direction at a time:
+``d2h_bandwidth`` in forward, ``h2d_bandwidth`` in backward). The activation copies are counted per block, so that
+the total is a sum: the search's knapsack is then exact, and a plan's printed time is what the search minimised.
+
+``X``: autocast's weight casts per micro-batch (not scaled by ``s``): ``P_32 * CAST_BYTES_PER_PARAM /
+memory_bandwidth``, ``P_32`` the parameters held in fp32 on the device and run under autocast (all of them with
+fp32 weights, the resident ones with bf16 offloaded copies, none with bf16 weights). ``X_0`` is the same for the
+profile's own layout (all parameters when it ran fp32 weights under autocast), which the profiled times include.
+
+``T_dev``: the device optimizer step, memory-bound: ``P_res * b / memory_bandwidth`` with ``b`` =
+:data:`DEVICE_ADAM_BYTES_PER_PARAM` (fp32) or :data:`DEVICE_MASTER_ADAM_BYTES_PER_PARAM` (bf16 weights, fp32
+device masters stepped chunk by chunk).
+
+``T_host``: what the device cannot hide of the host AdamW step. Jobs ``j`` (an offloaded block, or the parameters
+outside the blocks) each copy ``4 P_j`` gradient bytes out, step for ``h_j = P_j / host_adam_params_per_s`` and
+copy ``4 P_j`` weight bytes back (fp32 gradients and masters travel either way: the casts of bf16 device weights
+run on the device), over the duplex link. Copies, steps and uploads each run one job after another::
+
+    d_j = max(d_{j-1}, t_j) + 4 P_j / bw      (gradients on the host; t_j: when job j may start)
+    h_j = max(h_{j-1}, d_j) + P_j / rate      (host step done)
+    u_j = max(u_{j-1}, h_j) + 4 P_j / bw      (weights back on the device)
+    T_host = max(0, max_j (u_j - need_j))     (the next forward stalls by the largest lateness)
+
+``need_j = T_0 + T_dev + s sum_{i<j} F_i``: block ``j`` is needed when the next forward reaches it. Without
+clipping (the optimizer learns ``step_in_backward``), jobs start as their gradients become final in the last
+micro-batch's backward: ``t_j = s (B_h + sum_{i>=j} B_i)``, late blocks first, and ``T_0 = s (B_h + sum_i B_i)``,
+the backward's end. With clipping (or a GradScaler), every gradient must exist first: the jobs start at the
+backward's end in forward order (``t_j = 0``, ``T_0 = 0``). Recompute is not counted as time that hides the host
+step (it is a per-block choice; leaving it out keeps the cost a sum and errs on the slow side). The parameters
+outside the blocks are treated as the embeddings (gradient final last, weights needed first): a tied or input
+embedding behaves so, an untied output head would hide better, and the profile does not tell them apart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from elbowroom.plan.types import BlockProfile, Profile
+
+__all__ = [
+    "ALLOCATOR_MARGIN",
+    "CAST_BYTES_PER_PARAM",
+    "DEVICE_ADAM_BYTES_PER_PARAM",
+    "DEVICE_MASTER_ADAM_BYTES_PER_PARAM",
+    "LAYOUTS",
+    "OPTIONS",
+    "Decisions",
+    "Option",
+    "Prediction",
+    "predict",
+]
+
+GiB = 1 << 30
+
+CAST_BYTES_PER_PARAM = 18
+"""Device memory traffic of autocast per fp32 weight and micro-batch: the bf16 cast in forward (read 4, write 2),
+the same again in backward (blocks under a policy recast instead of keeping the cast), and the weight gradient's
+cast to fp32 (read 2, write 4). On the 7B shape the fp32 half under autocast measured 51 ms per micro-batch over
+3.4 B parameters (~51 B/param at the H100's 3.35 TB/s, ``BENCHMARKS.md``), which also holds fp32 norm outputs and
+gradient accumulation; 18 counts only what the weights themselves move."""
+
+DEVICE_ADAM_BYTES_PER_PARAM = 28
+"""Fused AdamW on the device per fp32 parameter: reads weight, gradient and two moments (16 B), writes weight and
+moments (12 B)."""
+
+DEVICE_MASTER_ADAM_BYTES_PER_PARAM = 40
+"""The same for bf16 weights with fp32 device masters, stepped chunk by chunk: the bf16 gradient upcast into fp32
+scratch (read 2, write 4), the fused step on the master (28), the master cast into the bf16 weight (read 4,
+write 2)."""
+
+OPTIMIZER_LINK_BYTES_PER_PARAM = 4
+"""Bytes per offloaded parameter on the link each way per step: fp32 gradients out and fp32 masters back (with bf16
+device weights the casts run on the device, so fp32 travels either way: ``CPUOffloadOptimizer.cast_on_device``)."""
+
+HOST_BYTES_PER_PARAM = 12
+"""Host memory per offloaded parameter: fp32 master (4) and AdamW's two moments (8)."""
+
+ALLOCATOR_MARGIN = {"default": 0.08, "expandable_segments": 0.03}
+"""Reserved beyond allocated, as a fraction of the budget, when the profile did not measure it. The caching
+allocator rounds large blocks to 2 MiB and cannot reuse a freed segment for a bigger tensor; plans that mix kept,
+recomputed and offloaded blocks free and allocate many sizes. ``expandable_segments:True`` maps more memory into
+one segment instead, which leaves little of it unusable. (Values argued, not measured on our workloads: the
+benchmarks report peak allocated bytes.)"""
+
+PINNED_ACTIVATION_SHARE = 1.0
+"""Host bytes the activation pool needs per offloaded byte of one micro-batch (the pool holds a whole micro-batch
+of offloaded activations; slots are reused across micro-batches)."""
+
+LAYOUTS: dict[str, tuple[str, str]] = {
+    "fp32": ("float32", "float32"),
+    "fp32-offload-bf16": ("float32", "bfloat16"),
+    "bf16": ("bfloat16", "bfloat16"),
+}
+"""Weight layouts by name: (device weight dtype of resident parameters, device dtype of offloaded parameters).
+fp32 weights run under autocast; ``fp32-offload-bf16`` keeps the offloaded weights in bf16 on the device
+(``param_dtype=torch.bfloat16``) with fp32 masters on the host; ``bf16`` is the whole model in bf16 with fp32
+masters in the optimizer on both sides (no autocast)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """What one block does with its activations (the fields of :class:`~elbowroom.activations.BlockPolicy`)."""
+
+    checkpoint: str = "none"
+    offload_ratio: float = 0.0
+    offload_input: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.checkpoint == "none":
+            return "keep" if not self.offload_ratio else f"keep, offload {self.offload_ratio:g}"
+        name = {"full": "recompute", "selective": "selective"}[self.checkpoint]
+        if self.offload_input and self.checkpoint == "full":
+            return name + ", offload input"
+        if self.offload_input:
+            return name + ", offload all"
+        return name if not self.offload_ratio else f"{name}, offload {self.offload_ratio:g}"
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(),
+    *(Option("none", r) for r in (0.25, 0.5, 0.75, 1.0)),
+    Option("selective"),
+    *(Option("selective", r) for r in (0.25, 0.5, 0.75)),
+    Option("selective", 1.0, True),
+    Option("full"),
+    Option("full", 0.0, True),
+)
+"""The per-block choices the search considers, in order of preference on a tie (simplest first)."""
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """Everything a plan decides, in the form the cost model reads."""
+
+    options: tuple[Option, ...]
+    """One per block."""
+    offload_blocks: tuple[bool, ...]
+    """Per block: its parameters' optimizer state and step on the host."""
+    offload_other: bool = False
+    """The parameters outside the blocks (embeddings, final norm, head) on the host."""
+    layout: str = "fp32"
+    """A key of :data:`LAYOUTS`."""
+    micro_batch: int = 1
+    accumulation: int = 1
+    fused_loss: bool = False
+    expandable_segments: bool = False
+    grad_clipping: bool = True
+    """The loop clips gradients (or uses a GradScaler): the host step starts after the whole backward."""
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.offload_other or any(self.offload_blocks)
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """What the cost model predicts for one block and one micro-batch."""
+
+    kept_bytes: int
+    offloaded_bytes: int
+    recomputed_bytes: int
+    """Bytes rematerialised by recompute in backward (the saved set less what was kept)."""
+    seconds: float
+    """Forward + backward + recompute + exposed copies of one micro-batch."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's answer for one set of decisions."""
+
+    peak_bytes: int
+    """Peak device memory incl. the allocator margin."""
+    peak_phase: str
+    """Where the peak falls (``forward block i``, ``forward end``, ``backward block i``)."""
+    step_seconds: float
+    memory: dict[str, int] = field(default_factory=dict)
+    """Breakdown of the peak by component."""
+    time: dict[str, float] = field(default_factory=dict)
+    """Breakdown of the step time by component."""
+    blocks: tuple[BlockCost, ...] = ()
+    host_bytes: int = 0
+    """Host memory the plan needs (optimizer state and the pinned activation pool)."""
+
+
+# ---------------------------------------------------------------------------------------------- per block
+def option_bytes(b: BlockProfile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Kept, offloaded and extra (``S - k``) bytes of each of :data:`OPTIONS` for one block, unscaled (float64)."""
+    S = float(b.total_saved_bytes)
+    sel = float(min(b.selective_saved_bytes, b.total_saved_bytes))
+    inp = float(min(b.input_bytes, sel))
+    kept, off = [], []
+    for o in OPTIONS:
+        if o.checkpoint == "none":
+            k_off = o.offload_ratio * S
+            kept.append(S - k_off)
+            off.append(k_off)
+        elif o.checkpoint == "selective":
+            k_off = sel if o.offload_input else o.offload_ratio * (sel - inp)
+            kept.append(sel - k_off)
+            off.append(k_off)
+        else:
+            kept.append(0.0 if o.offload_input else inp)
+            off.append(inp if o.offload_input else 0.0)
+    k, f = np.array(kept), np.array(off)
+    return k, f, S - k
+
+
+def option_seconds(
+    b: BlockProfile, next_fwd: float, next_bwd: float, bw_fwd: float, bw_bwd: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Recompute seconds and exposed copy seconds of each option for one block, one micro-batch, unscaled.
+
+    ``next_fwd`` / ``next_bwd``: the compute that hides this block's copies out (the next block's forward) and
+    back (the next block's backward); the head's for the last block.
+    """
+    _, off, _ = option_bytes(b)
+    rec = np.array(
+        [b.recompute_s if o.checkpoint == "full" else b.selective_recompute_s if o.checkpoint == "selective" else 0.0
+         for o in OPTIONS]
+    )
+    if bw_fwd <= 0 or bw_bwd <= 0:
+        exposed = np.where(off > 0, math.inf, 0.0)
+    else:
+        exposed = np.maximum(0.0, off / bw_fwd - next_fwd) + np.maximum(0.0, off / bw_bwd - next_bwd)
+    return rec, exposed
+
+
+@dataclass(frozen=True)
+class BlockTables:
+    """Per-block, per-option arrays (shape ``(n, len(OPTIONS))``), unscaled by the micro-batch."""
+
+    kept: np.ndarray
+    offloaded: np.ndarray
+    extra: np.ndarray
+    recompute: np.ndarray
+    exposed_oneway: np.ndarray
+    exposed_duplex: np.ndarray
+
+    def cost(self, w: float) -> np.ndarray:
+        """Seconds per micro-batch of each option (unscaled): recompute plus the copies' exposed time with a share
+        ``w`` of micro-batches at the duplex rate. One expression, used by the search and by :func:`predict`."""
+        if w == 0.0:  # (0 * inf would be nan where a machine without a link makes copies infinitely slow)
+            return self.recompute + self.exposed_oneway
+        if w == 1.0:
+            return self.recompute + self.exposed_duplex
+        return self.recompute + ((1.0 - w) * self.exposed_oneway + w * self.exposed_duplex)
+
+
+def block_tables(profile: Profile) -> BlockTables:
+    """The arrays of :class:`BlockTables` for a profile."""
+    m = profile.machine
+    blocks = profile.blocks
+    n = len(blocks)
+    rows = [[], [], [], [], [], []]
+    for i, b in enumerate(blocks):
+        nf = blocks[i + 1].forward_s if i + 1 < n else profile.head.forward_s
+        nb = blocks[i + 1].backward_s if i + 1 < n else profile.head.backward_s
+        k, f, e = option_bytes(b)
+        rec, x1 = option_seconds(b, nf, nb, m.d2h_bandwidth, m.h2d_bandwidth)
+        _, x2 = option_seconds(b, nf, nb, m.duplex_bandwidth, m.duplex_bandwidth)
+        for row, v in zip(rows, (k, f, e, rec, x1, x2)):
+            row.append(v)
+    return BlockTables(*(np.array(r, dtype=np.float64).reshape(n, len(OPTIONS)) for r in rows))
+
+
+# ---------------------------------------------------------------------------------------------- globals
+def _optimizer_config() -> tuple[int, int, int]:
+    """(bucket_bytes, num_staging_slots, device_chunk_numel) of the CPU-offloaded optimizer's default config
+    (the one :func:`~elbowroom.plan.apply.apply` builds it with)."""
+    from elbowroom.optim.config import CPUOffloadConfig
+
+    cfg = CPUOffloadConfig()
+    return int(cfg.bucket_bytes), int(cfg.num_staging_slots), int(cfg.device_chunk_numel)
+
+
+def autocast_profiled(profile: Profile) -> bool:
+    """Whether the profile ran fp32 weights under a lower-precision autocast (its times include the casts)."""
+    return profile.param_dtype == "float32" and profile.compute_dtype in ("bfloat16", "float16")
+
+
+def layouts_for(profile: Profile, precision: str) -> tuple[list[str], list[str]]:
+    """The weight layouts a search may use, and notes on what was left out and why."""
+    if precision == "fp32":
+        return ["fp32"], []
+    if profile.compute_dtype not in ("bfloat16", "float16"):
+        return ["fp32"], [
+            f"bf16 weights need a profile taken in bf16 (autocast or bf16 weights); this one computed in "
+            f"{profile.compute_dtype}: fp32 weights only"
+        ]
+    return list(LAYOUTS), []
+
+
+@dataclass(frozen=True)
+class Globals:
+    """The terms of memory and time that do not depend on the per-block options."""
+
+    states: int
+    """Model states (weights, gradients, optimizer state on the device) and optimizer buffers."""
+    head: int
+    """Head and loss at the forward's end (saved + transient), scaled."""
+    cache: int
+    """Autocast's weight cache when no block has a policy."""
+    backward_work: int
+    """2 In_max + L_max (scaled) + G: working memory of one block's backward."""
+    largest: int
+    """L_max, scaled."""
+    compute_s: float
+    """s (sum F + B + head - X_0) + X: one micro-batch without recompute or copies."""
+    cast_s: float
+    device_step_s: float
+    host_step_s: float
+    """The whole host step (for the breakdown)."""
+    host_exposed_s: float
+    host_bytes: int
+    """Host memory of the optimizer state."""
+
+
+@dataclass(frozen=True)
+class _Sums:
+    """Per-profile sums the search reads thousands of times."""
+
+    num_params: int
+    block_params: tuple[int, ...]
+    base_s: float
+    largest: int
+    in_max: int
+    params_max: int
+
+
+_SUMS: dict[int, tuple[Profile, _Sums]] = {}
+
+
+def _sums(profile: Profile) -> _Sums:
+    got = _SUMS.get(id(profile))
+    if got is not None and got[0] is profile:
+        return got[1]
+    blocks, head = profile.blocks, profile.head
+    sums = _Sums(
+        num_params=profile.num_params,
+        block_params=tuple(b.num_params for b in blocks),
+        base_s=sum(b.forward_s + b.backward_s for b in blocks) + head.forward_s + head.backward_s,
+        largest=max((b.largest_saved_bytes for b in blocks), default=0),
+        in_max=max((b.input_bytes for b in blocks), default=0),
+        params_max=max((b.num_params for b in blocks), default=0),
+    )
+    if len(_SUMS) > 16:
+        _SUMS.clear()
+    _SUMS[id(profile)] = (profile, sums)  # the profile is held, so its id is not reused while cached
+    return sums
+
+
+def _param_split(profile: Profile, d: Decisions) -> tuple[int, int]:
+    sums = _sums(profile)
+    p_off = sum(n for n, o in zip(sums.block_params, d.offload_blocks) if o)
+    if d.offload_other:
+        p_off += profile.head.num_params
+    return sums.num_params - p_off, p_off
+
+
+def state_bytes(profile: Profile, d: Decisions) -> int:
+    """Model states on the device and the optimizer's device buffers (see the module docstring)."""
+    p_res, p_off = _param_split(profile, d)
+    weight, off_dtype = LAYOUTS[d.layout]
+    off_per = 8 if off_dtype == "float32" else 4
+    total = 16 * p_res + off_per * p_off
+    bucket, slots, chunk = _optimizer_config()
+    if p_off:
+        total += slots * bucket
+    if weight == "bfloat16" and p_res:
+        total += 4 * min(chunk, p_res)
+    return total
+
+
+def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float) -> tuple[float, float]:
+    """(host step seconds, the part of it the device does not hide): the pipeline of the module docstring."""
+    m = profile.machine
+    s = d.micro_batch / profile.micro_batch
+    jobs: list[tuple[int, int]] = [(i, b.num_params) for i, (b, o) in enumerate(zip(profile.blocks, d.offload_blocks))
+                                   if o]
+    if not jobs and not d.offload_other:
+        return 0.0, 0.0
+    rate, bw = m.host_adam_params_per_s, m.duplex_bandwidth
+    if rate <= 0 or bw <= 0:
+        return math.inf, math.inf
+    fwd_before = np.concatenate(([0.0], np.cumsum([b.forward_s for b in profile.blocks]))) * s
+    bwd = [b.backward_s for b in profile.blocks]
+    t_backward = s * (profile.head.backward_s + sum(bwd))
+    other = (-1, profile.head.num_params) if d.offload_other else None
+    if d.grad_clipping:
+        order = ([other] if other else []) + jobs  # forward order, after the whole backward
+        starts = [0.0] * len(order)
+        t0 = 0.0
+    else:
+        order = jobs[::-1] + ([other] if other else [])  # as gradients become final: late blocks first
+        bwd_after = np.concatenate((np.cumsum(bwd[::-1])[::-1], [0.0]))  # sum_{i>=j} B_i
+        starts = [s * (profile.head.backward_s + bwd_after[j]) if j >= 0 else t_backward for j, _ in order]
+        t0 = t_backward
+    dn = hn = un = -math.inf
+    late = -math.inf
+    total = 0.0
+    for (j, p), t in zip(order, starts):
+        link = OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
+        step = p / rate
+        total += step
+        dn = max(dn, t) + link
+        hn = max(hn, dn) + step
+        un = max(un, hn) + link
+        need = t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)
+        late = max(late, un - need)
+    return total, max(0.0, late)
+
+
+def globals_for(profile: Profile, d: Decisions) -> Globals:
+    """The global terms for decisions ``d`` (its per-block options are not read)."""
+    m = profile.machine
+    s = d.micro_batch / profile.micro_batch
+    blocks, head = profile.blocks, profile.head
+    weight, off_dtype = LAYOUTS[d.layout]
+    p_res, p_off = _param_split(profile, d)
+    autocast = profile.compute_dtype in ("bfloat16", "float16")
+    # parameters in fp32 on the device that autocast casts every micro-batch
+    if not autocast or weight == "bfloat16":
+        p32 = 0
+    elif off_dtype == "bfloat16":
+        p32 = p_res
+    else:
+        p32 = _sums(profile).num_params
+    bwm = m.memory_bandwidth if m.memory_bandwidth > 0 else math.inf
+    cast_s = p32 * CAST_BYTES_PER_PARAM / bwm
+    sums = _sums(profile)
+    cast0 = sums.num_params * CAST_BYTES_PER_PARAM / bwm if autocast_profiled(profile) else 0.0
+    base = sums.base_s
+    compute_s = s * max(0.0, base - cast0) + cast_s
+    per = DEVICE_MASTER_ADAM_BYTES_PER_PARAM if weight == "bfloat16" else DEVICE_ADAM_BYTES_PER_PARAM
+    device_step_s = p_res * per / bwm
+    host_step_s, host_exposed_s = host_exposed_seconds(profile, d, device_step_s)
+
+    in_last = blocks[-1].input_bytes if blocks else 0
+    head_params_cast = 2 * head.num_params if (autocast and weight == "float32") else 0
+    if d.fused_loss:
+        head_b = s * (2 * in_last + head.fused_transient_bytes) + 4 * head.num_params
+    else:
+        head_b = s * (head.saved_bytes + head.logits_transient_bytes) + head_params_cast
+    block_params_32 = 0 if (not autocast or weight == "bfloat16") else sum(
+        n for n, o in zip(sums.block_params, d.offload_blocks) if not (o and off_dtype == "bfloat16")
+    )
+    cache = 2 * block_params_32
+    largest, in_max = sums.largest, sums.in_max
+    grad_t = 2 * sums.params_max if (autocast and weight == "float32") else 0
+    return Globals(
+        states=state_bytes(profile, d),
+        head=int(math.ceil(head_b)),
+        cache=cache,
+        backward_work=int(math.ceil(s * (2 * in_max + largest))) + grad_t,
+        largest=int(math.ceil(s * largest)),
+        compute_s=compute_s,
+        cast_s=cast_s,
+        device_step_s=device_step_s,
+        host_step_s=host_step_s,
+        host_exposed_s=host_exposed_s,
+        host_bytes=HOST_BYTES_PER_PARAM * p_off,
+    )
+
+
+def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: float) -> float:
+    """``A (compute + s sum_i c_i) + T_dev + T_host``: the one expression of the step time (search and predict)."""
+    return accumulation * (g.compute_s + scale * block_cost_sum) + g.device_step_s + g.host_exposed_s
+
+
+def margin_bytes(profile: Profile, budget_bytes: int, expandable_segments: bool) -> int:
+    """The allocator's margin: measured when the profile has it, else a fraction of the budget."""
+    if profile.allocator_overhead_bytes > 0:
+        return int(profile.allocator_overhead_bytes)
+    frac = ALLOCATOR_MARGIN["expandable_segments" if expandable_segments else "default"]
+    return int(frac * budget_bytes)
+
+
+def duplex_share(d: Decisions) -> float:
+    """``w``: the share of micro-batches whose copies share the link with the optimizer's."""
+    return 1.0 / d.accumulation if d.offloads_params else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- predict
+def predict(
+    profile: Profile, d: Decisions, budget_bytes: int, *, prefetch_window_bytes: int | None = None
+) -> Prediction:
+    """Peak memory and step time of ``d`` on ``profile`` (the equations of the module docstring).
+
+    Args:
+        profile: what the model and machine cost.
+        d: the decisions, one option per block.
+        budget_bytes: the budget (the allocator margin is a fraction of it when the profile did not measure it).
+        prefetch_window_bytes: the offload engine's prefetch window (its default when None).
+
+    Returns:
+        The prediction, with breakdowns.
+    """
+    n = len(profile.blocks)
+    if len(d.options) != n or len(d.offload_blocks) != n:
+        raise ValueError(f"decisions for {len(d.options)} blocks, profile has {n}")
+    if prefetch_window_bytes is None:
+        from elbowroom.activations.offload import DEFAULT_PREFETCH_WINDOW_BYTES
+
+        prefetch_window_bytes = DEFAULT_PREFETCH_WINDOW_BYTES
+    s = d.micro_batch / profile.micro_batch
+    tab = block_tables(profile)
+    idx = np.array([OPTIONS.index(o) for o in d.options], dtype=np.int64)
+    rows = np.arange(n)
+    g = globals_for(profile, d)
+    cost = tab.cost(duplex_share(d))[rows, idx]
+    block_sum = 0.0
+    for c in cost:
+        block_sum += float(c)  # in block order, as the search's knapsack adds them
+    step = step_seconds(g, s, d.accumulation, block_sum)
+
+    kept = [int(math.ceil(s * float(v))) for v in tab.kept[rows, idx]]
+    off = [int(math.ceil(s * float(v))) for v in tab.offloaded[rows, idx]]
+    saved = [int(math.ceil(s * b.total_saved_bytes)) for b in profile.blocks]
+    largest = [int(math.ceil(s * b.largest_saved_bytes)) for b in profile.blocks]
+    inp = [int(math.ceil(s * b.input_bytes)) for b in profile.blocks]
+    no_policy = all(o == Option() for o in d.options)
+    cache = g.cache if no_policy else 0
+    grad_t = g.backward_work - int(math.ceil(s * (2 * max(b.input_bytes for b in profile.blocks)
+                                                   + max(b.largest_saved_bytes for b in profile.blocks))))
+    margin = margin_bytes(profile, budget_bytes, d.expandable_segments)
+    phases: list[tuple[int, str, dict[str, int]]] = []
+    before = 0
+    for i in range(n):
+        inflight = off[i - 1] if i else 0
+        act = before + saved[i] + largest[i] + inflight
+        phases.append((act, f"forward block {i}", {"activations kept": before, "block working set": saved[i]
+                                                   + largest[i], "copies in flight": inflight}))
+        before += kept[i]
+    last_off = next((off[i] for i in range(n - 1, -1, -1) if off[i]), 0)
+    phases.append((before + last_off + g.head + cache, "forward end",
+                   {"activations kept": before, "copies in flight": last_off, "head and loss": g.head,
+                    "autocast weight cache": cache}))
+    before = 0
+    for i in range(n):
+        fetch = min(off[i - 1], prefetch_window_bytes) if i else 0
+        work = 2 * inp[i] + largest[i] + grad_t
+        phases.append((before + saved[i] + fetch + work, f"backward block {i}",
+                       {"activations kept": before, "block rematerialised": saved[i], "prefetch": fetch,
+                        "backward working set": work}))
+        before += kept[i]
+    act, phase, parts = max(phases, key=lambda t: t[0])
+    memory = {"model states": g.states, **{k: v for k, v in parts.items() if v}, "allocator margin": margin}
+    peak = g.states + act + margin
+
+    x = (tab.cost(duplex_share(d)) - tab.recompute)[rows, idx]
+    rec = tab.recompute[rows, idx]
+    base_block = [s * (b.forward_s + b.backward_s) for b in profile.blocks]
+    blocks = tuple(
+        BlockCost(
+            kept_bytes=kept[i],
+            offloaded_bytes=off[i],
+            recomputed_bytes=max(0, saved[i] - kept[i] - off[i]),
+            seconds=base_block[i] + s * float(cost[i]),
+        )
+        for i in range(n)
+    )
+    time = {
+        "compute": d.accumulation * (g.compute_s - g.cast_s),
+        "autocast casts": d.accumulation * g.cast_s,
+        "recompute": d.accumulation * s * float(rec.sum()),
+        "exposed activation copies": d.accumulation * s * float(x.sum()),
+        "device optimizer step": g.device_step_s,
+        "host optimizer step (whole)": g.host_step_s,
+        "host optimizer step (exposed)": g.host_exposed_s,
+    }
+    pool = int(PINNED_ACTIVATION_SHARE * sum(off))
+    return Prediction(
+        peak_bytes=int(peak),
+        peak_phase=phase,
+        step_seconds=step,
+        memory=memory,
+        time=time,
+        blocks=blocks,
+        host_bytes=g.host_bytes + pool,
+    )
+
+
+def scale_of(profile: Profile, micro_batch: int) -> float:
+    return micro_batch / profile.micro_batch
+
+
+def signature_groups(blocks: Sequence[BlockProfile]) -> dict[str, list[int]]:
+    """Block indices by signature (identical blocks)."""
+    out: dict[str, list[int]] = {}
+    for b in blocks:
+        out.setdefault(b.signature, []).append(b.index)
+    return out

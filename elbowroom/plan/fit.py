@@ -1,0 +1,153 @@
+"""``fit``: profile, plan and apply in one call, for any model whose repeated blocks can be found.
+
+::
+
+    model, optimizer, plan = elbowroom.plan.fit(model, sample_batch, budget="24GiB", lr=3e-4)
+    for x, y in loader:                       # the plain torch loop, unchanged
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from elbowroom.plan.plan import Plan
+
+__all__ = ["fit", "parse_budget"]
+
+logger = logging.getLogger("elbowroom.plan")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_BUDGET_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_budget(budget: str | int) -> int:
+    """Bytes of a budget: ``"24GiB"``, ``"24GB"`` (10^9), ``"512MiB"``, ``"1.5 TiB"`` or an int of bytes.
+
+    Raises:
+        ValueError: anything else, naming the accepted forms.
+    """
+    forms = (
+        "accepted: a number with GiB, GB, MiB, MB, KiB, KB, TiB, TB or B (e.g. '24GiB', '512MiB'), "
+        "or an int of bytes"
+    )
+    if isinstance(budget, bool):
+        raise ValueError(f"budget must be a size, got {budget!r}; {forms}")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget must be positive, got {budget}; {forms}")
+        return budget
+    if not isinstance(budget, str):
+        raise ValueError(f"budget must be a string or an int, got {type(budget).__name__}; {forms}")
+    m = _BUDGET_RE.match(budget)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"cannot read budget {budget!r}; {forms}")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"budget must be positive, got {budget!r}; {forms}")
+    return value
+
+
+def fit(
+    model: nn.Module,
+    sample_batch: Any,
+    budget: str | int = "24GiB",
+    optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    *,
+    global_batch: int | None = None,
+    precision: str = "fp32",
+    fused_loss: bool = False,
+    source: str = "auto",
+    machine: Any = None,
+    blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    grad_clipping: bool = True,
+    selective: bool = True,
+    **opt_kwargs: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
+    """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
+
+    The training loop stays the plain torch loop. What the plan may ask of it:
+
+    - Gradient accumulation (``plan.gradient_accumulation_steps > 1``, only when ``global_batch`` is given): run
+      ``plan.micro_batch`` samples per forward, and when the optimizer is a
+      :class:`~elbowroom.optim.CPUOffloadOptimizer` mark every micro-batch but the last with
+      ``with optimizer.accumulating(i < n - 1):`` (it raises if gradients of a non-final micro-batch arrive
+      unmarked). Without ``global_batch`` the loop's batch is the sample batch's and nothing changes.
+    - ``plan.fused_loss`` (only when ``fused_loss=True``): compute the loss with
+      ``elbowroom.linear_cross_entropy(hidden_states, head.weight, targets)``; if the plan also offloads the
+      parameters outside the blocks (``plan.offload_other_params``), call ``optimizer.wait_for(head.weight)``
+      before it: that weight is read outside its module's forward, where the optimizer cannot see the read.
+    - ``precision="bf16"``: the plan may keep the offloaded weights in bf16 on the device
+      (``plan.offload_param_dtype``) or the whole model (``plan.weight_dtype == "bfloat16"``), always with fp32
+      masters in the optimizer; the loop keeps running under bf16 autocast, as it was profiled (with the whole
+      model in bf16 autocast may also go).
+
+    Everything else needs nothing: gradient clipping with ``torch.nn.utils.clip_grad_norm_(model.parameters(),
+    ...)`` sees every gradient (the plan never frees device gradients early; ``optimizer.clip_grad_norm_`` works
+    too), ``optimizer.step()`` / ``zero_grad()`` / ``state_dict()`` / LR schedulers behave as torch's, and each
+    block waits for its own updated weights in forward. Weights read outside their module's forward (a tied
+    weight used functionally, evaluation that bypasses ``forward``) need ``optimizer.wait_for(weight)`` first.
+
+    Args:
+        model: the model, on its training device (parameters in fp32).
+        sample_batch: one micro-batch as the model takes it (a tensor, or a tuple/dict of them).
+        budget: device memory for the step: "24GiB", "24GB", "512MiB" or an int of bytes.
+        optimizer: the torch optimizer class.
+        global_batch: samples per optimizer step; the planner then picks micro-batch and accumulation.
+        precision: "fp32", or "bf16" to allow bf16 device weights (fp32 masters).
+        fused_loss: the loop can use ``elbowroom.linear_cross_entropy`` (the planner decides whether it pays).
+        source: how to profile: "auto", "measured" or "analytic".
+        machine: a device name of ``elbowroom.plan.devices`` (or a MachineProfile) for analytic profiles.
+        blocks: the repeated blocks when they cannot be found (a dotted path such as "model.layers", or modules).
+        loss_fn: ``loss_fn(model, batch) -> loss`` for the profile, when ``model(batch)`` is not enough.
+        grad_clipping: the loop clips gradients (the planner assumes the host step then waits for the backward).
+        selective: allow selective recompute (False for blocks whose forward changes state a recompute would
+            see differently; a Hugging Face KV cache is switched off by :func:`~elbowroom.plan.apply` instead).
+        **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
+
+    Returns:
+        ``(model, optimizer, plan)``.
+
+    Raises:
+        BudgetError: no plan fits the budget (the message names the minimum).
+        ValueError: a bad budget or argument.
+    """
+    from elbowroom.plan.apply import apply, resolve_blocks
+    from elbowroom.plan.search import plan_for
+
+    budget_bytes = parse_budget(budget)
+    resolve_blocks(model, blocks)  # no repeated blocks: say so before profiling
+    from elbowroom.plan.profiler import profile as take_profile  # the profiler: imported when first needed
+
+    prof_kwargs: dict[str, Any] = {"source": source, "machine": machine, "blocks": blocks}
+    if loss_fn is not None:
+        prof_kwargs["loss_fn"] = loss_fn
+    prof = take_profile(model, sample_batch, **prof_kwargs)
+    plan = plan_for(
+        prof,
+        budget_bytes,
+        global_batch=global_batch,
+        precision=precision,
+        fused_loss_allowed=fused_loss,
+        grad_clipping=grad_clipping,
+        selective_allowed=selective,
+    )
+    model, opt = apply(model, plan, optimizer, blocks=blocks, **opt_kwargs)
+    logger.info("%s", plan.table())
+    return model, opt, plan

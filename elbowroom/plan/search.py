@@ -1,0 +1,487 @@
+"""The search: the fastest plan the cost model predicts under a memory budget.
+
+:func:`plan_for` enumerates the global choices in an outer grid (weight layout, which blocks' and whether the
+other parameters' optimizer runs on the host, micro-batch and accumulation, fused loss, allocator setting, and a
+cap ``E`` on any block's backward extra, see :mod:`elbowroom.plan.cost`) and, inside, solves the per-block
+choices exactly: a multiple-choice knapsack over the blocks' :data:`~elbowroom.plan.cost.OPTIONS`, memory
+discretised in units that depend on the profile only (never on the budget), minimising the summed per-block
+seconds. One dynamic programme serves every memory capacity at once (its last row is the best time for each
+capacity), every micro-batch size whose copies see the same link (bytes and times scale alike, so the units do
+not change), and every optimizer placement (they only move the capacity), so a search runs a few dozen
+numpy-vectorised programmes however fine the outer grid is.
+
+Why a tighter budget never predicts a faster step: every term of the step time is either a global term fixed by
+the outer choice or a per-block sum the knapsack minimises exactly; feasibility of an outer choice and the
+knapsack's capacity only grow with the budget (units, bounds and margins do not depend on it, except the
+allocator margin's fraction of the budget, which grows slower than the budget), so the set of plans the search
+can reach at a larger budget contains the set at a smaller one, and it returns the minimum over that set.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from elbowroom.plan import cost
+from elbowroom.plan.cost import OPTIONS, Decisions, Option
+from elbowroom.plan.plan import BlockPlan, Plan, ProfileSummary
+from elbowroom.plan.types import Profile
+
+__all__ = ["BudgetError", "plan_for", "plan_from_decisions"]
+
+_KEEP = 0  # index of Option() in OPTIONS
+_MAX_LEVELS = 16
+"""Most caps ``E`` on a block's backward extra the outer grid tries (all distinct ones when fewer)."""
+_MAX_MICRO_BATCHES = 6
+"""Most micro-batch sizes tried for a global batch (the largest and smallest divisor and a geometric spread)."""
+_MAX_OFFLOAD_STEPS = 48
+"""Most optimizer placements tried (every block count when the model has fewer blocks)."""
+
+
+class BudgetError(ValueError):
+    """The budget is below what any plan needs; the message names the minimum and what dominates it."""
+
+    def __init__(self, message: str, minimum_bytes: int) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class _Outer:
+    layout: str
+    k: int  # the last k blocks step on the host
+    other: bool
+    micro_batch: int
+    accumulation: int
+    fused: bool
+    expandable: bool
+
+
+class _Knapsack:
+    """The per-block programme for one profile: units, levels and cached solutions."""
+
+    def __init__(
+        self, profile: Profile, tables: cost.BlockTables, offload_ok: bool, prefetch_window: int,
+        selective_ok: bool = True,
+    ) -> None:
+        self.profile = profile
+        self.t = tables
+        n = len(profile.blocks)
+        self.n = n
+        base = int(min(8192, max(2048, 40 * n)))
+        total = float(tables.kept[:, _KEEP].sum())
+        self.unit0 = max(1.0, total / base)  # bytes per unit at the profile's micro-batch
+        # rounding each block up adds at most one unit per block: room for every block kept whole
+        self.M = base + n + 1
+        self.units = np.ceil(tables.kept / self.unit0 - 1e-9).astype(np.int64)
+        self.offload_ok = offload_ok
+        self.window = prefetch_window
+        allowed_base = np.ones_like(tables.kept, dtype=bool) if offload_ok else tables.offloaded <= 0
+        if not selective_ok:
+            allowed_base &= np.array([o.checkpoint != "selective" for o in OPTIONS])[None, :]
+        ex = np.unique(np.round(tables.extra[allowed_base], 0))
+        ex = ex[ex > 0]
+        if len(ex) > _MAX_LEVELS - 1:
+            pick = np.unique(np.linspace(0, len(ex) - 1, _MAX_LEVELS - 1).round().astype(int))
+            ex = ex[pick]
+        self.levels = [0.0, *[float(e) for e in ex]]
+        self.allowed = []
+        self.level_off = []  # O_E: the largest offload among allowed options (unscaled)
+        self.level_pool = []  # the most bytes the allowed options can offload in all (unscaled)
+        for e in self.levels:
+            a = allowed_base & (tables.extra <= e + 0.5)
+            if e == 0.0:
+                a = np.zeros_like(a)
+                a[:, _KEEP] = True
+            self.allowed.append(a)
+            offs = np.where(a, tables.offloaded, 0.0)
+            self.level_off.append(float(offs.max()) if offs.size else 0.0)
+            self.level_pool.append(float(offs.max(axis=1).sum()) if offs.size else 0.0)
+        self.keep_units = int(self.units[:, _KEEP].sum())
+        self.min_units = [
+            self.keep_units if li == 0 else int(np.where(self.allowed[li], self.units, 1 << 40).min(axis=1).sum())
+            for li in range(len(self.levels))
+        ]
+        self._cache: dict[tuple[int, float], np.ndarray] = {}
+
+    def best(self, level: int, w: float) -> np.ndarray:
+        """Best summed block seconds (unscaled) for every capacity 0..M at cap level ``level``."""
+        key = (level, w)
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = self._solve(level, w, record=False)[0]
+        return got
+
+    def _solve(self, level: int, w: float, record: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+        M, n = self.M, self.n
+        c = self.t.cost(w)
+        if level == 0:  # every block kept whole: one configuration
+            out = np.full(M + 1, np.inf)
+            tot = 0.0
+            for i in range(n):
+                tot += float(c[i, _KEEP])
+            if self.keep_units <= M:
+                out[self.keep_units:] = tot
+            return out, []
+        allowed = self.allowed[level]
+        # two states: A = every block so far kept whole (one configuration), B = at least one block has a policy
+        # (a plan with no policy at all installs no wrapper and keeps autocast's weight cache: level 0 prices it)
+        a_units, a_cost = 0, 0.0
+        B = np.full(M + 1, np.inf)
+        choices = []
+        for i in range(n):
+            cands, tags = [], []
+            for o in range(len(OPTIONS)):
+                if not allowed[i, o]:
+                    continue
+                u, co = int(self.units[i, o]), float(c[i, o])
+                if u <= M:
+                    shifted = np.full(M + 1, np.inf)
+                    shifted[u:] = B[: M + 1 - u] + co
+                    cands.append(shifted)
+                    tags.append(o)
+                    if o != _KEEP and a_units + u <= M:  # the first policy, after blocks all kept
+                        fromA = np.full(M + 1, np.inf)
+                        fromA[a_units + u:] = a_cost + co
+                        cands.append(fromA)
+                        tags.append(o + 100)
+            stack = np.stack(cands)
+            arg = stack.argmin(axis=0)
+            B = stack[arg, np.arange(M + 1)]
+            if record:
+                choices.append(np.array(tags, dtype=np.int64)[arg])
+            a_units += int(self.units[i, _KEEP])
+            a_cost += float(c[i, _KEEP])
+        return B, choices
+
+    def backtrack(self, level: int, w: float, capacity: int) -> tuple[int, ...]:
+        """The option index per block of the best solution within ``capacity`` units."""
+        if level == 0:
+            return (_KEEP,) * self.n
+        _, choices = self._solve(level, w, record=True)
+        out = [_KEEP] * self.n
+        m, from_a = capacity, False
+        for i in range(self.n - 1, -1, -1):
+            if from_a:
+                out[i] = _KEEP
+                continue
+            tag = int(choices[i][m])
+            o = tag % 100
+            out[i] = o
+            m -= int(self.units[i, o])
+            if tag >= 100:
+                from_a = True
+        return tuple(out)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _micro_batches(profile: Profile, global_batch: int | None) -> list[int]:
+    if global_batch is None:
+        return [profile.micro_batch]
+    divs = _divisors(global_batch)
+    if len(divs) <= _MAX_MICRO_BATCHES:
+        return divs[::-1]
+    logs = np.log(np.array(divs, dtype=float))
+    targets = np.linspace(logs[0], logs[-1], _MAX_MICRO_BATCHES)
+    pick = sorted({int(np.abs(logs - t).argmin()) for t in targets})
+    return [divs[i] for i in pick][::-1]
+
+
+def _offload_counts(n: int) -> list[int]:
+    if n + 1 <= _MAX_OFFLOAD_STEPS:
+        return list(range(n + 1))
+    return sorted({int(round(x)) for x in np.linspace(0, n, _MAX_OFFLOAD_STEPS)})
+
+
+def _bound_extra(g: cost.Globals, s: float, e: float, off: float, level0: bool, window: int) -> int:
+    """The non-additive part of the peak bound (module docstring of :mod:`cost`), scaled."""
+    ex, of = s * e, s * off
+    fwd_end = g.head + (g.cache if level0 else 0) + of
+    bwd = ex + min(of, window) + g.backward_work
+    fwd_blk = ex + g.largest + of
+    return int(math.ceil(max(fwd_end, bwd, fwd_blk)))
+
+
+def plan_for(
+    profile: Profile,
+    budget_bytes: int,
+    *,
+    global_batch: int | None = None,
+    precision: str = "fp32",
+    fused_loss_allowed: bool = False,
+    offload_allowed: bool = True,
+    grad_clipping: bool = True,
+    allocator_allowed: bool = True,
+    prefetch_window_bytes: int | None = None,
+    selective_allowed: bool = True,
+) -> Plan:
+    """The plan with the shortest predicted step whose predicted peak fits ``budget_bytes``.
+
+    Args:
+        profile: the model on the machine (``elbowroom.plan.profiler.profile``).
+        budget_bytes: device memory the training step may use (incl. the allocator's margin).
+        global_batch: samples per optimizer step; the search picks the micro-batch among its divisors and
+            accumulates. None keeps the profile's micro-batch without accumulation (the loop's own batch).
+        precision: "fp32" keeps fp32 weights (autocast computes in the profile's dtype); "bf16" also allows bf16
+            device copies of offloaded weights and the whole model in bf16, always with fp32 masters.
+        fused_loss_allowed: the loop can compute head and loss with ``elbowroom.linear_cross_entropy``.
+        offload_allowed: activations and optimizer state may go to host memory.
+        grad_clipping: the loop clips gradients (or uses a GradScaler): the host step waits for the whole backward.
+        allocator_allowed: the plan may set CUDA allocator options (``expandable_segments:True``).
+        prefetch_window_bytes: the activation offload engine's prefetch window (its default when None).
+        selective_allowed: blocks may use selective recompute (:func:`~elbowroom.plan.fit` turns it off for
+            blocks that are not elbowroom's reference blocks, see there).
+
+    Returns:
+        The :class:`~elbowroom.plan.plan.Plan`.
+
+    Raises:
+        BudgetError: no plan fits; the message names the minimum budget and what it consists of.
+        ValueError: a bad argument.
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or global_batch < 1):
+        raise ValueError(f"global_batch must be a positive int of samples, got {global_batch!r}")
+    if not profile.blocks:
+        raise ValueError("the profile has no blocks: the planner decides block by block")
+    if prefetch_window_bytes is None:
+        from elbowroom.activations.offload import DEFAULT_PREFETCH_WINDOW_BYTES
+
+        prefetch_window_bytes = DEFAULT_PREFETCH_WINDOW_BYTES
+    m = profile.machine
+    notes: list[str] = []
+    link_ok = m.h2d_bandwidth > 0 and m.d2h_bandwidth > 0 and m.duplex_bandwidth > 0
+    opt_ok = offload_allowed and link_ok and m.host_adam_params_per_s > 0
+    if offload_allowed and not link_ok:
+        notes.append(f"{m.name} has no host link in the profile: nothing is offloaded")
+    layouts, layout_notes = cost.layouts_for(profile, precision)
+    notes += layout_notes
+    cuda_like = allocator_allowed and m.name.lower() != "cpu"
+    budget = budget_bytes
+    if m.device_memory_bytes > 0 and budget > m.device_memory_bytes:
+        notes.append(f"budget {_gib(budget_bytes)} is above the device's {_gib(m.device_memory_bytes)}: "
+                     "planned for the device's memory")
+        budget = int(m.device_memory_bytes)
+
+    tables = cost.block_tables(profile)
+    ks = _Knapsack(profile, tables, offload_ok=link_ok and offload_allowed, prefetch_window=prefetch_window_bytes,
+                   selective_ok=selective_allowed)
+    n = len(profile.blocks)
+    mbs = _micro_batches(profile, global_batch)
+    gb = global_batch if global_batch is not None else profile.micro_batch
+    fused_opts = [False, True] if fused_loss_allowed else [False]
+    alloc_opts = [False, True] if cuda_like else [False]
+    k_opts = _offload_counts(n) if opt_ok else [0]
+    other_opts = [False, True] if opt_ok else [False]
+    host_mem = m.host_memory_bytes if m.host_memory_bytes > 0 else math.inf
+    slack = n + 16  # bytes lost to rounding each block's bytes up separately
+
+    best: tuple[float, _Outer, int, int, float] | None = None  # (seconds, outer, level, capacity, w)
+    minimum: tuple[int, _Outer, dict[str, int]] | None = None
+    for layout in layouts:
+        for k in k_opts:
+            for other in other_opts:
+                offload_blocks = tuple(i >= n - k for i in range(n))
+                if layout != "fp32" and not (k or other) and layout == "fp32-offload-bf16":
+                    continue  # nothing offloaded: the same as fp32
+                for mb in mbs:
+                    s = mb / profile.micro_batch
+                    acc = gb // mb
+                    for fused in fused_opts:
+                        d = Decisions(
+                            options=(Option(),) * n, offload_blocks=offload_blocks, offload_other=other,
+                            layout=layout, micro_batch=mb, accumulation=acc, fused_loss=fused,
+                            grad_clipping=grad_clipping,
+                        )
+                        g = cost.globals_for(profile, d)
+                        if g.host_bytes > host_mem or math.isinf(g.host_exposed_s):
+                            continue
+                        w = cost.duplex_share(d)
+                        floor_s = cost.step_seconds(g, s, acc, 0.0)
+                        for expandable in alloc_opts:
+                            for li, e in enumerate(ks.levels):
+                                if g.host_bytes + s * ks.level_pool[li] > host_mem:
+                                    continue
+                                fixed = g.states + _bound_extra(g, s, e, ks.level_off[li], li == 0,
+                                                                prefetch_window_bytes) + slack
+                                outer = _Outer(layout, k, other, mb, acc, fused, expandable)
+                                need = fixed + ks.min_units[li] * ks.unit0 * s
+                                need_budget = _min_budget(profile, need, expandable)
+                                if minimum is None or need_budget < minimum[0]:
+                                    minimum = (need_budget, outer, {"model states and optimizer buffers": g.states,
+                                                                    "activations at least": int(need - fixed),
+                                                                    "head, loss and working memory": int(
+                                                                        fixed - g.states)})
+                                margin = cost.margin_bytes(profile, budget, expandable)
+                                cap = int(math.floor((budget - margin - fixed) / (ks.unit0 * s)))
+                                if cap < ks.min_units[li]:
+                                    continue
+                                if best is not None and floor_s >= best[0]:
+                                    continue
+                                cap = min(cap, ks.M)
+                                t_blocks = ks.best(li, w)[cap]
+                                if not math.isfinite(t_blocks):
+                                    continue
+                                t = cost.step_seconds(g, s, acc, float(t_blocks))
+                                if best is None or t < best[0]:
+                                    best = (t, outer, li, cap, w)
+    if best is None:
+        raise _budget_error(
+            profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed
+        )
+    t, outer, li, cap, w = best
+    opts = ks.backtrack(li, w, cap)
+    d = Decisions(
+        options=tuple(OPTIONS[o] for o in opts),
+        offload_blocks=tuple(i >= n - outer.k for i in range(n)),
+        offload_other=outer.other,
+        layout=outer.layout,
+        micro_batch=outer.micro_batch,
+        accumulation=outer.accumulation,
+        fused_loss=outer.fused,
+        expandable_segments=outer.expandable,
+        grad_clipping=grad_clipping,
+    )
+    plan = plan_from_decisions(
+        profile, d, budget_bytes, notes=tuple(notes), prefetch_window_bytes=prefetch_window_bytes,
+        budget_for_margin=budget,
+    )
+    # the search's objective and the cost model's prediction are one expression; keep the search's number so that
+    # the monotonicity over budgets is exact to the last bit
+    assert math.isclose(plan.predicted_step_seconds, t, rel_tol=1e-9), (plan.predicted_step_seconds, t)
+    assert plan.predicted_peak_bytes <= budget, (plan.predicted_peak_bytes, budget)
+    tokens = plan.global_batch * profile.seq_len
+    return replace(plan, predicted_step_seconds=t, predicted_tokens_per_s=tokens / t if t > 0 else math.inf)
+
+
+def _min_budget(profile: Profile, need: float, expandable: bool) -> int:
+    """The smallest budget whose usable part (after the allocator's margin) holds ``need`` bytes."""
+    if profile.allocator_overhead_bytes > 0:
+        return int(math.ceil(need + profile.allocator_overhead_bytes))
+    frac = cost.ALLOCATOR_MARGIN["expandable_segments" if expandable else "default"]
+    b = int(math.ceil(need / (1.0 - frac)))
+    while b - int(frac * b) < need:
+        b += 1
+    return b + 1
+
+
+def _budget_error(
+    profile: Profile,
+    budget: int,
+    minimum: tuple[int, _Outer, dict[str, int]] | None,
+    precision: str,
+    layouts: list[str],
+    opt_ok: bool,
+    global_batch: int | None,
+    fused_allowed: bool,
+) -> BudgetError:
+    n = len(profile.blocks)
+    all_dev = Decisions(options=(Option(),) * n, offload_blocks=(False,) * n)
+    parts = [f"model states need {_gib(cost.state_bytes(profile, all_dev))} in fp32 AdamW"]
+    if opt_ok:
+        host = replace(all_dev, offload_blocks=(True,) * n, offload_other=True)
+        parts.append(f"with the optimizer on the host: {_gib(cost.state_bytes(profile, host))}")
+        if "bf16" in layouts:
+            parts.append(f"and bf16 device weights: {_gib(cost.state_bytes(profile, replace(host, layout='bf16')))}")
+    if minimum is None:
+        return BudgetError(f"no plan fits the host memory of {profile.machine.name}; " + "; ".join(parts), 0)
+    low, outer, comp = minimum
+    top = max(comp, key=lambda k: comp[k])
+    parts.append("the smallest plan: " + ", ".join(f"{k} {_gib(v)}" for k, v in comp.items())
+                 + f" (micro-batch {outer.micro_batch}; {top} dominate)")
+    hints = []
+    if precision == "fp32" and profile.compute_dtype in ("bfloat16", "float16") and opt_ok:
+        hints.append("precision='bf16' allows bf16 device weights")
+    if not fused_allowed:
+        hints.append("fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss")
+    if global_batch is None and profile.micro_batch > 1:
+        hints.append("global_batch= lets the planner split the batch into micro-batches")
+    msg = f"budget {_gib(budget)} is below the minimum {_gib(low)}: " + "; ".join(parts)
+    if hints:
+        msg += " (" + "; ".join(hints) + ")"
+    return BudgetError(msg, low)
+
+
+def plan_from_decisions(
+    profile: Profile,
+    d: Decisions,
+    budget_bytes: int,
+    *,
+    notes: tuple[str, ...] = (),
+    prefetch_window_bytes: int | None = None,
+    budget_for_margin: int | None = None,
+) -> Plan:
+    """A :class:`Plan` for given decisions with the cost model's predictions (options snapped to the planner's)."""
+    snapped = tuple(_snap(o) for o in d.options)
+    d = replace(d, options=snapped)
+    pred = cost.predict(profile, d, budget_for_margin or budget_bytes, prefetch_window_bytes=prefetch_window_bytes)
+    weight, off_dtype = cost.LAYOUTS[d.layout]
+    rows = tuple(
+        BlockPlan(
+            index=i,
+            checkpoint=o.checkpoint,
+            offload_ratio=o.offload_ratio,
+            offload_input=o.offload_input,
+            optimizer_on_host=d.offload_blocks[i],
+            kept_bytes=bc.kept_bytes,
+            offloaded_bytes=bc.offloaded_bytes,
+            recomputed_bytes=bc.recomputed_bytes,
+            seconds=bc.seconds,
+        )
+        for i, (o, bc) in enumerate(zip(d.options, pred.blocks))
+    )
+    tokens = d.micro_batch * d.accumulation * profile.seq_len
+    t = pred.step_seconds
+    return Plan(
+        blocks=rows,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=pred.peak_bytes,
+        predicted_step_seconds=t,
+        predicted_tokens_per_s=tokens / t if t > 0 else math.inf,
+        micro_batch=d.micro_batch,
+        gradient_accumulation_steps=d.accumulation,
+        weight_dtype=weight,
+        offload_param_dtype=off_dtype if d.offloads_params or weight == "bfloat16" else "float32",
+        offload_other_params=d.offload_other,
+        fused_loss=d.fused_loss,
+        allocator_settings="expandable_segments:True" if d.expandable_segments else "",
+        grad_clipping=d.grad_clipping,
+        peak_phase=pred.peak_phase,
+        memory=dict(pred.memory),
+        time=dict(pred.time),
+        host_bytes=pred.host_bytes,
+        profile=ProfileSummary(
+            machine=profile.machine.name,
+            source=profile.source,
+            seq_len=profile.seq_len,
+            micro_batch=profile.micro_batch,
+            compute_dtype=profile.compute_dtype,
+            param_dtype=profile.param_dtype,
+            block_path=profile.block_path,
+            num_params=profile.num_params,
+        ),
+        notes=tuple(notes),
+    )
+
+
+def _snap(o: Option) -> Option:
+    """The planner's option nearest to a hand-written one (for predictions of edited plans)."""
+    if o in OPTIONS:
+        return o
+    same = [c for c in OPTIONS if c.checkpoint == o.checkpoint and c.offload_input == o.offload_input]
+    if not same:
+        same = [c for c in OPTIONS if c.checkpoint == o.checkpoint]
+    return min(same, key=lambda c: abs(c.offload_ratio - o.offload_ratio))

@@ -1,0 +1,215 @@
+"""apply(): a hand-made plan on the tiny reference model (fp32, CPU) trains as the plain run does.
+
+Tolerances are the mechanisms' own: recompute gives the plain gradients to fp32 rounding (1e-6 relative,
+tests/test_activations_policy.py) and the offloaded optimizer runs torch's fused CPU AdamW (bitwise on the same
+gradients, tests/test_optim_offload.py), so parameters after a few steps agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from elbowroom.activations.policy import get_block_policies
+from elbowroom.models import ModelConfig, build_model
+from elbowroom.optim import CPUOffloadOptimizer
+from elbowroom.plan import Plan, apply
+from elbowroom.plan.plan import BlockPlan
+
+TOL = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    # several buckets even for the tiny model, and one CPU thread (two cores shared with other tests)
+    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 1 << 16)
+    monkeypatch.setattr(CPUOffloadOptimizer, "num_staging_slots", 2)
+    monkeypatch.setattr(CPUOffloadOptimizer, "cpu_threads", 1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(dropout: float = 0.0, arch: str = "llama") -> nn.Module:
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_preset("tiny", dropout=dropout, arch=arch)
+    return build_model(cfg).train()
+
+
+def hand_plan(n: int, **kw) -> Plan:
+    rows = [
+        BlockPlan(index=0, checkpoint="full"),
+        BlockPlan(index=1, checkpoint="selective"),
+        BlockPlan(index=2, optimizer_on_host=True),
+        BlockPlan(index=3, checkpoint="full", optimizer_on_host=True),
+    ][:n]
+    return Plan(blocks=tuple(rows), budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=1.0,
+                predicted_tokens_per_s=1.0, **kw)
+
+
+IDX = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+def run(
+    model: nn.Module, opt: torch.optim.Optimizer, steps: int, clip: float | None = None, grads: dict | None = None
+) -> list[float]:
+    """Losses of ``steps`` steps; the first step's gradients into ``grads`` (before clipping)."""
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)  # the same dropout masks in both runs
+        loss = F.cross_entropy(model(IDX).flatten(0, 1).float(), IDX.flatten())
+        loss.backward()
+        if step == 0 and grads is not None:
+            grads.update({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_params_close(a: nn.Module, b: nn.Module, tol: float) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        err = ((x.detach().float() - y.detach().float()).norm() / y.detach().float().norm().clamp_min(1e-30)).item()
+        assert err <= tol, f"{name}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("arch, dropout", [("llama", 0.0), ("gpt2", 0.1)])
+@pytest.mark.parametrize("other", [False, True])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_plan_trains_like_plain(arch: str, dropout: float, other: bool, clip: float | None) -> None:
+    ref = tiny(dropout, arch)
+    model = copy.deepcopy(ref)
+    plan = hand_plan(4, offload_other_params=other)
+    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
+    assert isinstance(opt, CPUOffloadOptimizer)
+    assert [p.checkpoint for p in get_block_policies(model)] == ["full", "selective", "none", "full"]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    g_got, g_want = {}, {}
+    got = run(model, opt, 3, clip, g_got)
+    want = run(ref, ref_opt, 3, clip, g_want)
+    for name, q in g_want.items():  # the first step's gradients: equal to fp32 rounding
+        err = ((g_got[name] - q).norm() / q.norm().clamp_min(1e-30)).item()
+        assert err <= TOL, f"{name}: gradient relative error {err:.3e}"
+    assert got == pytest.approx(want, rel=1e-5)
+    opt.wait_for_weights()
+    assert_params_close(model, ref, 1e-5)
+    n_off = sum(p.numel() for blk in list(model.blocks)[2:] for p in blk.parameters())
+    if other:
+        n_off += sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    assert opt.stats()["offloaded_numel"] == n_off
+
+
+def test_nothing_offloaded_gives_torchs_optimizer() -> None:
+    model = tiny()
+    plan = hand_plan(4)
+    rows = tuple(BlockPlan(index=b.index, checkpoint=b.checkpoint) for b in plan.blocks)
+    plain = Plan(blocks=rows, budget_bytes=1, predicted_peak_bytes=0, predicted_step_seconds=1.0,
+                 predicted_tokens_per_s=1.0)
+    _, opt = apply(model, plain, torch.optim.AdamW, lr=1e-3)
+    assert type(opt) is torch.optim.AdamW
+
+
+def test_bf16_plan_casts_weights_and_keeps_fp32_masters() -> None:
+    ref = tiny()
+    model = copy.deepcopy(ref)
+    plan = hand_plan(4, weight_dtype="bfloat16", offload_param_dtype="bfloat16")
+    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-2)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.rope.cos.dtype == torch.float32  # buffers keep their precision
+    assert isinstance(opt, CPUOffloadOptimizer) and opt.master_weights
+    losses = run(model, opt, 3)
+    want = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3)
+    assert losses == pytest.approx(want, rel=2e-2)  # bf16 arithmetic against fp32
+
+
+def test_block_count_mismatch_is_refused() -> None:
+    with pytest.raises(ValueError, match="the plan has 3 blocks but the model has 4: plan again"):
+        apply(tiny(), hand_plan(3), lr=1e-3)
+
+
+class Wrapped(nn.Module):
+    """Blocks under another name, next to a longer list of another kind (so finding them by size fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tiny()
+        self.heads = nn.ModuleList(nn.Identity() for _ in range(6))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(idx)
+
+
+def test_blocks_named_by_path() -> None:
+    ref = Wrapped()
+    model = copy.deepcopy(ref)
+    with pytest.raises(ValueError, match="the plan has 4 blocks but the model has 6"):
+        apply(model, hand_plan(4), lr=1e-2)
+    model, opt = apply(model, hand_plan(4), torch.optim.AdamW, blocks="inner.blocks", lr=1e-2, fused=True)
+    got = run(model, opt, 2)
+    want = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), 2)
+    assert got == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ValueError, match="has no submodule 'inner.layers'"):
+        apply(Wrapped(), hand_plan(4), blocks="inner.layers", lr=1e-2)
+
+
+@pytest.mark.parametrize("where", ["minimum", "between"])
+def test_searched_plan_applies_and_trains_like_plain(where: str) -> None:
+    # search -> apply without the profiler: a hand-made profile of the tiny model's shape
+    from test_plan_support import make_profile
+
+    from elbowroom.plan import BudgetError, plan_for
+
+    p = make_profile(dim=128, n_layers=4, ffn=384, vocab=256, micro_batch=2, seq_len=64)
+    with pytest.raises(BudgetError) as e:
+        plan_for(p, 1, fused_loss_allowed=False)
+    low = e.value.minimum_bytes
+    high = plan_for(p, 80 << 30).predicted_peak_bytes
+    budget = low if where == "minimum" else (low + high) // 2
+    plan = plan_for(p, budget)
+    if where == "minimum":
+        assert plan.offloads_optimizer and any(b.checkpoint != "none" for b in plan.blocks)
+    ref = tiny(0.1, "gpt2")
+    model = copy.deepcopy(ref)
+    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-2, fused=True)
+    got = run(model, opt, 3, clip=1.0)
+    want = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), 3, clip=1.0)
+    assert got == pytest.approx(want, rel=1e-5)
+    if isinstance(opt, CPUOffloadOptimizer):
+        opt.wait_for_weights()
+    assert_params_close(model, ref, 1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hugging_face_models_train_like_plain(arch: str) -> None:
+    # every mechanism on HF blocks (keyword arguments, tied embeddings, dropout): bitwise the plain run on CPU
+    import test_plan_fit as hf
+
+    ref = hf.hf_gpt2() if arch == "gpt2" else hf.hf_llama()
+    model = copy.deepcopy(ref)
+    rows = (
+        BlockPlan(index=0, checkpoint="full", offload_input=True),
+        BlockPlan(index=1, checkpoint="selective", offload_ratio=0.5),
+        BlockPlan(index=2, offload_ratio=0.5, optimizer_on_host=True),
+        BlockPlan(index=3, checkpoint="selective", optimizer_on_host=True),
+    )
+    plan = Plan(blocks=rows, budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=1.0,
+                predicted_tokens_per_s=1.0, offload_other_params=True)
+    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
+    assert model.config.use_cache is False
+    got = hf.train(model, opt, 3)
+    want = hf.train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True), 3)
+    assert got == pytest.approx(want, rel=1e-6)
+    opt.wait_for_weights()
+    assert_params_close(model, ref, 1e-6)

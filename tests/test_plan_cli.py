@@ -1,0 +1,137 @@
+"""``elbowroom plan`` (cmd_plan): the table, the JSON schema, --out, and bad input returning 2 with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_plan_support import make_profile
+
+from elbowroom.plan import Plan
+from elbowroom.plan.cli import cmd_plan
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("prof") / "w1.json"
+    path.write_text(json.dumps(make_profile().to_dict()))
+    return str(path)
+
+
+def test_json_schema(profile_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cmd_plan(["--profile", profile_file, "--budget", "24GiB", "--json", "--precision", "bf16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("predicted_peak_bytes", "predicted_step_seconds", "predicted_tokens_per_s", "budget_bytes",
+                "micro_batch", "gradient_accumulation_steps", "weight_dtype", "fused_loss", "blocks"):
+        assert key in out
+    assert out["budget_bytes"] == 24 << 30 and out["predicted_peak_bytes"] <= out["budget_bytes"]
+    assert len(out["blocks"]) == 24
+    for i, b in enumerate(out["blocks"]):
+        assert b["index"] == i and b["checkpoint"] in ("none", "selective", "full")
+        assert {"offload_ratio", "offload_input", "optimizer_on_host", "kept_bytes", "seconds"} <= set(b)
+    assert Plan.from_dict(out).budget_bytes == 24 << 30
+
+
+def test_table_and_out(profile_file: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.toml"
+    assert cmd_plan(["--profile", profile_file, "--budget", "30GB", "--global-batch", "8", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted peak" in text and "block" in text
+    plan = Plan.load(out)
+    assert plan.budget_bytes == 30 * 10**9 and plan.global_batch == 8
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--budget", "24 parsecs"], "cannot read budget '24 parsecs'; accepted: a number with GiB"),
+        (["--budget", "2GiB"], "below the minimum"),
+        (["--budget", "24GiB", "--out", "plan.yaml"], r"--out must end in \.toml or \.json"),
+        (["--budget", "24GiB", "--frobnicate"], "unrecognized arguments"),
+        (["--budget", "24GiB", "--precision", "fp8"], "invalid choice"),
+    ],
+)
+def test_bad_input_returns_2_with_one_line(
+    profile_file: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], match: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cmd_plan(["--profile", profile_file, *args]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elbowroom plan: ")
+    import re
+
+    assert re.search(match, lines[0]), lines[0]
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_bad_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "p.json"
+    bad.write_text("{}")
+    assert cmd_plan(["--profile", str(bad), "--budget", "1GiB"]) == 2
+    assert "cannot read profile" in capsys.readouterr().err
+
+
+def test_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cmd_plan(["--model", "w9", "--device", "h100-80gb", "--budget", "24GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'w9'; choose one of tiny, w1, w2, 7b" in err
+
+
+# ------------------------------------------------------------------ with the profiler (another worktree for now)
+def test_analytic_w1_on_the_device_table(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("elbowroom.plan.profiler")
+    pytest.importorskip("elbowroom.plan.devices")
+    assert cmd_plan(["--model", "w1", "--device", "h100-80gb", "--budget", "24GiB", "--batch", "4x4096",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["predicted_peak_bytes"] <= out["budget_bytes"] == 24 << 30 and len(out["blocks"]) == 24
+    assert cmd_plan(["--model", "7b", "--arch", "gpt2", "--device", "h100-80gb", "--budget", "40GiB",
+                     "--precision", "bf16"]) == 0
+
+
+def test_unknown_device_lists_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("elbowroom.plan.profiler")
+    pytest.importorskip("elbowroom.plan.devices")
+    assert cmd_plan(["--model", "w1", "--device", "tpu-v9", "--budget", "24GiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tpu-v9" in err and "h100-80gb" in err
+
+
+def test_model_path_with_a_stand_in_profiler(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the --model path up to the profiler's call, with stand-ins for the profiler and the device table (the real
+    # ones are written in another worktree; test_analytic_w1_on_the_device_table runs against them)
+    import sys
+    import types
+
+    calls = []
+
+    def profile(model, sample, *, source, machine):
+        calls.append((type(model).__name__, len(model.blocks), tuple(sample.shape), sample.device.type, source,
+                      machine))
+        return make_profile(n_layers=len(model.blocks), micro_batch=sample.shape[0], seq_len=sample.shape[1])
+
+    prof_mod = types.ModuleType("elbowroom.plan.profiler")
+    prof_mod.profile = profile
+    dev_mod = types.ModuleType("elbowroom.plan.devices")
+    dev_mod.DEVICES = {"h100-80gb": None, "a100-40gb": None}
+    monkeypatch.setitem(sys.modules, "elbowroom.plan.profiler", prof_mod)
+    monkeypatch.setitem(sys.modules, "elbowroom.plan.devices", dev_mod)
+    import elbowroom.plan as plan_pkg
+
+    monkeypatch.setattr(plan_pkg, "devices", dev_mod, raising=False)
+    assert cmd_plan(["--model", "w1", "--device", "h100-80gb", "--budget", "24GiB", "--batch", "4x4096"]) == 0
+    assert calls == [("DecoderLM", 24, (4, 4096), "meta", "analytic", "h100-80gb")]
+    assert "predicted peak" in capsys.readouterr().out
+    assert cmd_plan(["--model", "w1", "--device", "tpu-v9", "--budget", "24GiB"]) == 2
+    assert "unknown device 'tpu-v9'; known: a100-40gb, h100-80gb" in capsys.readouterr().err
+    assert cmd_plan(["--model", "tiny", "--device", "h100-80gb", "--budget", "24GiB", "--batch", "4by4096"]) == 2
+    assert "--batch must read SAMPLESxTOKENS" in capsys.readouterr().err
+    assert cmd_plan(["--model", "tiny", "--arch", "gpt2", "--device", "a100-40gb", "--budget", "24GiB",
+                     "--batch", "2x512"]) == 0  # longer than the preset's max_seq_len: the model grows to fit
+    assert calls[-1][:4] == ("DecoderLM", 4, (2, 512), "meta")

@@ -1,0 +1,142 @@
+"""The cost model on hand-made profiles: model states by layout, activation bytes by option, scaling, the host
+step's exposed part, and one expression of the step time shared with the search."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_plan_support import GiB, make_profile
+
+from elbowroom.plan import cost
+from elbowroom.plan.cost import OPTIONS, Decisions, Option
+
+
+def decisions(n: int, **kw) -> Decisions:
+    """All blocks kept, nothing offloaded, the profile's micro-batch of 4 (make_profile's default)."""
+    kw.setdefault("micro_batch", 4)
+    kw.setdefault("options", (Option(),) * n)
+    kw.setdefault("offload_blocks", (False,) * n)
+    return Decisions(**kw)
+
+
+def test_model_states_per_parameter_by_layout() -> None:
+    p = make_profile(n_layers=4, dim=256, ffn=512, vocab=1000, seq_len=128)
+    n, P = len(p.blocks), p.num_params
+    bucket, slots, chunk = cost._optimizer_config()
+    assert cost.state_bytes(p, decisions(n)) == 16 * P
+    off = dict(offload_blocks=(True,) * n, offload_other=True)
+    assert cost.state_bytes(p, decisions(n, **off)) == 8 * P + slots * bucket
+    assert cost.state_bytes(p, decisions(n, layout="fp32-offload-bf16", **off)) == 4 * P + slots * bucket
+    half = (False, False, True, True)
+    p_off = sum(b.num_params for b in p.blocks[2:])
+    got = cost.state_bytes(p, decisions(n, layout="bf16", offload_blocks=half))
+    assert got == 16 * (P - p_off) + 4 * p_off + slots * bucket + 4 * min(chunk, P - p_off)
+
+
+def test_option_bytes_follow_the_policies() -> None:
+    b = make_profile(n_layers=1).blocks[0]
+    kept, off, extra = cost.option_bytes(b)
+    S, sel, inp = b.total_saved_bytes, b.selective_saved_bytes, b.input_bytes
+    by = {o: (k, f) for o, k, f in zip(OPTIONS, kept, off)}
+    assert by[Option()] == (S, 0)
+    assert by[Option("none", 0.5)] == (S / 2, S / 2)
+    assert by[Option("selective")] == (sel, 0)
+    assert by[Option("selective", 0.5)] == (sel - (sel - inp) / 2, (sel - inp) / 2)
+    assert by[Option("selective", 1.0, True)] == (0, sel)
+    assert by[Option("full")] == (inp, 0)
+    assert by[Option("full", 0.0, True)] == (0, inp)
+    assert (extra == S - kept).all() and (kept + off <= S + 1e-6).all()
+
+
+def test_activations_and_times_scale_with_the_micro_batch() -> None:
+    p = make_profile(n_layers=4, micro_batch=2)  # decisions at micro-batch 2 and 4
+    n = len(p.blocks)
+    opts = (Option("full"), Option("selective"), Option(), Option())
+    one = cost.predict(p, decisions(n, options=opts, micro_batch=2), 80 * GiB)
+    two = cost.predict(p, decisions(n, options=opts, micro_batch=4), 80 * GiB)
+    for a, b in zip(one.blocks, two.blocks):
+        assert b.kept_bytes == pytest.approx(2 * a.kept_bytes, abs=2)
+        assert b.seconds == pytest.approx(2 * a.seconds)
+    # autocast's weight casts happen once per micro-batch, whatever its size
+    assert two.time["autocast casts"] == pytest.approx(one.time["autocast casts"])
+    assert two.time["compute"] == pytest.approx(2 * one.time["compute"])
+
+
+def test_recompute_costs_time_and_saves_memory() -> None:
+    p = make_profile(n_layers=4)
+    n = len(p.blocks)
+    keep = cost.predict(p, decisions(n, options=(Option("selective"),) * n), 80 * GiB)
+    full = cost.predict(p, decisions(n, options=(Option("full"),) * n), 80 * GiB)
+    assert full.step_seconds > keep.step_seconds
+    assert full.peak_bytes < keep.peak_bytes
+    assert full.time["recompute"] == pytest.approx(sum(b.recompute_s for b in p.blocks))
+
+
+def test_offload_beyond_what_compute_hides_is_exposed() -> None:
+    p = make_profile(n_layers=4)
+    slow = dataclasses.replace(p, machine=dataclasses.replace(p.machine, h2d_bandwidth=1e9, d2h_bandwidth=1e9,
+                                                             duplex_bandwidth=1e9))
+    n = len(p.blocks)
+    d = decisions(n, options=(Option("none", 1.0),) * 3 + (Option(),))
+    fast_t = cost.predict(p, d, 80 * GiB).time["exposed activation copies"]
+    slow_t = cost.predict(slow, d, 80 * GiB).time["exposed activation copies"]
+    assert slow_t > fast_t
+    b = p.blocks[0]
+    want = 3 * (2 * b.total_saved_bytes / 1e9 - b.forward_s - b.backward_s)  # next block's forward and backward
+    assert slow_t == pytest.approx(want)
+
+
+def test_host_step_hides_behind_the_next_forward_up_to_its_blocks() -> None:
+    p = make_profile(n_layers=8)
+    n = len(p.blocks)
+    late = tuple(i >= n - 2 for i in range(n))
+    early = tuple(i < 2 for i in range(n))
+    whole_late, exposed_late = cost.host_exposed_seconds(p, decisions(n, offload_blocks=late), 0.0)
+    whole_early, exposed_early = cost.host_exposed_seconds(p, decisions(n, offload_blocks=early), 0.0)
+    assert whole_late == pytest.approx(whole_early)
+    # the late blocks are needed last: their step hides behind the forward of the first six blocks
+    assert exposed_late < exposed_early
+    # without clipping the step starts during backward and hides more
+    _, exposed_eager = cost.host_exposed_seconds(p, decisions(n, offload_blocks=early, grad_clipping=False), 0.0)
+    assert exposed_eager <= exposed_early
+    # everything on the host with a slow host: the exposed part is most of the step
+    slow = dataclasses.replace(p, machine=dataclasses.replace(p.machine, host_adam_params_per_s=1e8))
+    w, x = cost.host_exposed_seconds(slow, decisions(n, offload_blocks=(True,) * n, offload_other=True), 0.0)
+    assert x > 0.9 * w - sum(b.forward_s for b in p.blocks) * 1.01
+
+
+def test_bf16_weights_save_the_autocast_casts() -> None:
+    p = make_profile(n_layers=4)
+    n = len(p.blocks)
+    fp32 = cost.predict(p, decisions(n), 80 * GiB)
+    bf16 = cost.predict(p, decisions(n, layout="bf16"), 80 * GiB)
+    assert fp32.time["autocast casts"] == pytest.approx(p.num_params * cost.CAST_BYTES_PER_PARAM
+                                                         / p.machine.memory_bandwidth)
+    assert bf16.time["autocast casts"] == 0.0
+    assert bf16.step_seconds < fp32.step_seconds
+
+
+def test_no_policy_keeps_autocasts_cache() -> None:
+    p = make_profile(n_layers=4)
+    n = len(p.blocks)
+    plain = cost.predict(p, decisions(n), 80 * GiB)
+    assert plain.peak_phase == "forward end" and plain.memory["autocast weight cache"] == 2 * sum(
+        b.num_params for b in p.blocks)
+    one = cost.predict(p, decisions(n, options=(Option("selective"),) + (Option(),) * (n - 1)), 80 * GiB)
+    assert "autocast weight cache" not in one.memory
+
+
+def test_fused_loss_lowers_the_forward_end() -> None:
+    p = make_profile(n_layers=2)
+    n = len(p.blocks)
+    plain = cost.predict(p, decisions(n), 80 * GiB)
+    fused = cost.predict(p, decisions(n, fused_loss=True), 80 * GiB)
+    assert fused.peak_bytes < plain.peak_bytes
+    assert fused.step_seconds == plain.step_seconds
+
+
+def test_measured_allocator_overhead_replaces_the_margin() -> None:
+    p = dataclasses.replace(make_profile(n_layers=2), allocator_overhead_bytes=123 << 20)
+    got = cost.predict(p, decisions(len(p.blocks)), 80 * GiB)
+    assert got.memory["allocator margin"] == 123 << 20

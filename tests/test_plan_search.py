@@ -1,0 +1,193 @@
+"""The search on hand-made profiles: plans fit their budget, a tighter budget never predicts a faster step,
+impossible budgets name the minimum, and 100 blocks plan in seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+
+import pytest
+from test_plan_support import GiB, make_profile
+
+from elbowroom.plan import BudgetError, cost, plan_for
+
+
+def _minimum(profile, **kw) -> int:
+    with pytest.raises(BudgetError) as e:
+        plan_for(profile, 1 << 20, **kw)
+    return e.value.minimum_bytes
+
+
+CASES = {
+    "w1-fp32": (dict(), dict()),
+    "w1-bf16-fused": (dict(), dict(precision="bf16", fused_loss_allowed=True)),
+    "mixed-blocks-global-batch": (dict(vary=True, n_layers=12, micro_batch=2), dict(global_batch=8,
+                                                                                   fused_loss_allowed=True)),
+    "gpt-ish-no-clip": (dict(dim=1024, n_layers=16, ffn=4096, vocab=50257, micro_batch=8, seq_len=1024),
+                        dict(grad_clipping=False, precision="bf16")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tighter_budgets_never_predict_faster_steps(case: str) -> None:
+    prof_kw, kw = CASES[case]
+    p = make_profile(**prof_kw)
+    low = _minimum(p, **kw)
+    high = plan_for(p, 80 * GiB, **kw).predicted_peak_bytes + 4 * GiB
+    rng = random.Random(case)
+    budgets = sorted({low, high, *(rng.randint(low, high) for _ in range(24))})
+    prev = None
+    for b in budgets:
+        plan = plan_for(p, b, **kw)
+        assert plan.predicted_peak_bytes <= b
+        assert plan.budget_bytes == b
+        again = cost.predict(p, plan.decisions(), b).step_seconds
+        assert math.isclose(again, plan.predicted_step_seconds, rel_tol=1e-9)
+        if prev is not None:
+            assert plan.predicted_step_seconds <= prev, f"budget {b} predicts a slower step than a smaller one"
+        prev = plan.predicted_step_seconds
+        if "global_batch" in kw:
+            assert plan.micro_batch * plan.gradient_accumulation_steps == kw["global_batch"]
+
+
+def test_impossible_budget_names_the_minimum() -> None:
+    p = make_profile()
+    low = _minimum(p)
+    with pytest.raises(BudgetError, match=r"budget 4\.0 GiB is below the minimum .* GiB: model states need") as e:
+        plan_for(p, 4 * GiB)
+    assert isinstance(e.value, ValueError)
+    assert "with the optimizer on the host" in str(e.value) and "precision='bf16'" in str(e.value)
+    plan_for(p, low)  # the minimum itself plans
+    with pytest.raises(BudgetError):
+        plan_for(p, low - (64 << 20))
+    # bf16 weights lower the minimum
+    assert _minimum(p, precision="bf16") < low
+
+
+def test_plenty_of_memory_keeps_everything() -> None:
+    p = make_profile(n_layers=6)
+    plan = plan_for(p, 79 * GiB)
+    assert all(b.checkpoint == "none" and b.offload_ratio == 0 for b in plan.blocks)
+    assert plan.weight_dtype == "float32" and plan.offload_param_dtype == "float32"
+    assert plan.micro_batch == p.micro_batch and plan.gradient_accumulation_steps == 1
+    assert not plan.fused_loss
+
+
+def test_tight_budget_uses_the_mechanisms() -> None:
+    p = make_profile()
+    plan = plan_for(p, 20 * GiB, fused_loss_allowed=True)
+    assert plan.fused_loss
+    assert any(b.checkpoint != "none" for b in plan.blocks)
+    assert plan.offloads_optimizer
+    # late blocks first: the offloaded blocks are a suffix
+    off = plan.optimizer_offload_blocks
+    assert off == tuple(range(len(plan.blocks) - len(off), len(plan.blocks)))
+
+
+def test_no_offload_when_not_allowed_or_no_link() -> None:
+    p = make_profile(n_layers=6)
+    low = _minimum(p, offload_allowed=False)
+    plan = plan_for(p, low, offload_allowed=False)
+    assert not plan.offloads_optimizer and all(b.offload_ratio == 0 and not b.offload_input for b in plan.blocks)
+    cpu = dataclasses.replace(p, machine=dataclasses.replace(p.machine, name="cpu", h2d_bandwidth=0,
+                                                             d2h_bandwidth=0, duplex_bandwidth=0))
+    plan = plan_for(cpu, _minimum(cpu))
+    assert not plan.offloads_optimizer and plan.allocator_settings == ""
+    assert any("no host link" in n for n in plan.notes)
+
+
+def test_global_batch_trades_micro_batch_for_memory() -> None:
+    p = make_profile(micro_batch=4)
+    roomy = plan_for(p, 79 * GiB, global_batch=16)
+    assert roomy.micro_batch == 16 // roomy.gradient_accumulation_steps
+    tight_min = _minimum(p, global_batch=16)
+    assert tight_min < _minimum(p)  # smaller micro-batches fit where the profile's does not
+    tight = plan_for(p, tight_min, global_batch=16)
+    assert tight.micro_batch < p.micro_batch
+
+
+def test_fp32_precision_never_casts_weights() -> None:
+    p = make_profile()
+    for b in (20 * GiB, 24 * GiB, 60 * GiB):
+        plan = plan_for(p, b)
+        assert plan.weight_dtype == "float32" and plan.offload_param_dtype == "float32"
+
+
+def test_float32_profiles_cannot_plan_bf16_weights() -> None:
+    p = make_profile(n_layers=4, compute_dtype="float32")
+    plan = plan_for(p, 30 * GiB, precision="bf16")
+    assert plan.weight_dtype == "float32"
+    assert any("bf16 weights need a profile" in n for n in plan.notes)
+
+
+def test_budget_above_the_device_is_capped() -> None:
+    p = make_profile(n_layers=4)
+    plan = plan_for(p, 200 * GiB)
+    assert plan.budget_bytes == 200 * GiB and plan.predicted_peak_bytes <= p.machine.device_memory_bytes
+    assert any("above the device" in n for n in plan.notes)
+
+
+def test_hundred_blocks_plan_in_seconds() -> None:
+    p = make_profile(n_layers=100, dim=1024, ffn=2816, vary=True)
+    low = _minimum(p, precision="bf16", fused_loss_allowed=True, global_batch=16)
+    t0 = time.perf_counter()
+    plan = plan_for(p, low + 6 * GiB, precision="bf16", fused_loss_allowed=True, global_batch=16)
+    took = time.perf_counter() - t0
+    assert len(plan.blocks) == 100 and plan.predicted_peak_bytes <= low + 6 * GiB
+    assert took < 10.0, f"search took {took:.1f} s"
+
+
+def test_bad_arguments() -> None:
+    p = make_profile(n_layers=2)
+    for bad in (0, -1, 1.5, True, "24GiB"):
+        with pytest.raises(ValueError, match="budget_bytes must be a positive int"):
+            plan_for(p, bad)
+    with pytest.raises(ValueError, match="precision"):
+        plan_for(p, GiB, precision="fp16")
+    with pytest.raises(ValueError, match="global_batch"):
+        plan_for(p, GiB, global_batch=0)
+
+
+def test_selective_can_be_ruled_out() -> None:
+    p = make_profile(n_layers=8)
+    for b in (22 * GiB, 28 * GiB, 40 * GiB):
+        plan = plan_for(p, b, selective_allowed=False)
+        assert all(x.checkpoint != "selective" for x in plan.blocks)
+        assert plan.predicted_step_seconds >= plan_for(p, b).predicted_step_seconds
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_monotone_on_random_models_and_machines(seed: int) -> None:
+    # shapes, link and host speeds the planner was not written for
+    rng = random.Random(seed)
+    machine = dataclasses.replace(
+        make_profile(n_layers=1).machine,
+        matmul_flops=rng.uniform(1e14, 1e15),
+        h2d_bandwidth=rng.uniform(5e9, 60e9),
+        d2h_bandwidth=rng.uniform(5e9, 60e9),
+        duplex_bandwidth=rng.uniform(3e9, 40e9),
+        host_adam_params_per_s=rng.uniform(5e8, 8e9),
+        device_memory_bytes=rng.choice([24, 48, 80]) * GiB,
+    )
+    heads = rng.choice([8, 16])
+    p = make_profile(dim=heads * rng.choice([64, 128]), n_layers=rng.randint(3, 40), ffn=rng.choice([1024, 4096, 8192]),
+                     vocab=rng.choice([256, 32000, 128256]), micro_batch=rng.choice([1, 2, 8]),
+                     seq_len=rng.choice([512, 2048, 8192]), machine=machine, vary=rng.random() < 0.5)
+    kw = dict(precision=rng.choice(["fp32", "bf16"]), fused_loss_allowed=rng.random() < 0.5,
+              grad_clipping=rng.random() < 0.5, global_batch=rng.choice([None, 16]))
+    try:
+        low = _minimum(p, **kw)
+    except pytest.fail.Exception:  # even 1 MiB is enough: a tiny model
+        low = 1 << 20
+    if low > machine.device_memory_bytes:
+        pytest.skip("the model does not fit this device at all")
+    high = machine.device_memory_bytes
+    prev = None
+    for b in sorted({low, high, *(rng.randint(low, high) for _ in range(10))}):
+        plan = plan_for(p, b, **kw)
+        assert plan.predicted_peak_bytes <= b
+        if prev is not None:
+            assert plan.predicted_step_seconds <= prev
+        prev = plan.predicted_step_seconds
