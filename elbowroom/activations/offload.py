@@ -27,6 +27,12 @@ so every path (dedup, slots, ratios, prefetch, deferred release) is exercised by
 In-place safety: with saved-tensor hooks autograd no longer checks saved tensors' version counters,
 so the engine does: each packed tensor remembers its version, and unpacking one that was modified
 in place raises the error autograd would have raised.
+
+This module holds the engine, its regions and the verbs; its parts live beside it: the copy streams
+in :mod:`~elbowroom.activations.copier`, the host pool in :mod:`~elbowroom.activations.pool`, what
+autograd holds per saved tensor in :mod:`~elbowroom.activations.handles`, the ratio plan in
+:mod:`~elbowroom.activations.ratio` and the offloaded selective-checkpoint cache in
+:mod:`~elbowroom.activations.selective_cache`.
 """
 
 from __future__ import annotations
@@ -34,17 +40,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import threading
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from elbowroom.activations import _wrap
+from elbowroom.activations.copier import _CpuCopier, _CudaCopier
+from elbowroom.activations.handles import _cast_source, _Kept, _Packed, _Recast, _Record, _version_error
+from elbowroom.activations.pool import _DEFAULT_CHUNK_BYTES, _HostPool
+from elbowroom.activations.ratio import _Entry, _RatioState
+from elbowroom.activations.selective_cache import _CacheStorage
 
 logger = logging.getLogger(__name__)
 
@@ -63,379 +72,10 @@ DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
 DEFAULT_PREFETCH_WINDOW_BYTES = 2 << 30
 """How many bytes of one region travel back ahead of backward (a W1, W2 or 7B block fits whole)."""
 
-_ALIGN = 512  # slot alignment inside a host chunk (bytes)
-_DEFAULT_CHUNK_BYTES = 256 << 20  # a power of two: torch's pinned allocator rounds sizes up to one
-
-
 def _validate_ratio(name: str, ratio: float) -> float:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {ratio!r}")
     return float(ratio)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-# ---------------------------------------------------------------------------------------------- copies
-class _CpuEvent:
-    """Stands in for a CUDA event on CPU; ``delay`` > 0 makes it report "not done" that many times."""
-
-    __slots__ = ("left",)
-
-    def __init__(self, delay: int) -> None:
-        self.left = delay
-
-    def query(self) -> bool:
-        if self.left > 0:
-            self.left -= 1
-            return False
-        return True
-
-
-class _CpuCopier:
-    """Synchronous copies into a separate host buffer: the CPU path of the same bookkeeping."""
-
-    def __init__(self, event_delay: int = 0) -> None:
-        self.event_delay = event_delay
-
-    def copy_out(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> _CpuEvent:
-        dst.copy_(src)
-        return _CpuEvent(self.event_delay)
-
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> _CpuEvent:
-        dst.copy_(src)
-        return _CpuEvent(self.event_delay)
-
-    def done(self, ev: _CpuEvent) -> bool:
-        return ev.query()
-
-    def wait(self, ev: _CpuEvent | None, stream: Any = None) -> None:
-        if ev is not None:
-            ev.left = 0
-
-    def current_stream(self) -> None:
-        return None
-
-
-class _CudaCopier:
-    """Copies on two side streams: device-to-host and host-to-device, each ordered by events."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
-
-    def current_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
-
-    def copy_out(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event:
-        # STREAM WAIT: the saved tensor was produced by work queued on the compute stream
-        self.d2h.wait_stream(self.current_stream())
-        if after is not None:
-            # STREAM WAIT: the slot's previous content may still be read by a host-to-device copy
-            self.d2h.wait_event(after)
-        with torch.cuda.stream(self.d2h):
-            dst.copy_(src, non_blocking=True)
-            return self.d2h.record_event()
-
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event:
-        # STREAM WAIT: ``dst`` was just allocated on the compute stream, whose queued work may still be
-        # using that memory (the caching allocator reuses blocks in compute-stream order)
-        self.h2d.wait_stream(self.current_stream())
-        if after is not None:
-            # STREAM WAIT: the device-to-host copy that filled the slot must have finished
-            self.h2d.wait_event(after)
-        with torch.cuda.stream(self.h2d):
-            dst.copy_(src, non_blocking=True)
-            return self.h2d.record_event()
-
-    def done(self, ev: torch.cuda.Event) -> bool:
-        return ev.query()  # non-blocking: no host-device sync
-
-    def wait(self, ev: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
-        if ev is not None:
-            # STREAM WAIT (no host sync): later work on ``stream`` (the compute stream) runs after ``ev``
-            (stream or self.current_stream()).wait_event(ev)
-
-
-# ------------------------------------------------------------------------------------------- host pool
-class _Slot:
-    __slots__ = ("buf", "nbytes", "last_read")
-
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
-        self.nbytes = buf.numel()
-        self.last_read: Any = None  # event of the last host-to-device copy out of this slot
-
-
-class _HostPool:
-    """Exact-size slots carved from a few large host chunks; freed slots are reused by size.
-
-    With the same shapes every step, step 2 onward finds every slot it needs in the free lists and
-    allocates nothing. Host memory is never returned: the pool is as large as the largest step.
-    """
-
-    def __init__(self, pin: bool, limit: int | None, chunk_bytes: int) -> None:
-        self.pin = pin
-        self.limit = limit
-        self.chunk_bytes = chunk_bytes
-        self.free: dict[int, list[_Slot]] = {}
-        self.chunk: torch.Tensor | None = None
-        self.chunk_off = 0
-        self.reserved_bytes = 0  # host bytes allocated
-        self.in_use_bytes = 0  # bytes of slots handed out and not yet returned
-        self.allocations = 0  # host allocations made (each one a cudaHostAlloc when pinned)
-        self.lock = threading.Lock()  # slots come back from autograd's threads
-
-    def reserve(self, nbytes: int) -> None:
-        with self.lock:
-            if self.chunk is None or self.chunk.numel() - self.chunk_off < nbytes:
-                self._grow(nbytes, nbytes)
-
-    def acquire(self, nbytes: int) -> _Slot:
-        with self.lock:
-            lst = self.free.get(nbytes)
-            if lst:
-                slot = lst.pop()
-            else:
-                slot = self._carve(nbytes)
-            self.in_use_bytes += slot.nbytes
-            return slot
-
-    def release(self, slot: _Slot) -> None:
-        with self.lock:
-            self.in_use_bytes -= slot.nbytes
-            self.free.setdefault(slot.nbytes, []).append(slot)
-
-    def _carve(self, nbytes: int) -> _Slot:
-        if self.chunk is None or self.chunk.numel() - self.chunk_off < nbytes:
-            room = None if self.limit is None else self.limit - self.reserved_bytes
-            if room is not None and room < nbytes:
-                # no room for a new chunk: a larger free slot will do (shapes changed between steps)
-                sizes = [s for s, lst in self.free.items() if lst and s >= nbytes]
-                if sizes:
-                    return self.free[min(sizes)].pop()
-                need = self.in_use_bytes + nbytes
-                raise ValueError(
-                    f"activation offload needs at least {need} bytes ({need / 2**30:.2f} GiB) of host memory "
-                    f"for the tensors saved so far, above host_memory_limit_bytes={self.limit} "
-                    f"({self.limit / 2**30:.2f} GiB); raise host_memory_limit_bytes, lower offload_ratio, "
-                    "or offload only the inputs of checkpointed blocks"
-                )
-            self._grow(nbytes, max(self.chunk_bytes, _next_pow2(nbytes)), room)
-        buf = self.chunk[self.chunk_off : self.chunk_off + nbytes]
-        self.chunk_off += -(-nbytes // _ALIGN) * _ALIGN
-        return _Slot(buf)
-
-    def _grow(self, nbytes: int, size: int, room: int | None = None) -> None:
-        if room is None and self.limit is not None:
-            room = self.limit - self.reserved_bytes
-        if room is not None:
-            if room < nbytes:
-                raise ValueError(
-                    f"activation offload needs {nbytes} more bytes of host memory, above "
-                    f"host_memory_limit_bytes={self.limit}; raise the limit"
-                )
-            if size > room:
-                # torch's pinned allocator rounds up to a power of two: ask for one that fits
-                size = max(nbytes, 1 << (room.bit_length() - 1))
-        # HOST ALLOCATION (and, for pinned memory, possibly a device sync inside cudaHostAlloc): slow,
-        # ~0.5 s per GiB pinned; it happens while the first step runs, never after for fixed shapes
-        self.chunk = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        self.chunk_off = 0
-        self.reserved_bytes += size
-        self.allocations += 1
-        logger.debug("offload host pool: +%d bytes (%d in %d allocations)", size, self.reserved_bytes,
-                     self.allocations)
-
-
-# --------------------------------------------------------------------------------------------- records
-class _Record:
-    """One transfer: a byte range of one device storage, its host slot and its way back."""
-
-    __slots__ = (
-        "engine", "slot", "lo", "nbytes", "gpu", "d2h", "restored", "h2d", "alloc_stream", "handles",
-        "pending_unpacks", "version", "key", "group_id", "keep_gpu", "in_flight", "mutated", "window",
-        "__weakref__",
-    )  # fmt: skip
-
-    def __init__(self, engine: OffloadEngine, slot: _Slot, lo: int, t: torch.Tensor, d2h: Any, key: int,
-                 group_id: int) -> None:
-        self.engine = engine
-        self.slot: _Slot | None = slot
-        self.lo = lo  # byte offset of the copied range in the device storage
-        self.nbytes = slot.nbytes
-        # LIFETIME EXTENSION: the device tensor lives until its device-to-host copy finished
-        self.gpu: torch.Tensor | None = t
-        self.d2h = d2h
-        # LIFETIME EXTENSION: device bytes copied back (prefetch or unpack), held until every view of
-        # them has been handed to autograd
-        self.restored: torch.Tensor | None = None
-        self.h2d: Any = None
-        self.alloc_stream: Any = None
-        self.handles = 0
-        self.pending_unpacks = 0
-        self.version = t._version
-        self.key = key
-        self.group_id = group_id
-        self.keep_gpu = False  # backward is near: keep the device copy instead of fetching it back
-        self.in_flight = True  # in the engine's pending queue: the copy may not have finished
-        self.mutated = False  # modified in place while we held it (seen when it is released)
-        self.window: OffloadGroup | None = None  # the region whose prefetch window counts this record
-
-    def covers(self, lo: int, hi: int, elsize: int) -> bool:
-        return self.lo <= lo and hi <= self.lo + self.nbytes and (lo - self.lo) % elsize == 0
-
-
-class _Packed:
-    """What autograd holds for an offloaded tensor: a view of a record."""
-
-    __slots__ = ("record", "group", "dtype", "size", "stride", "offset", "version", "root", "unpacked")
-
-    def __init__(self, record: _Record, t: torch.Tensor, group: OffloadGroup | None) -> None:
-        self.record = record
-        self.group = group
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.version = t._version
-        # views share their base's version counter; the base outlives every view of it
-        base = t._base
-        self.root = weakref.ref(base if base is not None else t)
-        self.unpacked = False
-        record.handles += 1
-        record.pending_unpacks += 1
-
-    def __del__(self) -> None:
-        rec = self.record
-        try:
-            rec.engine._drop_handle(rec, self.unpacked)
-        except Exception:  # interpreter shutdown: nothing left to release
-            pass
-
-
-class _Kept:
-    """What autograd holds for a tensor that stays on the device (with its version, for the check)."""
-
-    __slots__ = ("tensor", "version", "group")
-
-    def __init__(self, t: torch.Tensor, group: OffloadGroup | None) -> None:
-        self.tensor = t
-        self.version = t._version
-        self.group = group
-
-
-class _Recast:
-    """What autograd holds for a dtype cast of a parameter (autocast's bf16 weight): the parameter and the
-    cast's layout. Unpacking casts again (W1: ~0.1 GB per block read as fp32, written as bf16, ~0.1 ms), so
-    the cast lives only while an op uses it, never from forward to backward."""
-
-    __slots__ = ("leaf", "dtype", "base_size", "base_stride", "size", "stride", "offset", "version", "group")
-
-    def __init__(self, leaf: torch.Tensor, base: torch.Tensor, t: torch.Tensor, group: OffloadGroup | None) -> None:
-        self.leaf = leaf  # a parameter: alive anyway, this reference extends nothing
-        self.dtype = base.dtype
-        self.base_size, self.base_stride = base.size(), base.stride()
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-        self.version = leaf._version
-        self.group = group
-
-    def restore(self) -> torch.Tensor:
-        leaf = self.leaf
-        if leaf._version != self.version:
-            raise RuntimeError(
-                f"a parameter of shape {list(leaf.shape)} was modified in place between forward and backward; its "
-                f"{self.dtype} cast was saved for backward and elbowroom's activation offload casts it again when "
-                "backward needs it, which would use the new values. Run backward before changing parameters, or "
-                "make the engine with recast_parameter_casts=False to keep each cast on the device instead"
-            )
-        with torch.no_grad():
-            base = torch.empty_strided(self.base_size, self.base_stride, dtype=self.dtype, device=leaf.device)
-            base.copy_(leaf)
-            return base.as_strided(self.size, self.stride, self.offset)
-
-
-def _cast_source(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(leaf, cast)`` when ``t`` is, or views, a same-device dtype cast of a leaf that requires grad (a
-    parameter cast by autocast); else None."""
-    base = t._base if t._base is not None else t
-    fn = base.grad_fn
-    if fn is None or fn.name() != "ToCopyBackward0":
-        return None
-    nxt = fn.next_functions
-    acc = nxt[0][0] if nxt else None
-    if acc is None or acc.name() != "torch::autograd::AccumulateGrad":
-        return None
-    leaf = acc.variable
-    if leaf.device != base.device or leaf.shape != base.shape or base.storage_offset() != 0:
-        return None
-    return leaf, base
-
-
-def _version_error(t: torch.Tensor, saved: int) -> RuntimeError:
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {saved} instead "
-        "(checked by elbowroom's activation offload, since autograd skips this check under saved-tensor hooks)"
-    )
-
-
-# ------------------------------------------------------------------------------------------ ratio plan
-class _RatioState:
-    """Per (tag, kind): sizes measured at the tag's first entry and the indices chosen to offload."""
-
-    def __init__(self, ratio: float) -> None:
-        self.ratio = ratio
-        self.measured: list[int] | None = None
-        self.chosen: frozenset[int] | None = None
-
-    def choose(self, sizes: list[int]) -> None:
-        self.measured = list(sizes)
-        total = sum(sizes)
-        target = self.ratio * total
-        picked, acc = [], 0
-        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-            if acc >= target:
-                break
-            picked.append(i)
-            acc += sizes[i]
-        self.chosen = frozenset(picked)
-        logger.debug("offload ratio %.3f: %d of %d tensors, %d of %d bytes", self.ratio, len(picked), len(sizes),
-                     acc, total)
-
-
-class _Entry:
-    """One region's pass through a ratio state."""
-
-    __slots__ = ("state", "sizes")
-
-    def __init__(self, state: _RatioState) -> None:
-        self.state = state
-        self.sizes: list[int] = []
-
-    def decide(self, nbytes: int) -> bool:
-        i = len(self.sizes)
-        self.sizes.append(nbytes)
-        st = self.state
-        if st.ratio >= 1.0:
-            return True
-        if st.ratio <= 0.0:
-            return False
-        if st.chosen is None:
-            return True  # the measuring entry offloads everything, so the pool is sized for any plan
-        return i in st.chosen
-
-    def finish(self) -> None:
-        st = self.state
-        if 0.0 < st.ratio < 1.0:
-            if st.chosen is None:
-                if self.sizes:
-                    st.choose(self.sizes)
-            elif self.sizes != st.measured:
-                logger.debug("offload region changed its saved tensors; measuring again")
-                st.chosen = None
 
 
 # --------------------------------------------------------------------------------------------- regions
@@ -519,96 +159,6 @@ class OffloadGroup:
         fwd_mode.storage = cache
         recompute_mode.storage = cache
 
-
-class _CacheBucket:
-    """One op's entries of the selective-checkpoint cache, offloaded through a region.
-
-    Speaks both dialects torch has used: a dict of call index -> entry, and a list (append / pop(0)).
-    """
-
-    def __init__(self, group: OffloadGroup) -> None:
-        self._group = group
-        self._items: dict[Any, Any] = {}
-        self._next = 0
-
-    def _put(self, value: Any) -> Any:
-        engine = self._group.engine
-
-        def pack(x: Any) -> Any:
-            val = getattr(x, "val", None)
-            if isinstance(val, torch.Tensor) and hasattr(x, "version"):
-                p = engine._pack(self._group, val, "cache")
-                if p is not None:
-                    x.val = p  # the wrapper now holds our handle, not the device tensor
-                return x
-            if isinstance(x, torch.Tensor):
-                p = engine._pack(self._group, x, "cache")
-                return x if p is None else p
-            return x
-
-        return tree_map(pack, value)
-
-    def _get(self, value: Any) -> Any:
-        engine = self._group.engine
-
-        def unpack(x: Any) -> Any:
-            val = getattr(x, "val", None)
-            if isinstance(val, _Packed):
-                t, mutated = engine._restore(val)
-                x.val = t
-                # a mutation shows as a version mismatch, so torch raises its own error (or allows it)
-                x.version = -1 if mutated else t._version
-                return x
-            if isinstance(x, _Packed):
-                t, mutated = engine._restore(x)
-                if mutated:
-                    raise _version_error(t, x.version)
-                return t
-            return x
-
-        return tree_map(unpack, value)
-
-    # dict dialect
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._items[key] = self._put(value)
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._get(self._items[key])
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self[key] if key in self._items else default
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._items)
-
-    # list dialect
-    def append(self, value: Any) -> None:
-        self._items[self._next] = self._put(value)
-        self._next += 1
-
-    def pop(self, index: int = -1) -> Any:
-        key = list(self._items)[index]
-        return self._get(self._items.pop(key))
-
-    def discard_last(self) -> None:
-        """Forget the newest entry without bringing it back (its host slot is released)."""
-        self._items.pop(list(self._items)[-1])
-
-
-class _CacheStorage(dict):
-    def __init__(self, group: OffloadGroup) -> None:
-        super().__init__()
-        self._group = group
-
-    def __missing__(self, key: Any) -> _CacheBucket:
-        bucket = self[key] = _CacheBucket(self._group)
-        return bucket
 
 
 # ---------------------------------------------------------------------------------------------- engine
