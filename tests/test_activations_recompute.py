@@ -405,7 +405,7 @@ def test_dropped_tail_of_an_offloaded_selective_cache_is_never_brought_back() ->
     idx = batch()
     ref = grads(model, idx)
     apply_block_policies(model, [BlockPolicy("selective", offload_ratio=1.0)] * 2 + [BlockPolicy()],
-                         min_offload_bytes=0)
+                         min_offload_bytes=0, simulate_host=True)
     for _ in range(2):
         assert_grads_close(grads(model, idx), ref)
     s = get_offload_engine(model).stats()

@@ -21,8 +21,31 @@ tensor autograd saves:
 Ratios follow haiscale's CPUOffload: the first entry of a tag offloads every eligible tensor and
 measures their sizes; later entries offload the largest tensors until ``ratio`` of those bytes.
 
-On a machine without CUDA the same bookkeeping runs with plain host memory and synchronous copies,
-so every path (dedup, slots, ratios, prefetch, deferred release) is exercised by the CPU tests.
+One engine serves one device. Given none, it adopts the device of the first tensor it packs (CPU
+tensors of an accelerator model, such as RNG seeds, are already in host memory: they stay and adopt
+nothing). A saved tensor on another accelerator than the engine's raises a ValueError naming both devices
+(it is never skipped silently); CPU tensors of an accelerator engine stay where they are.
+
+On the CPU there is nothing to offload to: the tensors already live in host memory. An engine whose
+device is the CPU offloads nothing, allocates no host pool and says so once (a logged warning); it still
+recasts parameter casts, which needs no host. ``OffloadEngine(simulate_host=True)`` runs the whole
+bookkeeping on the CPU anyway, copying into a separate host buffer with synchronous copies, so that every
+path (dedup, slots, ratios, prefetch, deferred release) is exercised by the CPU tests.
+
+Threads. The training thread runs forward: region entry and exit (:meth:`OffloadGroup.__enter__`,
+``__exit__``) and the pack hooks. Autograd's backward threads run the unpack hooks, the prefetch hooks and
+the selective-cache restores: on CUDA, backward runs on a device thread of its own (one per device), and
+a graph that mixes devices runs its CPU nodes on the calling thread at the same time. A handle is dropped
+(``_Packed.__del__``) by whichever thread frees autograd's graph: a backward thread, or the training thread
+for a graph freed without backward. So the rule: all of the engine's shared state (``_live``,
+``_pending``, ``_open``, ``_stack``, ``_states``, the counters, every record, a region's prefetch cursor
+and flags) is read and written only under the engine's one re-entrant lock ``_lock``, which every entry
+point from either side takes (:meth:`OffloadEngine._enter`, ``_exit``, ``_pack``, ``_unpack``,
+``_restore``, ``_prefetch``, ``_drop_handle``, :meth:`OffloadGroup.prefetch`, ``backward_reached``,
+:meth:`OffloadEngine.stats`, ``reserve``). Re-entrant, because an unpack starts prefetches and a
+handle may be dropped while its own thread holds the lock. The copy streams are only used under it;
+the host pool has its own lock, always taken after the engine's. A region's ratio entries and kept
+pointers are the training thread's alone (forward only).
 
 In-place safety: with saved-tensor hooks autograd no longer checks saved tensors' version counters,
 so the engine does: each packed tensor remembers its version, and unpacking one that was modified
@@ -39,9 +62,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
+import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +96,25 @@ DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
 
 DEFAULT_PREFETCH_WINDOW_BYTES = 2 << 30
 """How many bytes of one region travel back ahead of backward (a W1, W2 or 7B block fits whole)."""
+
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an engine method under the engine's lock (an entry point from the training or a backward thread)."""
+
+    @functools.wraps(method)
+    def run(self: OffloadEngine, *args: Any) -> Any:
+        with self._lock:
+            return method(self, *args)
+
+    return run
+
+
+def _accelerator_available() -> bool:
+    """Whether this process has an accelerator (without initialising it)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return acc.is_available()
+    return torch.cuda.is_available()
+
 
 def _validate_ratio(name: str, ratio: float) -> float:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
@@ -127,19 +171,21 @@ class OffloadGroup:
 
     def prefetch(self) -> None:
         """Start copying this region's tensors back to the device (idempotent)."""
-        if self.prefetched:
-            return
-        self.prefetched = True
-        self.engine._prefetch(self)
+        with self.engine._lock:  # backward threads: the check and the set are one step
+            if self.prefetched:
+                return
+            self.prefetched = True
+            self.engine._prefetch(self)
 
     def backward_reached(self) -> None:
         """Backward is in this region: make sure it is on its way back, and start the previous one."""
-        if self.backward_started:
-            return
-        self.backward_started = True
-        self.prefetch()
-        if self.prev is not None:
-            self.prev.prefetch()
+        with self.engine._lock:  # backward threads: the check and the set are one step
+            if self.backward_started:
+                return
+            self.backward_started = True
+            self.prefetch()
+            if self.prev is not None:
+                self.prev.prefetch()
 
     def offload_selective_cache(self, fwd_mode: Any, recompute_mode: Any) -> None:
         """Route the cache of torch's selective checkpoint (the kept outputs) through this region.
@@ -195,7 +241,10 @@ class OffloadEngine:
     :meth:`group`. Creating an engine touches no device: streams and the pool appear on first use.
 
     Args:
-        device: the device whose tensors are offloaded; None adopts the device of the first tensor.
+        device: the device whose tensors are offloaded; None adopts the device of the first tensor it
+            packs (a device without an index, the index of the first tensor of its type). A saved tensor
+            on another accelerator raises ValueError; CPU tensors stay. On the CPU nothing is offloaded
+            (see ``simulate_host``).
         min_offload_bytes: saved tensors smaller than this stay on the device.
         host_memory_limit_bytes: cap on the host pool; exceeding it raises ValueError naming the need.
         keep_module: a module whose parameters and buffers are never offloaded (they stay on the
@@ -211,6 +260,10 @@ class OffloadEngine:
             kept from forward to backward but cast again when backward needs it: it neither occupies the
             device nor travels. Backward then raises if the parameter was modified in place since forward;
             False keeps such casts on the device instead.
+        simulate_host: on the CPU, offload anyway into a separate host buffer (synchronous copies, the
+            same bookkeeping as on CUDA): saves no memory, exists so that tests exercise the engine on the
+            CPU. False (the default): an engine on the CPU offloads nothing and allocates no pool. Has no
+            effect on other devices.
     """
 
     def __init__(
@@ -224,6 +277,7 @@ class OffloadEngine:
         max_inflight_regions: int = 1,
         prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES,
         recast_parameter_casts: bool = True,
+        simulate_host: bool = False,
         _cpu_event_delay: int = 0,
     ) -> None:
         if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
@@ -241,14 +295,21 @@ class OffloadEngine:
             raise ValueError(f"prefetch_window_bytes must be a positive int, got {prefetch_window_bytes!r}")
         self.prefetch_window_bytes = prefetch_window_bytes
         self.recast_parameter_casts = bool(recast_parameter_casts)
+        if not isinstance(simulate_host, bool):
+            raise TypeError(f"simulate_host must be a bool, got {simulate_host!r}")
+        self.simulate_host = simulate_host
         self.device = torch.device(device) if device is not None else None
+        self._device_given = device is not None
         self.min_offload_bytes = min_offload_bytes
         self.host_memory_limit_bytes = host_memory_limit_bytes
         self.chunk_bytes = chunk_bytes
         self._keep_module = weakref.ref(keep_module) if keep_module is not None else None
         self._keep_ptrs: frozenset[int] = frozenset()
         self._cpu_event_delay = _cpu_event_delay
-        self._copier: _CpuCopier | _CudaCopier | None = None
+        # see the module docstring: every field below is touched only under this lock
+        self._lock = threading.RLock()
+        self._ready = False  # _setup ran: copier and pool made, or the engine found nothing to offload to
+        self._copier: _CpuCopier | _CudaCopier | None = None  # None once ready: a CPU engine, offloading nothing
         self._pool: _HostPool | None = None
         self._live: dict[int, _Record] = {}  # storage ptr -> record still holding that device storage
         self._pending: collections.deque[_Record] = collections.deque()
@@ -286,22 +347,31 @@ class OffloadEngine:
         return OffloadGroup(self, tag, ratio, cache_ratio)
 
     def reserve(self, nbytes: int, device: torch.device | str | None = None) -> None:
-        """Allocate ``nbytes`` of host pool up front (the planner knows the need before step 1)."""
-        self._setup(torch.device(device) if device is not None else (self.device or torch.device("cpu")))
-        self._pool.reserve(nbytes)
+        """Allocate ``nbytes`` of host pool up front (the planner knows the need before step 1).
+
+        On the CPU (without ``simulate_host``) there is no pool, and this allocates nothing.
+        """
+        with self._lock:
+            if device is not None and self.device is None:
+                self.device = torch.device(device)
+            self._setup(self.device or torch.device("cpu"))
+            if self._pool is not None:
+                self._pool.reserve(nbytes)
 
     def stats(self) -> OffloadStats:
         """The engine's counters (see :class:`OffloadStats`)."""
-        pool = self._pool
-        return OffloadStats(
-            host_pool_bytes=pool.reserved_bytes if pool else 0,
-            host_pool_in_use_bytes=pool.in_use_bytes if pool else 0,
-            host_allocations=pool.allocations if pool else 0,
-            pending=len(self._pending),
-            **self._counters,
-        )
+        with self._lock:  # one consistent snapshot, whichever thread asks
+            pool = self._pool
+            return OffloadStats(
+                host_pool_bytes=pool.reserved_bytes if pool else 0,
+                host_pool_in_use_bytes=pool.in_use_bytes if pool else 0,
+                host_allocations=pool.allocations if pool else 0,
+                pending=len(self._pending),
+                **self._counters,
+            )
 
     # -- regions -----------------------------------------------------------------------------------
+    @_locked
     def _enter(self, group: OffloadGroup) -> None:
         group.id = self._next_id
         self._next_id += 1
@@ -318,6 +388,7 @@ class OffloadEngine:
         self._stack.append(group)
         self._open.add(group.id)
 
+    @_locked
     def _exit(self, group: OffloadGroup) -> None:
         popped = self._stack.pop()
         assert popped is group, "offload regions must be exited in the order they were entered"
@@ -362,11 +433,21 @@ class OffloadEngine:
 
     # -- pack --------------------------------------------------------------------------------------
     def _setup(self, device: torch.device) -> None:
-        if self._copier is not None:
+        """Make the copier and the host pool for ``device``; on the CPU, unless simulating, make nothing."""
+        if self._ready:
             return
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self._ready = True
+        if device.type == "cpu" and not self.simulate_host:
+            self._warn_once(
+                "cpu",
+                "activation offload: the tensors are on the CPU, already in host memory, so nothing is offloaded "
+                "and no host pool is allocated (parameter casts are still recast); offload settings only save "
+                "memory on an accelerator",
+            )
+            return
         if device.type == "cuda":
             self._copier = _CudaCopier(device)
         else:
@@ -374,20 +455,46 @@ class OffloadEngine:
         self._pool = _HostPool(pin=device.type == "cuda", limit=self.host_memory_limit_bytes,
                                chunk_bytes=self.chunk_bytes)
 
+    def _admits(self, device: torch.device) -> bool:
+        """Whether saved tensors on ``device`` are this engine's to offload; adopts a device when it has none.
+
+        Raises:
+            ValueError: for a device other than the engine's, unless it is the CPU (host memory already).
+        """
+        own = self.device
+        if own is None:
+            if device.type == "cpu" and _accelerator_available():
+                # an accelerator model may save small CPU tensors (RNG seeds) first: host memory already,
+                # and adopting the CPU would refuse the model's own tensors after it
+                return False
+            self.device = device
+            return True
+        if device == own:
+            return True
+        if own.index is None and device.type == own.type:
+            self.device = device  # "cuda" given: the first tensor of the type fixes the index
+            return True
+        if device.type == "cpu":
+            return False  # already in host memory: nothing to offload
+        how = "was given" if self._device_given else "adopted it from the first saved tensor"
+        raise ValueError(
+            f"activation offload: a saved tensor is on {device}, but this offload engine serves {own} (it {how}); "
+            "one engine offloads one device. Give the blocks on each device an engine of their own, e.g. "
+            f"offload_module(block, engine=OffloadEngine(device='{device}')), or keep the offloaded blocks on one "
+            "device"
+        )
+
     def _eligible(self, t: torch.Tensor) -> bool:
         if type(t) is not torch.Tensor:
             return False  # parameters (alive anyway) and tensor subclasses stay
         if t.layout is not torch.strided or t.is_conj() or t.is_neg() or t.device.type == "meta":
             return False
-        if self.device is None:
-            # a CUDA model may save small CPU tensors (RNG seeds) first: adopt the CPU only without CUDA
-            if t.device.type != "cuda" and (t.device.type != "cpu" or torch.cuda.is_available()):
-                return False
-            self._setup(t.device)
-        elif t.device != self.device:
+        if not self._admits(t.device):
             return False
-        elif self._copier is None:
+        if not self._ready:
             self._setup(self.device)
+        if self._copier is None:
+            return False  # a CPU engine: nothing to offload to (said once, in _setup)
         if t.requires_grad and t.grad_fn is None:
             return False  # a leaf that requires grad: a parameter or an input, alive outside autograd
         base = t._base
@@ -406,6 +513,7 @@ class OffloadEngine:
                 return False
         return True
 
+    @_locked
     def _pack(self, group: OffloadGroup, t: torch.Tensor, kind: str) -> _Packed | _Recast | None:
         """Offload ``t`` (returns the handle), drop it to be cast again (a parameter's cast), or decide it
         stays (returns None)."""
@@ -506,6 +614,7 @@ class OffloadEngine:
             self._release(pending.popleft())
 
     # -- unpack --------------------------------------------------------------------------------------
+    @_locked
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Recast):
             if packed.group is not None:
@@ -523,6 +632,7 @@ class OffloadEngine:
             raise _version_error(t, packed.version)
         return t
 
+    @_locked
     def _restore(self, p: _Packed) -> tuple[torch.Tensor, bool]:
         """The tensor ``p`` stands for, on the device; and whether it was modified since saved."""
         if p.group is not None:
@@ -566,6 +676,7 @@ class OffloadEngine:
         rec.alloc_stream = self._copier.current_stream()
         self._counters["reloaded_bytes"] += rec.nbytes
 
+    @_locked
     def _prefetch(self, group: OffloadGroup) -> None:
         for ref in group.records:
             rec = ref()
@@ -591,6 +702,7 @@ class OffloadEngine:
             rec.window = group
             group._ahead += rec.nbytes
 
+    @_locked
     def _drop_handle(self, rec: _Record, was_unpacked: bool) -> None:
         rec.handles -= 1
         if not was_unpacked:

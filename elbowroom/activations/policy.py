@@ -105,6 +105,8 @@ class ActivationConfig:
     """The last blocks never offload (backward needs them first); at least 1."""
     prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES
     """Bytes of an offloaded block brought back ahead of its backward (less lowers the backward peak)."""
+    simulate_host: bool = False
+    """On a CPU model, offload anyway into a separate host buffer (tests the engine on CPU; saves nothing)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_blocks, list):
@@ -150,6 +152,14 @@ class ActivationConfig:
         if not _is_int(self.prefetch_window_bytes) or self.prefetch_window_bytes < 1:
             raise ValueError(
                 f"activations.prefetch_window_bytes must be a positive int, got {self.prefetch_window_bytes!r}"
+            )
+        for name in ("offload_checkpoint_inputs", "use_reentrant", "simulate_host"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"activations.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.simulate_host and not self.offloads:
+            raise ValueError(
+                "activations.simulate_host has no effect without offload; set offload_ratio or "
+                "offload_checkpoint_inputs, or drop it"
             )
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise ValueError(
@@ -223,6 +233,7 @@ def apply_activation_policy(model: nn.Module, config: ActivationConfig | None = 
         host_memory_limit_bytes=cfg.host_memory_limit_bytes,
         min_offload_bytes=cfg.min_offload_bytes,
         prefetch_window_bytes=cfg.prefetch_window_bytes,
+        simulate_host=cfg.simulate_host,
     )
 
 
@@ -236,6 +247,7 @@ def apply_block_policies(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     max_inflight_regions: int = 1,
     prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES,
+    simulate_host: bool = False,
 ) -> nn.Module:
     """Give each block of ``model`` its own :class:`BlockPolicy`, in place.
 
@@ -256,6 +268,8 @@ def apply_block_policies(
         prefetch_window_bytes: how many bytes of an offloaded block travel back ahead of its backward (a new
             engine's; less than a block's offloaded bytes lowers the peak in backward, and the link stays busy
             as long as it exceeds the largest saved tensor).
+        simulate_host: a new engine on a CPU model offloads anyway, into a separate host buffer (for tests; see
+            :class:`~elbowroom.activations.offload.OffloadEngine`). Without it a CPU model offloads nothing.
 
     Returns:
         ``model`` itself.
@@ -290,6 +304,7 @@ def apply_block_policies(
             keep_module=model,
             max_inflight_regions=max_inflight_regions,
             prefetch_window_bytes=prefetch_window_bytes,
+            simulate_host=simulate_host,
         )
     chain = _wrap.PrefetchChain(n) if offloads else None
     for i, (blk, p) in enumerate(zip(blocks, plan)):
@@ -318,10 +333,13 @@ def apply_block_policies(
 
 
 def _model_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's first parameter that has one; None for a model on meta (or without
+    parameters): the engine then adopts the device of the first tensor it packs, and raises on a saved tensor
+    of another accelerator (it never skips one silently)."""
     for p in model.parameters():
         if p.device.type != "meta":
             return p.device
-    return None  # the engine adopts the device of the first tensor it sees
+    return None
 
 
 def remove_activation_policy(model: nn.Module) -> nn.Module:
