@@ -178,3 +178,27 @@ def test_hugging_face_kv_cache_under_recompute_raises_and_generation_keeps_it(ar
     with torch.no_grad():  # not recomputed: the cache is written once and returned
         out = model(IDX, use_cache=True)
     assert out.past_key_values is not None and out.past_key_values.get_seq_length() == IDX.shape[1]
+
+
+@pytest.mark.parametrize("arch", list(BUILD))
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(checkpoint="selective", offload_ratio=1.0, offload_checkpoint_inputs=True),
+        dict(checkpoint="full", use_reentrant=True, offload_checkpoint_inputs=True),
+        dict(offload_ratio=0.5),
+    ],
+    ids=["selective+offload", "reentrant+ckpt-inputs", "offload-half"],
+)
+def test_hugging_face_model_under_the_activation_policy(arch: str, settings: dict) -> None:
+    from elbowroom.activations import apply_activation_policy, get_offload_engine
+
+    model = BUILD[arch]()
+    ref_loss, ref = hf_step(model)
+    # a CPU model: simulate_host makes the engine offload anyway, so its bookkeeping runs on HF layers
+    apply_activation_policy(model, min_offload_bytes=0, simulate_host=True, **settings)
+    loss, got = hf_step(model, steps=3)  # the first step measures the ratios, the later ones run the plan
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    assert_grads_close(got, ref)
+    s = get_offload_engine(model).stats()
+    assert s.offloaded_tensors > 0 and s.reloaded_bytes <= s.offloaded_bytes and s.host_pool_in_use_bytes == 0

@@ -187,6 +187,9 @@ def test_config_block_policies() -> None:
         (dict(offload_ratio=1.0, host_memory_limit_bytes=0), "must be a positive int"),
         (dict(min_offload_bytes=-1), "min_offload_bytes"),
         (dict(keep_last=0), "keep_last must be >= 1"),
+        (dict(checkpoint="full", checkpoint_blocks=(1.5,)), "tuple of block indices"),
+        (dict(checkpoint="full", use_reentrant=1), "use_reentrant must be a bool"),
+        (dict(simulate_host=True), "simulate_host has no effect without offload"),
     ],
 )
 def test_bad_config_raises_value_error(kwargs: dict, match: str) -> None:

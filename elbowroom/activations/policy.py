@@ -83,7 +83,11 @@ class BlockPolicy:
 
 @dataclass(frozen=True)
 class ActivationConfig:
-    """The trainer's activation-memory switches (``--activations.<field>``)."""
+    """The trainer's activation-memory switches (``--activations.<field>``), the one config of this mechanism.
+
+    Field types stay simple (str, int, float, bool, ``int | None``, ``tuple[int, ...] | None``) so that a CLI can
+    expose every field; contradictory or no-effect combinations raise ValueError with the fix.
+    """
 
     checkpoint: str = "none"
     """Recompute blocks: none | full | selective (keep matmul and attention outputs, recompute the rest)."""
@@ -130,6 +134,12 @@ class ActivationConfig:
                 )
             if self.use_reentrant:
                 raise ValueError("activations.use_reentrant has no effect without checkpoint; drop it")
+        if self.checkpoint_blocks is not None:
+            if not isinstance(self.checkpoint_blocks, tuple) or not all(_is_int(i) for i in self.checkpoint_blocks):
+                raise ValueError(
+                    "activations.checkpoint_blocks must be a tuple of block indices (ints), "
+                    f"got {self.checkpoint_blocks!r}"
+                )
         if self.checkpoint_blocks is not None and self.every != 1:
             raise ValueError("give either activations.every or activations.checkpoint_blocks, not both")
         if self.use_reentrant and self.checkpoint == "selective":
