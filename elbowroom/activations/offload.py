@@ -128,7 +128,7 @@ class OffloadStats:
     """Counters of an :class:`OffloadEngine` since it was created."""
 
     host_pool_bytes: int
-    """Host bytes the pool holds (pinned on CUDA)."""
+    """Host bytes the pool holds (pinned on CUDA; 0 on the CPU, which has no pool)."""
     host_pool_in_use_bytes: int
     """Bytes of slots currently holding a saved tensor."""
     host_allocations: int
@@ -142,7 +142,7 @@ class OffloadStats:
     deduplicated: int
     """Saved tensors that shared an earlier transfer (views, a tensor saved twice)."""
     kept: int
-    """Saved tensors that stayed on the device (parameters, small, last block, ratio)."""
+    """Saved tensors that stayed on the device (parameters, small, last block, ratio; every one on the CPU)."""
     pending: int
     """Transfers whose device memory is still held, waiting for the copy to finish."""
     recast: int = 0
