@@ -2,7 +2,8 @@
 
 :meth:`~elbowroom.activations.offload.OffloadGroup.offload_selective_cache` swaps torch's cache storage
 for a :class:`_CacheStorage`, whose buckets pack each tensor as it is cached and restore it when the
-recompute asks for it.
+recompute asks for it. Threads: a bucket is filled by the training thread in forward and read by a backward
+thread in the recompute, never both at once; the packing and restoring it calls take the engine's lock.
 """
 
 from __future__ import annotations
