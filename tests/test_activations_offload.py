@@ -40,7 +40,9 @@ def assert_same(got: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
 
 
 def engine(**kw) -> OffloadEngine:  # noqa: ANN003
+    """An engine that offloads on the CPU (into a separate host buffer), so that its bookkeeping is tested here."""
     kw.setdefault("min_offload_bytes", 0)
+    kw.setdefault("simulate_host", True)
     return OffloadEngine(**kw)
 
 
@@ -405,13 +407,13 @@ def test_host_cap_too_small_raises_naming_cap_and_need() -> None:
     model = tiny_model()
     idx = torch.randint(0, 256, (2, 32))
     elbowroom.activations.apply_activation_policy(
-        model, offload_ratio=1.0, host_memory_limit_bytes=4096, min_offload_bytes=0
+        model, offload_ratio=1.0, host_memory_limit_bytes=4096, min_offload_bytes=0, simulate_host=True
     )
     with pytest.raises(ValueError, match=r"needs at least \d+ bytes.*host_memory_limit_bytes=4096"):
         lm_step(model, idx)
     # the engine recovers: a model without offload still runs, and a big enough cap works
     elbowroom.activations.apply_activation_policy(
-        model, offload_ratio=1.0, host_memory_limit_bytes=1 << 30, min_offload_bytes=0
+        model, offload_ratio=1.0, host_memory_limit_bytes=1 << 30, min_offload_bytes=0, simulate_host=True
     )
     lm_step(model, idx)
 

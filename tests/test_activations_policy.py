@@ -67,6 +67,7 @@ def test_every_mode_matches_plain(arch: str, mode: str) -> None:
     kwargs = dict(MODES[mode])
     if kwargs.get("offload_ratio") or kwargs.get("offload_checkpoint_inputs"):
         kwargs["min_offload_bytes"] = 0
+        kwargs["simulate_host"] = True  # a CPU model: offload into a separate host buffer to test the engine
     apply_activation_policy(model, **kwargs)
     # three steps: the first measures ratios, the later ones run the plan
     loss, got = step_grads(model, 3)
@@ -94,14 +95,15 @@ def test_mixed_per_block_plan_matches_plain() -> None:
         BlockPolicy("selective", offload_ratio=0.5, offload_input=True),
         BlockPolicy("full"),
     ]
-    apply_block_policies(model, plan, min_offload_bytes=0)
+    apply_block_policies(model, plan, min_offload_bytes=0, simulate_host=True)
     assert get_block_policies(model) == tuple(plan)
     loss, got = step_grads(model, 3)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=0)
     # a mapping plan: unnamed blocks stay whole
-    apply_block_policies(model, {1: BlockPolicy("full"), -2: BlockPolicy(offload_ratio=1.0)}, min_offload_bytes=0)
+    apply_block_policies(model, {1: BlockPolicy("full"), -2: BlockPolicy(offload_ratio=1.0)}, min_offload_bytes=0,
+                         simulate_host=True)
     assert get_block_policies(model)[1].checkpoint == "full" and get_block_policies(model)[4].offload_ratio == 1.0
     loss, got = step_grads(model, 2)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
@@ -110,7 +112,8 @@ def test_mixed_per_block_plan_matches_plain() -> None:
 def test_outer_region_around_forward_and_loss_composes_with_block_regions() -> None:
     model = model_for("gpt2")
     ref_loss, ref = step_grads(model, 1)
-    apply_activation_policy(model, checkpoint="selective", every=2, offload_ratio=1.0, min_offload_bytes=0)
+    apply_activation_policy(model, checkpoint="selective", every=2, offload_ratio=1.0, min_offload_bytes=0,
+                            simulate_host=True)
     eng = get_offload_engine(model)
     for _ in range(2):
         model.zero_grad(set_to_none=True)
@@ -131,7 +134,7 @@ def test_selective_cache_itself_is_offloaded() -> None:
     model = model_for("llama")
     ref_loss, ref = step_grads(model, 1)
     apply_block_policies(model, [BlockPolicy("selective", offload_ratio=1.0)] * 3 + [BlockPolicy()],
-                         min_offload_bytes=0)
+                         min_offload_bytes=0, simulate_host=True)
     loss, got = step_grads(model, 2)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
     for k in ref:
@@ -184,6 +187,9 @@ def test_config_block_policies() -> None:
         (dict(offload_ratio=1.0, host_memory_limit_bytes=0), "must be a positive int"),
         (dict(min_offload_bytes=-1), "min_offload_bytes"),
         (dict(keep_last=0), "keep_last must be >= 1"),
+        (dict(checkpoint="full", checkpoint_blocks=(1.5,)), "tuple of block indices"),
+        (dict(checkpoint="full", use_reentrant=1), "use_reentrant must be a bool"),
+        (dict(simulate_host=True), "simulate_host has no effect without offload"),
     ],
 )
 def test_bad_config_raises_value_error(kwargs: dict, match: str) -> None:

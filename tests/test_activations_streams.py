@@ -92,7 +92,7 @@ class SimCopier:
 
 
 def sim_engine(seed: int) -> tuple[OffloadEngine, SimCopier]:
-    eng = OffloadEngine(min_offload_bytes=0, chunk_bytes=64 << 10)
+    eng = OffloadEngine(min_offload_bytes=0, chunk_bytes=64 << 10, simulate_host=True)
     eng._setup(torch.device("cpu"))
     sim = SimCopier(seed)
     eng._copier = sim

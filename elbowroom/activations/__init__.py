@@ -20,6 +20,13 @@ per step: recompute and offload hooks live in the blocks' forwards, so a plain l
 - ``offload_checkpoint_inputs``: offload the input each checkpointed block saves.
 - ``host_memory_limit_bytes``: cap on the pinned pool (ValueError naming the need when exceeded);
   ``min_offload_bytes``; ``keep_last`` (the last blocks never offload: backward needs them first).
+- On a CPU model offload does nothing (the tensors are in host memory already): no pool, a warning once.
+  ``simulate_host=True`` offloads anyway into a separate host buffer, which is how the CPU tests
+  exercise the engine.
+
+Hugging Face models work as they are: their blocks are found (``model.model.layers``,
+``model.transformer.h``) and recompute passes the layers' keyword arguments through, gradients of tensor
+keywords included. Train with ``use_cache=False``: a recomputed layer refuses to write a KV cache twice.
 
 Bad or contradictory settings raise ValueError with the fix. For a per-block plan (what the planner
 emits) use :func:`apply_block_policies` with one :class:`BlockPolicy` per block;

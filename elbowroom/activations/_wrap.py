@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as torch_ckpt
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 _ATTR = "_elbowroom_policy"
 
@@ -181,7 +182,7 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     region = (
         off.engine.group(off.tag, ratio=off.ratio, cache_ratio=off.cache_ratio) if off is not None else nullcontext()
     )
-    with region as group, _without_weight_cache(args):
+    with region as group, _without_weight_cache(args, kwargs):
         if chain is not None:
             chain.groups[pol.index] = group
         out = fn(*args, **kwargs) if rc is None else _checkpointed(fn, rc, group, args, kwargs)
@@ -194,7 +195,7 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-def _without_weight_cache(args: tuple) -> Any:
+def _without_weight_cache(args: tuple, kwargs: dict) -> Any:
     """Autocast with its weight cache off for this block, when autocast is on for the block's device.
 
     Autocast keeps the low-precision copy of every weight it casts until the outermost autocast region
@@ -202,7 +203,7 @@ def _without_weight_cache(args: tuple) -> Any:
     an offload region drops saved casts (see ``recast_parameter_casts``), so that cache holds memory for
     nothing: each weight is cast once per forward either way. Same dtype, same casts, same numerics.
     """
-    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if x is None or not torch.is_autocast_cache_enabled():
         return nullcontext()
     dev = x.device.type
@@ -211,14 +212,47 @@ def _without_weight_cache(args: tuple) -> Any:
     return torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False)
 
 
+# names torch's checkpoint() takes for itself: a module keyword of one of these names is bound, not passed
+_CHECKPOINT_OWN_KWARGS = frozenset(("use_reentrant", "context_fn", "determinism_check", "debug", "early_stop",
+                                    "preserve_rng_state"))
+# the keywords under which Hugging Face layers receive their KV cache (by transformers version and model)
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _kv_cache_in_use(args: tuple, kwargs: dict) -> str | None:
+    """What makes this call write a KV cache (a Hugging Face layer's ``use_cache`` / ``past_key_values``), or None.
+
+    A cache is duck-typed (``get_seq_length`` and ``update``, transformers' ``Cache`` API) so that elbowroom
+    does not import transformers; GPT-2's block receives it positionally.
+    """
+    if kwargs.get("use_cache") is True:
+        return "use_cache=True"
+    for name in _CACHE_KWARGS:
+        if kwargs.get(name) is not None:
+            return f"{name}={type(kwargs[name]).__name__}"
+    for a in args:
+        if hasattr(a, "get_seq_length") and hasattr(a, "update"):
+            return f"a {type(a).__name__} argument"
+    return None
+
+
 def _checkpointed(fn: Callable[..., Any], rc: RecomputeSpec, group: Any, args: tuple, kwargs: dict) -> Any:
+    cache = _kv_cache_in_use(args, kwargs)
+    if cache is not None:
+        # the recompute runs the forward a second time, so a cache the forward writes would be written twice
+        # (the keys of this step appended again, every later read wrong); dropping the cache for this layer
+        # only would hand the caller a cache without it. HF turns use_cache off under gradient checkpointing.
+        raise ValueError(
+            f"a recomputed module was called with {cache}: its forward would write the KV cache again when "
+            "backward recomputes it. Call the model with use_cache=False in training (or set "
+            "model.config.use_cache = False); no-grad calls (generation) are not recomputed and may keep the cache"
+        )
     if rc.use_reentrant:
-        if kwargs:
-            raise ValueError(
-                f"use_reentrant=True checkpoint cannot pass keyword arguments ({', '.join(kwargs)}); "
-                "pass them positionally or use use_reentrant=False"
-            )
-        return torch_ckpt.checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=rc.preserve_rng_state)
+        return _checkpointed_reentrant(fn, rc, args, kwargs)
+    if _CHECKPOINT_OWN_KWARGS.intersection(kwargs):
+        # torch's checkpoint() would take these for itself: bind them (non-reentrant recompute calls the
+        # same closure, so bound tensors stay in the graph and get their gradients)
+        fn, kwargs = functools.partial(fn, **kwargs), {}
     context_fn = torch_ckpt.noop_context_fn
     tail = None
     if rc.mode == "selective":
@@ -235,6 +269,38 @@ def _checkpointed(fn: Callable[..., Any], rc: RecomputeSpec, group: Any, args: t
     if tail is not None:
         tail.drop()
     return out
+
+
+def _checkpointed_reentrant(fn: Callable[..., Any], rc: RecomputeSpec, args: tuple, kwargs: dict) -> Any:
+    """torch's reentrant checkpoint, which takes positional tensors only, around ``fn(*args, **kwargs)``.
+
+    Every tensor of the call, wherever it sits (a keyword, a tuple such as HF's ``position_embeddings=(cos,
+    sin)``, a dict), becomes a positional input, so that the reentrant backward returns its gradient; the
+    rest (flags, masks given as None, config objects) is bound. The recompute rebuilds the same call from
+    the detached inputs.
+    """
+    if not kwargs and all(isinstance(a, torch.Tensor) or not _has_tensor(a) for a in args):
+        return torch_ckpt.checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=rc.preserve_rng_state)
+    leaves, spec = tree_flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in where]
+    # the closure lives in the checkpoint's context until backward: it must not hold the tensors (that would
+    # extend their lifetime past what the checkpoint saves, and an offload region could not free them)
+    for i in where:
+        leaves[i] = None
+
+    def call(*inputs: torch.Tensor) -> Any:
+        full = list(leaves)
+        for i, t in zip(where, inputs):
+            full[i] = t
+        a, kw = tree_unflatten(full, spec)
+        return fn(*a, **kw)
+
+    return torch_ckpt.checkpoint(call, *tensors, use_reentrant=True, preserve_rng_state=rc.preserve_rng_state)
+
+
+def _has_tensor(x: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(x)[0])
 
 
 def _selective_contexts(tail: _KeptTail, group: Any) -> tuple[Any, Any]:

@@ -21,30 +21,64 @@ tensor autograd saves:
 Ratios follow haiscale's CPUOffload: the first entry of a tag offloads every eligible tensor and
 measures their sizes; later entries offload the largest tensors until ``ratio`` of those bytes.
 
-On a machine without CUDA the same bookkeeping runs with plain host memory and synchronous copies,
-so every path (dedup, slots, ratios, prefetch, deferred release) is exercised by the CPU tests.
+One engine serves one device. Given none, it adopts the device of the first tensor it packs (CPU
+tensors of an accelerator model, such as RNG seeds, are already in host memory: they stay and adopt
+nothing). A saved tensor on another accelerator than the engine's raises a ValueError naming both devices
+(it is never skipped silently); CPU tensors of an accelerator engine stay where they are.
+
+On the CPU there is nothing to offload to: the tensors already live in host memory. An engine whose
+device is the CPU offloads nothing, allocates no host pool and says so once (a logged warning); it still
+recasts parameter casts, which needs no host. ``OffloadEngine(simulate_host=True)`` runs the whole
+bookkeeping on the CPU anyway, copying into a separate host buffer with synchronous copies, so that every
+path (dedup, slots, ratios, prefetch, deferred release) is exercised by the CPU tests.
+
+Threads. The training thread runs forward: region entry and exit (:meth:`OffloadGroup.__enter__`,
+``__exit__``) and the pack hooks. Autograd's backward threads run the unpack hooks, the prefetch hooks and
+the selective-cache restores: on CUDA, backward runs on a device thread of its own (one per device), and
+a graph that mixes devices runs its CPU nodes on the calling thread at the same time. A handle is dropped
+(``_Packed.__del__``) by whichever thread frees autograd's graph: a backward thread, or the training thread
+for a graph freed without backward. So the rule: all of the engine's shared state (``_live``,
+``_pending``, ``_open``, ``_stack``, ``_states``, the counters, every record, a region's prefetch cursor
+and flags) is read and written only under the engine's one re-entrant lock ``_lock``, which every entry
+point from either side takes (:meth:`OffloadEngine._enter`, ``_exit``, ``_pack``, ``_unpack``,
+``_restore``, ``_prefetch``, ``_drop_handle``, :meth:`OffloadGroup.prefetch`, ``backward_reached``,
+:meth:`OffloadEngine.stats`, ``reserve``). Re-entrant, because an unpack starts prefetches and a
+handle may be dropped while its own thread holds the lock. The copy streams are only used under it;
+the host pool has its own lock, always taken after the engine's. A region's ratio entries and kept
+pointers are the training thread's alone (forward only).
 
 In-place safety: with saved-tensor hooks autograd no longer checks saved tensors' version counters,
 so the engine does: each packed tensor remembers its version, and unpacking one that was modified
 in place raises the error autograd would have raised.
+
+This module holds the engine and the verbs; its parts live beside it: the regions in
+:mod:`~elbowroom.activations.region`, the copy streams in :mod:`~elbowroom.activations.copier`, the host
+pool in :mod:`~elbowroom.activations.pool`, what autograd holds per saved tensor in
+:mod:`~elbowroom.activations.handles`, the ratio plan in :mod:`~elbowroom.activations.ratio` and the
+offloaded selective-checkpoint cache in :mod:`~elbowroom.activations.selective_cache`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from elbowroom.activations import _wrap
+from elbowroom.activations.copier import _CpuCopier, _CudaCopier
+from elbowroom.activations.handles import _cast_source, _Kept, _Packed, _Recast, _Record, _version_error
+from elbowroom.activations.pool import _DEFAULT_CHUNK_BYTES, _HostPool
+from elbowroom.activations.ratio import _RatioState
+from elbowroom.activations.region import OffloadGroup
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +97,23 @@ DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
 DEFAULT_PREFETCH_WINDOW_BYTES = 2 << 30
 """How many bytes of one region travel back ahead of backward (a W1, W2 or 7B block fits whole)."""
 
-_ALIGN = 512  # slot alignment inside a host chunk (bytes)
-_DEFAULT_CHUNK_BYTES = 256 << 20  # a power of two: torch's pinned allocator rounds sizes up to one
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an engine method under the engine's lock (an entry point from the training or a backward thread)."""
+
+    @functools.wraps(method)
+    def run(self: OffloadEngine, *args: Any) -> Any:
+        with self._lock:
+            return method(self, *args)
+
+    return run
+
+
+def _accelerator_available() -> bool:
+    """Whether this process has an accelerator (without initialising it)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return acc.is_available()
+    return torch.cuda.is_available()
 
 
 def _validate_ratio(name: str, ratio: float) -> float:
@@ -73,551 +122,13 @@ def _validate_ratio(name: str, ratio: float) -> float:
     return float(ratio)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-# ---------------------------------------------------------------------------------------------- copies
-class _CpuEvent:
-    """Stands in for a CUDA event on CPU; ``delay`` > 0 makes it report "not done" that many times."""
-
-    __slots__ = ("left",)
-
-    def __init__(self, delay: int) -> None:
-        self.left = delay
-
-    def query(self) -> bool:
-        if self.left > 0:
-            self.left -= 1
-            return False
-        return True
-
-
-class _CpuCopier:
-    """Synchronous copies into a separate host buffer: the CPU path of the same bookkeeping."""
-
-    def __init__(self, event_delay: int = 0) -> None:
-        self.event_delay = event_delay
-
-    def copy_out(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> _CpuEvent:
-        dst.copy_(src)
-        return _CpuEvent(self.event_delay)
-
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> _CpuEvent:
-        dst.copy_(src)
-        return _CpuEvent(self.event_delay)
-
-    def done(self, ev: _CpuEvent) -> bool:
-        return ev.query()
-
-    def wait(self, ev: _CpuEvent | None, stream: Any = None) -> None:
-        if ev is not None:
-            ev.left = 0
-
-    def current_stream(self) -> None:
-        return None
-
-
-class _CudaCopier:
-    """Copies on two side streams: device-to-host and host-to-device, each ordered by events."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
-
-    def current_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
-
-    def copy_out(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event:
-        # STREAM WAIT: the saved tensor was produced by work queued on the compute stream
-        self.d2h.wait_stream(self.current_stream())
-        if after is not None:
-            # STREAM WAIT: the slot's previous content may still be read by a host-to-device copy
-            self.d2h.wait_event(after)
-        with torch.cuda.stream(self.d2h):
-            dst.copy_(src, non_blocking=True)
-            return self.d2h.record_event()
-
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event:
-        # STREAM WAIT: ``dst`` was just allocated on the compute stream, whose queued work may still be
-        # using that memory (the caching allocator reuses blocks in compute-stream order)
-        self.h2d.wait_stream(self.current_stream())
-        if after is not None:
-            # STREAM WAIT: the device-to-host copy that filled the slot must have finished
-            self.h2d.wait_event(after)
-        with torch.cuda.stream(self.h2d):
-            dst.copy_(src, non_blocking=True)
-            return self.h2d.record_event()
-
-    def done(self, ev: torch.cuda.Event) -> bool:
-        return ev.query()  # non-blocking: no host-device sync
-
-    def wait(self, ev: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
-        if ev is not None:
-            # STREAM WAIT (no host sync): later work on ``stream`` (the compute stream) runs after ``ev``
-            (stream or self.current_stream()).wait_event(ev)
-
-
-# ------------------------------------------------------------------------------------------- host pool
-class _Slot:
-    __slots__ = ("buf", "nbytes", "last_read")
-
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
-        self.nbytes = buf.numel()
-        self.last_read: Any = None  # event of the last host-to-device copy out of this slot
-
-
-class _HostPool:
-    """Exact-size slots carved from a few large host chunks; freed slots are reused by size.
-
-    With the same shapes every step, step 2 onward finds every slot it needs in the free lists and
-    allocates nothing. Host memory is never returned: the pool is as large as the largest step.
-    """
-
-    def __init__(self, pin: bool, limit: int | None, chunk_bytes: int) -> None:
-        self.pin = pin
-        self.limit = limit
-        self.chunk_bytes = chunk_bytes
-        self.free: dict[int, list[_Slot]] = {}
-        self.chunk: torch.Tensor | None = None
-        self.chunk_off = 0
-        self.reserved_bytes = 0  # host bytes allocated
-        self.in_use_bytes = 0  # bytes of slots handed out and not yet returned
-        self.allocations = 0  # host allocations made (each one a cudaHostAlloc when pinned)
-        self.lock = threading.Lock()  # slots come back from autograd's threads
-
-    def reserve(self, nbytes: int) -> None:
-        with self.lock:
-            if self.chunk is None or self.chunk.numel() - self.chunk_off < nbytes:
-                self._grow(nbytes, nbytes)
-
-    def acquire(self, nbytes: int) -> _Slot:
-        with self.lock:
-            lst = self.free.get(nbytes)
-            if lst:
-                slot = lst.pop()
-            else:
-                slot = self._carve(nbytes)
-            self.in_use_bytes += slot.nbytes
-            return slot
-
-    def release(self, slot: _Slot) -> None:
-        with self.lock:
-            self.in_use_bytes -= slot.nbytes
-            self.free.setdefault(slot.nbytes, []).append(slot)
-
-    def _carve(self, nbytes: int) -> _Slot:
-        if self.chunk is None or self.chunk.numel() - self.chunk_off < nbytes:
-            room = None if self.limit is None else self.limit - self.reserved_bytes
-            if room is not None and room < nbytes:
-                # no room for a new chunk: a larger free slot will do (shapes changed between steps)
-                sizes = [s for s, lst in self.free.items() if lst and s >= nbytes]
-                if sizes:
-                    return self.free[min(sizes)].pop()
-                need = self.in_use_bytes + nbytes
-                raise ValueError(
-                    f"activation offload needs at least {need} bytes ({need / 2**30:.2f} GiB) of host memory "
-                    f"for the tensors saved so far, above host_memory_limit_bytes={self.limit} "
-                    f"({self.limit / 2**30:.2f} GiB); raise host_memory_limit_bytes, lower offload_ratio, "
-                    "or offload only the inputs of checkpointed blocks"
-                )
-            self._grow(nbytes, max(self.chunk_bytes, _next_pow2(nbytes)), room)
-        buf = self.chunk[self.chunk_off : self.chunk_off + nbytes]
-        self.chunk_off += -(-nbytes // _ALIGN) * _ALIGN
-        return _Slot(buf)
-
-    def _grow(self, nbytes: int, size: int, room: int | None = None) -> None:
-        if room is None and self.limit is not None:
-            room = self.limit - self.reserved_bytes
-        if room is not None:
-            if room < nbytes:
-                raise ValueError(
-                    f"activation offload needs {nbytes} more bytes of host memory, above "
-                    f"host_memory_limit_bytes={self.limit}; raise the limit"
-                )
-            if size > room:
-                # torch's pinned allocator rounds up to a power of two: ask for one that fits
-                size = max(nbytes, 1 << (room.bit_length() - 1))
-        # HOST ALLOCATION (and, for pinned memory, possibly a device sync inside cudaHostAlloc): slow,
-        # ~0.5 s per GiB pinned; it happens while the first step runs, never after for fixed shapes
-        self.chunk = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        self.chunk_off = 0
-        self.reserved_bytes += size
-        self.allocations += 1
-        logger.debug("offload host pool: +%d bytes (%d in %d allocations)", size, self.reserved_bytes,
-                     self.allocations)
-
-
-# --------------------------------------------------------------------------------------------- records
-class _Record:
-    """One transfer: a byte range of one device storage, its host slot and its way back."""
-
-    __slots__ = (
-        "engine", "slot", "lo", "nbytes", "gpu", "d2h", "restored", "h2d", "alloc_stream", "handles",
-        "pending_unpacks", "version", "key", "group_id", "keep_gpu", "in_flight", "mutated", "window",
-        "__weakref__",
-    )  # fmt: skip
-
-    def __init__(self, engine: OffloadEngine, slot: _Slot, lo: int, t: torch.Tensor, d2h: Any, key: int,
-                 group_id: int) -> None:
-        self.engine = engine
-        self.slot: _Slot | None = slot
-        self.lo = lo  # byte offset of the copied range in the device storage
-        self.nbytes = slot.nbytes
-        # LIFETIME EXTENSION: the device tensor lives until its device-to-host copy finished
-        self.gpu: torch.Tensor | None = t
-        self.d2h = d2h
-        # LIFETIME EXTENSION: device bytes copied back (prefetch or unpack), held until every view of
-        # them has been handed to autograd
-        self.restored: torch.Tensor | None = None
-        self.h2d: Any = None
-        self.alloc_stream: Any = None
-        self.handles = 0
-        self.pending_unpacks = 0
-        self.version = t._version
-        self.key = key
-        self.group_id = group_id
-        self.keep_gpu = False  # backward is near: keep the device copy instead of fetching it back
-        self.in_flight = True  # in the engine's pending queue: the copy may not have finished
-        self.mutated = False  # modified in place while we held it (seen when it is released)
-        self.window: OffloadGroup | None = None  # the region whose prefetch window counts this record
-
-    def covers(self, lo: int, hi: int, elsize: int) -> bool:
-        return self.lo <= lo and hi <= self.lo + self.nbytes and (lo - self.lo) % elsize == 0
-
-
-class _Packed:
-    """What autograd holds for an offloaded tensor: a view of a record."""
-
-    __slots__ = ("record", "group", "dtype", "size", "stride", "offset", "version", "root", "unpacked")
-
-    def __init__(self, record: _Record, t: torch.Tensor, group: OffloadGroup | None) -> None:
-        self.record = record
-        self.group = group
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.version = t._version
-        # views share their base's version counter; the base outlives every view of it
-        base = t._base
-        self.root = weakref.ref(base if base is not None else t)
-        self.unpacked = False
-        record.handles += 1
-        record.pending_unpacks += 1
-
-    def __del__(self) -> None:
-        rec = self.record
-        try:
-            rec.engine._drop_handle(rec, self.unpacked)
-        except Exception:  # interpreter shutdown: nothing left to release
-            pass
-
-
-class _Kept:
-    """What autograd holds for a tensor that stays on the device (with its version, for the check)."""
-
-    __slots__ = ("tensor", "version", "group")
-
-    def __init__(self, t: torch.Tensor, group: OffloadGroup | None) -> None:
-        self.tensor = t
-        self.version = t._version
-        self.group = group
-
-
-class _Recast:
-    """What autograd holds for a dtype cast of a parameter (autocast's bf16 weight): the parameter and the
-    cast's layout. Unpacking casts again (W1: ~0.1 GB per block read as fp32, written as bf16, ~0.1 ms), so
-    the cast lives only while an op uses it, never from forward to backward."""
-
-    __slots__ = ("leaf", "dtype", "base_size", "base_stride", "size", "stride", "offset", "version", "group")
-
-    def __init__(self, leaf: torch.Tensor, base: torch.Tensor, t: torch.Tensor, group: OffloadGroup | None) -> None:
-        self.leaf = leaf  # a parameter: alive anyway, this reference extends nothing
-        self.dtype = base.dtype
-        self.base_size, self.base_stride = base.size(), base.stride()
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-        self.version = leaf._version
-        self.group = group
-
-    def restore(self) -> torch.Tensor:
-        leaf = self.leaf
-        if leaf._version != self.version:
-            raise RuntimeError(
-                f"a parameter of shape {list(leaf.shape)} was modified in place between forward and backward; its "
-                f"{self.dtype} cast was saved for backward and elbowroom's activation offload casts it again when "
-                "backward needs it, which would use the new values. Run backward before changing parameters, or "
-                "make the engine with recast_parameter_casts=False to keep each cast on the device instead"
-            )
-        with torch.no_grad():
-            base = torch.empty_strided(self.base_size, self.base_stride, dtype=self.dtype, device=leaf.device)
-            base.copy_(leaf)
-            return base.as_strided(self.size, self.stride, self.offset)
-
-
-def _cast_source(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(leaf, cast)`` when ``t`` is, or views, a same-device dtype cast of a leaf that requires grad (a
-    parameter cast by autocast); else None."""
-    base = t._base if t._base is not None else t
-    fn = base.grad_fn
-    if fn is None or fn.name() != "ToCopyBackward0":
-        return None
-    nxt = fn.next_functions
-    acc = nxt[0][0] if nxt else None
-    if acc is None or acc.name() != "torch::autograd::AccumulateGrad":
-        return None
-    leaf = acc.variable
-    if leaf.device != base.device or leaf.shape != base.shape or base.storage_offset() != 0:
-        return None
-    return leaf, base
-
-
-def _version_error(t: torch.Tensor, saved: int) -> RuntimeError:
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {saved} instead "
-        "(checked by elbowroom's activation offload, since autograd skips this check under saved-tensor hooks)"
-    )
-
-
-# ------------------------------------------------------------------------------------------ ratio plan
-class _RatioState:
-    """Per (tag, kind): sizes measured at the tag's first entry and the indices chosen to offload."""
-
-    def __init__(self, ratio: float) -> None:
-        self.ratio = ratio
-        self.measured: list[int] | None = None
-        self.chosen: frozenset[int] | None = None
-
-    def choose(self, sizes: list[int]) -> None:
-        self.measured = list(sizes)
-        total = sum(sizes)
-        target = self.ratio * total
-        picked, acc = [], 0
-        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-            if acc >= target:
-                break
-            picked.append(i)
-            acc += sizes[i]
-        self.chosen = frozenset(picked)
-        logger.debug("offload ratio %.3f: %d of %d tensors, %d of %d bytes", self.ratio, len(picked), len(sizes),
-                     acc, total)
-
-
-class _Entry:
-    """One region's pass through a ratio state."""
-
-    __slots__ = ("state", "sizes")
-
-    def __init__(self, state: _RatioState) -> None:
-        self.state = state
-        self.sizes: list[int] = []
-
-    def decide(self, nbytes: int) -> bool:
-        i = len(self.sizes)
-        self.sizes.append(nbytes)
-        st = self.state
-        if st.ratio >= 1.0:
-            return True
-        if st.ratio <= 0.0:
-            return False
-        if st.chosen is None:
-            return True  # the measuring entry offloads everything, so the pool is sized for any plan
-        return i in st.chosen
-
-    def finish(self) -> None:
-        st = self.state
-        if 0.0 < st.ratio < 1.0:
-            if st.chosen is None:
-                if self.sizes:
-                    st.choose(self.sizes)
-            elif self.sizes != st.measured:
-                logger.debug("offload region changed its saved tensors; measuring again")
-                st.chosen = None
-
-
-# --------------------------------------------------------------------------------------------- regions
-class OffloadGroup:
-    """One offload region: a context manager installing the saved-tensor hooks of one forward piece.
-
-    Created by :meth:`OffloadEngine.group`; usually one per block per forward.
-    """
-
-    def __init__(self, engine: OffloadEngine, tag: Hashable, ratio: float, cache_ratio: float) -> None:
-        self.engine = engine
-        self.tag = tag
-        self.ratio = ratio
-        self.cache_ratio = cache_ratio
-        self.id = -1
-        self.prev: OffloadGroup | None = None
-        self.records: list[weakref.ref[_Record]] = []
-        self.prefetched = False
-        self.backward_started = False
-        self._entries: dict[str, _Entry] = {}
-        self._kept_ptrs: set[int] = set()
-        self._too_small = 0
-        self._hooks: Any = None
-        self._cursor = 0  # prefetch: records[_cursor:] have been looked at (walking back from the end)
-        self._ahead = 0  # prefetch: bytes fetched and not yet handed to autograd
-
-    def __enter__(self) -> OffloadGroup:
-        self.engine._enter(self)
-        # made here and dropped at exit: the hooks hold this region, which must not hold them back
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self.engine._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-        self._hooks = None
-        self.engine._exit(self)
-
-    def entry(self, kind: str) -> _Entry:
-        e = self._entries.get(kind)
-        if e is None:
-            ratio = self.ratio if kind == "saved" else self.cache_ratio
-            e = self._entries[kind] = _Entry(self.engine._ratio_state(self.tag, kind, ratio))
-        return e
-
-    def _pack_hook(self, t: torch.Tensor) -> Any:
-        packed = self.engine._pack(self, t, "saved")
-        return packed if packed is not None else _Kept(t, self)
-
-    def prefetch(self) -> None:
-        """Start copying this region's tensors back to the device (idempotent)."""
-        if self.prefetched:
-            return
-        self.prefetched = True
-        self.engine._prefetch(self)
-
-    def backward_reached(self) -> None:
-        """Backward is in this region: make sure it is on its way back, and start the previous one."""
-        if self.backward_started:
-            return
-        self.backward_started = True
-        self.prefetch()
-        if self.prev is not None:
-            self.prev.prefetch()
-
-    def offload_selective_cache(self, fwd_mode: Any, recompute_mode: Any) -> None:
-        """Route the cache of torch's selective checkpoint (the kept outputs) through this region.
-
-        ``fwd_mode`` and ``recompute_mode`` are the two modes of
-        :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`; their shared ``storage``
-        (private to torch) is replaced by one that offloads tensors as they are cached and brings
-        them back when the recompute asks for them. If this torch keeps the cache differently, the
-        kept outputs simply stay on the device (logged once).
-        """
-        storage = getattr(fwd_mode, "storage", None)
-        if not isinstance(storage, dict) or getattr(recompute_mode, "storage", None) is not storage or storage:
-            self.engine._warn_once("selective-cache", "this torch's selective checkpoint cache is not recognised; "
-                                   "its kept outputs stay on the device")
-            return
-        cache = _CacheStorage(self)
-        fwd_mode.storage = cache
-        recompute_mode.storage = cache
-
-
-class _CacheBucket:
-    """One op's entries of the selective-checkpoint cache, offloaded through a region.
-
-    Speaks both dialects torch has used: a dict of call index -> entry, and a list (append / pop(0)).
-    """
-
-    def __init__(self, group: OffloadGroup) -> None:
-        self._group = group
-        self._items: dict[Any, Any] = {}
-        self._next = 0
-
-    def _put(self, value: Any) -> Any:
-        engine = self._group.engine
-
-        def pack(x: Any) -> Any:
-            val = getattr(x, "val", None)
-            if isinstance(val, torch.Tensor) and hasattr(x, "version"):
-                p = engine._pack(self._group, val, "cache")
-                if p is not None:
-                    x.val = p  # the wrapper now holds our handle, not the device tensor
-                return x
-            if isinstance(x, torch.Tensor):
-                p = engine._pack(self._group, x, "cache")
-                return x if p is None else p
-            return x
-
-        return tree_map(pack, value)
-
-    def _get(self, value: Any) -> Any:
-        engine = self._group.engine
-
-        def unpack(x: Any) -> Any:
-            val = getattr(x, "val", None)
-            if isinstance(val, _Packed):
-                t, mutated = engine._restore(val)
-                x.val = t
-                # a mutation shows as a version mismatch, so torch raises its own error (or allows it)
-                x.version = -1 if mutated else t._version
-                return x
-            if isinstance(x, _Packed):
-                t, mutated = engine._restore(x)
-                if mutated:
-                    raise _version_error(t, x.version)
-                return t
-            return x
-
-        return tree_map(unpack, value)
-
-    # dict dialect
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._items[key] = self._put(value)
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._get(self._items[key])
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self[key] if key in self._items else default
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._items)
-
-    # list dialect
-    def append(self, value: Any) -> None:
-        self._items[self._next] = self._put(value)
-        self._next += 1
-
-    def pop(self, index: int = -1) -> Any:
-        key = list(self._items)[index]
-        return self._get(self._items.pop(key))
-
-    def discard_last(self) -> None:
-        """Forget the newest entry without bringing it back (its host slot is released)."""
-        self._items.pop(list(self._items)[-1])
-
-
-class _CacheStorage(dict):
-    def __init__(self, group: OffloadGroup) -> None:
-        super().__init__()
-        self._group = group
-
-    def __missing__(self, key: Any) -> _CacheBucket:
-        bucket = self[key] = _CacheBucket(self._group)
-        return bucket
-
-
 # ---------------------------------------------------------------------------------------------- engine
 @dataclass(frozen=True)
 class OffloadStats:
     """Counters of an :class:`OffloadEngine` since it was created."""
 
     host_pool_bytes: int
-    """Host bytes the pool holds (pinned on CUDA)."""
+    """Host bytes the pool holds (pinned on CUDA; 0 on the CPU, which has no pool)."""
     host_pool_in_use_bytes: int
     """Bytes of slots currently holding a saved tensor."""
     host_allocations: int
@@ -631,7 +142,7 @@ class OffloadStats:
     deduplicated: int
     """Saved tensors that shared an earlier transfer (views, a tensor saved twice)."""
     kept: int
-    """Saved tensors that stayed on the device (parameters, small, last block, ratio)."""
+    """Saved tensors that stayed on the device (parameters, small, last block, ratio; every one on the CPU)."""
     pending: int
     """Transfers whose device memory is still held, waiting for the copy to finish."""
     recast: int = 0
@@ -645,7 +156,10 @@ class OffloadEngine:
     :meth:`group`. Creating an engine touches no device: streams and the pool appear on first use.
 
     Args:
-        device: the device whose tensors are offloaded; None adopts the device of the first tensor.
+        device: the device whose tensors are offloaded; None adopts the device of the first tensor it
+            packs (a device without an index, the index of the first tensor of its type). A saved tensor
+            on another accelerator raises ValueError; CPU tensors stay. On the CPU nothing is offloaded
+            (see ``simulate_host``).
         min_offload_bytes: saved tensors smaller than this stay on the device.
         host_memory_limit_bytes: cap on the host pool; exceeding it raises ValueError naming the need.
         keep_module: a module whose parameters and buffers are never offloaded (they stay on the
@@ -661,6 +175,10 @@ class OffloadEngine:
             kept from forward to backward but cast again when backward needs it: it neither occupies the
             device nor travels. Backward then raises if the parameter was modified in place since forward;
             False keeps such casts on the device instead.
+        simulate_host: on the CPU, offload anyway into a separate host buffer (synchronous copies, the
+            same bookkeeping as on CUDA): saves no memory, exists so that tests exercise the engine on the
+            CPU. False (the default): an engine on the CPU offloads nothing and allocates no pool. Has no
+            effect on other devices.
     """
 
     def __init__(
@@ -674,6 +192,7 @@ class OffloadEngine:
         max_inflight_regions: int = 1,
         prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES,
         recast_parameter_casts: bool = True,
+        simulate_host: bool = False,
         _cpu_event_delay: int = 0,
     ) -> None:
         if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
@@ -691,14 +210,21 @@ class OffloadEngine:
             raise ValueError(f"prefetch_window_bytes must be a positive int, got {prefetch_window_bytes!r}")
         self.prefetch_window_bytes = prefetch_window_bytes
         self.recast_parameter_casts = bool(recast_parameter_casts)
+        if not isinstance(simulate_host, bool):
+            raise TypeError(f"simulate_host must be a bool, got {simulate_host!r}")
+        self.simulate_host = simulate_host
         self.device = torch.device(device) if device is not None else None
+        self._device_given = device is not None
         self.min_offload_bytes = min_offload_bytes
         self.host_memory_limit_bytes = host_memory_limit_bytes
         self.chunk_bytes = chunk_bytes
         self._keep_module = weakref.ref(keep_module) if keep_module is not None else None
         self._keep_ptrs: frozenset[int] = frozenset()
         self._cpu_event_delay = _cpu_event_delay
-        self._copier: _CpuCopier | _CudaCopier | None = None
+        # see the module docstring: every field below is touched only under this lock
+        self._lock = threading.RLock()
+        self._ready = False  # _setup ran: copier and pool made, or the engine found nothing to offload to
+        self._copier: _CpuCopier | _CudaCopier | None = None  # None once ready: a CPU engine, offloading nothing
         self._pool: _HostPool | None = None
         self._live: dict[int, _Record] = {}  # storage ptr -> record still holding that device storage
         self._pending: collections.deque[_Record] = collections.deque()
@@ -736,22 +262,31 @@ class OffloadEngine:
         return OffloadGroup(self, tag, ratio, cache_ratio)
 
     def reserve(self, nbytes: int, device: torch.device | str | None = None) -> None:
-        """Allocate ``nbytes`` of host pool up front (the planner knows the need before step 1)."""
-        self._setup(torch.device(device) if device is not None else (self.device or torch.device("cpu")))
-        self._pool.reserve(nbytes)
+        """Allocate ``nbytes`` of host pool up front (the planner knows the need before step 1).
+
+        On the CPU (without ``simulate_host``) there is no pool, and this allocates nothing.
+        """
+        with self._lock:
+            if device is not None and self.device is None:
+                self.device = torch.device(device)
+            self._setup(self.device or torch.device("cpu"))
+            if self._pool is not None:
+                self._pool.reserve(nbytes)
 
     def stats(self) -> OffloadStats:
         """The engine's counters (see :class:`OffloadStats`)."""
-        pool = self._pool
-        return OffloadStats(
-            host_pool_bytes=pool.reserved_bytes if pool else 0,
-            host_pool_in_use_bytes=pool.in_use_bytes if pool else 0,
-            host_allocations=pool.allocations if pool else 0,
-            pending=len(self._pending),
-            **self._counters,
-        )
+        with self._lock:  # one consistent snapshot, whichever thread asks
+            pool = self._pool
+            return OffloadStats(
+                host_pool_bytes=pool.reserved_bytes if pool else 0,
+                host_pool_in_use_bytes=pool.in_use_bytes if pool else 0,
+                host_allocations=pool.allocations if pool else 0,
+                pending=len(self._pending),
+                **self._counters,
+            )
 
     # -- regions -----------------------------------------------------------------------------------
+    @_locked
     def _enter(self, group: OffloadGroup) -> None:
         group.id = self._next_id
         self._next_id += 1
@@ -768,6 +303,7 @@ class OffloadEngine:
         self._stack.append(group)
         self._open.add(group.id)
 
+    @_locked
     def _exit(self, group: OffloadGroup) -> None:
         popped = self._stack.pop()
         assert popped is group, "offload regions must be exited in the order they were entered"
@@ -806,17 +342,29 @@ class OffloadEngine:
         self._keep_ptrs = frozenset(ptrs)
 
     def _warn_once(self, key: str, msg: str) -> None:
-        if key not in self._warned:
+        with self._lock:
+            if key in self._warned:
+                return
             self._warned.add(key)
-            logger.warning(msg)
+        logger.warning(msg)
 
     # -- pack --------------------------------------------------------------------------------------
     def _setup(self, device: torch.device) -> None:
-        if self._copier is not None:
+        """Make the copier and the host pool for ``device``; on the CPU, unless simulating, make nothing."""
+        if self._ready:
             return
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self._ready = True
+        if device.type == "cpu" and not self.simulate_host:
+            self._warn_once(
+                "cpu",
+                "activation offload: the tensors are on the CPU, already in host memory, so nothing is offloaded "
+                "and no host pool is allocated (parameter casts are still recast); offload settings only save "
+                "memory on an accelerator",
+            )
+            return
         if device.type == "cuda":
             self._copier = _CudaCopier(device)
         else:
@@ -824,20 +372,46 @@ class OffloadEngine:
         self._pool = _HostPool(pin=device.type == "cuda", limit=self.host_memory_limit_bytes,
                                chunk_bytes=self.chunk_bytes)
 
+    def _admits(self, device: torch.device) -> bool:
+        """Whether saved tensors on ``device`` are this engine's to offload; adopts a device when it has none.
+
+        Raises:
+            ValueError: for a device other than the engine's, unless it is the CPU (host memory already).
+        """
+        own = self.device
+        if own is None:
+            if device.type == "cpu" and _accelerator_available():
+                # an accelerator model may save small CPU tensors (RNG seeds) first: host memory already,
+                # and adopting the CPU would refuse the model's own tensors after it
+                return False
+            self.device = device
+            return True
+        if device == own:
+            return True
+        if own.index is None and device.type == own.type:
+            self.device = device  # "cuda" given: the first tensor of the type fixes the index
+            return True
+        if device.type == "cpu":
+            return False  # already in host memory: nothing to offload
+        how = "was given" if self._device_given else "adopted it from the first saved tensor"
+        raise ValueError(
+            f"activation offload: a saved tensor is on {device}, but this offload engine serves {own} (it {how}); "
+            "one engine offloads one device. Give the blocks on each device an engine of their own, e.g. "
+            f"offload_module(block, engine=OffloadEngine(device='{device}')), or keep the offloaded blocks on one "
+            "device"
+        )
+
     def _eligible(self, t: torch.Tensor) -> bool:
         if type(t) is not torch.Tensor:
             return False  # parameters (alive anyway) and tensor subclasses stay
         if t.layout is not torch.strided or t.is_conj() or t.is_neg() or t.device.type == "meta":
             return False
-        if self.device is None:
-            # a CUDA model may save small CPU tensors (RNG seeds) first: adopt the CPU only without CUDA
-            if t.device.type != "cuda" and (t.device.type != "cpu" or torch.cuda.is_available()):
-                return False
-            self._setup(t.device)
-        elif t.device != self.device:
+        if not self._admits(t.device):
             return False
-        elif self._copier is None:
+        if not self._ready:
             self._setup(self.device)
+        if self._copier is None:
+            return False  # a CPU engine: nothing to offload to (said once, in _setup)
         if t.requires_grad and t.grad_fn is None:
             return False  # a leaf that requires grad: a parameter or an input, alive outside autograd
         base = t._base
@@ -856,6 +430,7 @@ class OffloadEngine:
                 return False
         return True
 
+    @_locked
     def _pack(self, group: OffloadGroup, t: torch.Tensor, kind: str) -> _Packed | _Recast | None:
         """Offload ``t`` (returns the handle), drop it to be cast again (a parameter's cast), or decide it
         stays (returns None)."""
@@ -956,6 +531,7 @@ class OffloadEngine:
             self._release(pending.popleft())
 
     # -- unpack --------------------------------------------------------------------------------------
+    @_locked
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Recast):
             if packed.group is not None:
@@ -973,6 +549,7 @@ class OffloadEngine:
             raise _version_error(t, packed.version)
         return t
 
+    @_locked
     def _restore(self, p: _Packed) -> tuple[torch.Tensor, bool]:
         """The tensor ``p`` stands for, on the device; and whether it was modified since saved."""
         if p.group is not None:
@@ -1016,6 +593,7 @@ class OffloadEngine:
         rec.alloc_stream = self._copier.current_stream()
         self._counters["reloaded_bytes"] += rec.nbytes
 
+    @_locked
     def _prefetch(self, group: OffloadGroup) -> None:
         for ref in group.records:
             rec = ref()
@@ -1041,6 +619,7 @@ class OffloadEngine:
             rec.window = group
             group._ahead += rec.nbytes
 
+    @_locked
     def _drop_handle(self, rec: _Record, was_unpacked: bool) -> None:
         rec.handles -= 1
         if not was_unpacked:

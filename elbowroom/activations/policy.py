@@ -83,7 +83,11 @@ class BlockPolicy:
 
 @dataclass(frozen=True)
 class ActivationConfig:
-    """The trainer's activation-memory switches (``--activations.<field>``)."""
+    """The trainer's activation-memory switches (``--activations.<field>``), the one config of this mechanism.
+
+    Field types stay simple (str, int, float, bool, ``int | None``, ``tuple[int, ...] | None``) so that a CLI can
+    expose every field; contradictory or no-effect combinations raise ValueError with the fix.
+    """
 
     checkpoint: str = "none"
     """Recompute blocks: none | full | selective (keep matmul and attention outputs, recompute the rest)."""
@@ -105,6 +109,8 @@ class ActivationConfig:
     """The last blocks never offload (backward needs them first); at least 1."""
     prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES
     """Bytes of an offloaded block brought back ahead of its backward (less lowers the backward peak)."""
+    simulate_host: bool = False
+    """On a CPU model, offload anyway into a separate host buffer (tests the engine on CPU; saves nothing)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_blocks, list):
@@ -128,6 +134,12 @@ class ActivationConfig:
                 )
             if self.use_reentrant:
                 raise ValueError("activations.use_reentrant has no effect without checkpoint; drop it")
+        if self.checkpoint_blocks is not None:
+            if not isinstance(self.checkpoint_blocks, tuple) or not all(_is_int(i) for i in self.checkpoint_blocks):
+                raise ValueError(
+                    "activations.checkpoint_blocks must be a tuple of block indices (ints), "
+                    f"got {self.checkpoint_blocks!r}"
+                )
         if self.checkpoint_blocks is not None and self.every != 1:
             raise ValueError("give either activations.every or activations.checkpoint_blocks, not both")
         if self.use_reentrant and self.checkpoint == "selective":
@@ -150,6 +162,14 @@ class ActivationConfig:
         if not _is_int(self.prefetch_window_bytes) or self.prefetch_window_bytes < 1:
             raise ValueError(
                 f"activations.prefetch_window_bytes must be a positive int, got {self.prefetch_window_bytes!r}"
+            )
+        for name in ("offload_checkpoint_inputs", "use_reentrant", "simulate_host"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"activations.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.simulate_host and not self.offloads:
+            raise ValueError(
+                "activations.simulate_host has no effect without offload; set offload_ratio or "
+                "offload_checkpoint_inputs, or drop it"
             )
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise ValueError(
@@ -223,6 +243,7 @@ def apply_activation_policy(model: nn.Module, config: ActivationConfig | None = 
         host_memory_limit_bytes=cfg.host_memory_limit_bytes,
         min_offload_bytes=cfg.min_offload_bytes,
         prefetch_window_bytes=cfg.prefetch_window_bytes,
+        simulate_host=cfg.simulate_host,
     )
 
 
@@ -236,6 +257,7 @@ def apply_block_policies(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     max_inflight_regions: int = 1,
     prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES,
+    simulate_host: bool = False,
 ) -> nn.Module:
     """Give each block of ``model`` its own :class:`BlockPolicy`, in place.
 
@@ -256,6 +278,8 @@ def apply_block_policies(
         prefetch_window_bytes: how many bytes of an offloaded block travel back ahead of its backward (a new
             engine's; less than a block's offloaded bytes lowers the peak in backward, and the link stays busy
             as long as it exceeds the largest saved tensor).
+        simulate_host: a new engine on a CPU model offloads anyway, into a separate host buffer (for tests; see
+            :class:`~elbowroom.activations.offload.OffloadEngine`). Without it a CPU model offloads nothing.
 
     Returns:
         ``model`` itself.
@@ -290,6 +314,7 @@ def apply_block_policies(
             keep_module=model,
             max_inflight_regions=max_inflight_regions,
             prefetch_window_bytes=prefetch_window_bytes,
+            simulate_host=simulate_host,
         )
     chain = _wrap.PrefetchChain(n) if offloads else None
     for i, (blk, p) in enumerate(zip(blocks, plan)):
@@ -318,10 +343,13 @@ def apply_block_policies(
 
 
 def _model_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's first parameter that has one; None for a model on meta (or without
+    parameters): the engine then adopts the device of the first tensor it packs, and raises on a saved tensor
+    of another accelerator (it never skips one silently)."""
     for p in model.parameters():
         if p.device.type != "meta":
             return p.device
-    return None  # the engine adopts the device of the first tensor it sees
+    return None
 
 
 def remove_activation_policy(model: nn.Module) -> nn.Module:

@@ -10,6 +10,12 @@ RNG state and replays the region's draws in order, and a kept op would skip its 
 later dropout in the region would get another mask (on CUDA, fp32 attention with dropout runs the
 efficient kernel, whose philox draw made the gradients of a "selective" block wrong).
 
+Hugging Face decoder layers work as they are called (``attention_mask``, ``position_embeddings=(cos, sin)``,
+``position_ids``... as keywords), in every mode; tensor keywords get the gradients of a plain run. A layer
+called with its KV cache on (``use_cache=True`` or a ``past_key_values`` cache) raises a ValueError naming
+``use_cache=False``: the recompute runs the forward again and would write the cache a second time (HF
+itself turns the cache off under gradient checkpointing). No-grad calls (generation) are not recomputed.
+
 The module keeps its class, its parameters and its ``state_dict`` keys: only the instance's
 ``forward`` is replaced (see :mod:`elbowroom.activations._wrap`), so a checkpoint saved from a
 wrapped model loads into an unwrapped one and back.
@@ -199,7 +205,9 @@ def checkpoint(
         module: the module to wrap, typically one transformer block.
         mode: "full" recomputes every op of the forward; "selective" keeps the outputs of matmuls and
             attention kernels and recomputes norms and pointwise ops.
-        use_reentrant: use torch's reentrant implementation (no keyword arguments, no "selective").
+        use_reentrant: use torch's reentrant implementation (not with "selective"). Keyword arguments work in
+            both implementations; under the reentrant one every tensor of the call (a keyword, a tuple such
+            as ``position_embeddings=(cos, sin)``) is passed to it positionally, so it gets its gradient.
         preserve_rng_state: replay RNG (dropout) exactly in the recompute.
         policy: for "selective" only: a policy callable ``(ctx, op, *args, **kwargs) ->
             CheckpointPolicy | bool`` or an iterable of aten OpOverloads to keep. Ops that draw random
@@ -210,7 +218,9 @@ def checkpoint(
         ``module`` itself.
 
     Raises:
-        ValueError: on an unknown mode or a combination torch cannot run.
+        ValueError: on an unknown mode or a combination torch cannot run; when the wrapped module is later
+            called for training with a KV cache (``use_cache=True``, ``past_key_values``), which the
+            recompute would write twice: call the model with ``use_cache=False``.
         TypeError: if ``module`` is not an ``nn.Module``.
     """
     if not isinstance(module, nn.Module):
@@ -242,8 +252,8 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     """The repeated blocks of ``model``, in forward order.
 
     ``model.blocks`` when it is an ``nn.ModuleList`` (elbowroom's reference models); otherwise the
-    longest ``nn.ModuleList`` whose children all share one class (``model.layers`` of a Hugging Face
-    Llama, ``transformer.h`` of GPT-2).
+    longest ``nn.ModuleList`` whose children all share one class (``model.model.layers`` of a Hugging
+    Face ``LlamaForCausalLM``, ``model.transformer.h`` of ``GPT2LMHeadModel``; tested).
 
     Raises:
         ValueError: if the model has no such list.
