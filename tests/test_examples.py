@@ -10,11 +10,13 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 _LOSS = re.compile(r"^step (\d+) loss ([0-9.]+)$", re.MULTILINE)
 
 
@@ -60,3 +62,12 @@ def test_example_docstring_says_how_to_run_it(script: str):
     doc = (EXAMPLES / script).read_text().split('"""')[1]
     assert f"python examples/{script}" in doc
     assert "--device cuda" in doc
+
+
+def test_readme_shows_the_core_of_compose_by_hand_verbatim():
+    # the README's Python section quotes the block between the --8<-- markers; edit both together
+    source = (EXAMPLES / "compose_by_hand.py").read_text()
+    core = source.split("# --8<-- [start:core]\n")[1].split("# --8<-- [end:core]")[0]
+    core = textwrap.dedent(core).rstrip()
+    assert core.count("\n") > 20
+    assert core in (ROOT / "README.md").read_text()
