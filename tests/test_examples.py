@@ -24,6 +24,8 @@ def run_example(script: str, *args: str, timeout: float = 300) -> list[float]:
     """Run ``examples/<script>`` with ``args`` on CPU; return the printed losses, in step order."""
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # the example must not need (or touch) a GPU
+    # the elbowroom of this checkout, whatever an editable install elsewhere points at
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--device", "cpu", *args],
         capture_output=True,
@@ -43,12 +45,14 @@ def assert_trains(losses: list[float], steps: int) -> None:
     assert losses[-1] < losses[0] - 0.1, f"the loss did not go down: {losses}"
 
 
+@pytest.mark.slow
 def test_compose_by_hand_trains():
     steps = 6
     losses = run_example("compose_by_hand.py", "--steps", str(steps))  # the tiny preset, its default
     assert_trains(losses, steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_huggingface_trains(arch: str):
     pytest.importorskip("transformers", reason="the Hugging Face example needs transformers (the test extra)")
