@@ -191,3 +191,61 @@ class SavedTensorCounter:
                 keep.append(r)
         self._refs = keep
         return alive
+
+
+def categorise(
+    device: torch.device,
+    params: list[torch.Tensor],
+    optimizer: Any = None,
+    engine: Any = None,
+    saved: SavedTensorCounter | None = None,
+    baseline_other: int | None = 0,
+) -> tuple[int, dict[str, int], dict[str, int]]:
+    """Live bytes now, by category (see the module docstring); they add up to the total.
+
+    Args:
+        device: the measured device (``cuda`` or ``cpu``).
+        params: the model's parameters.
+        optimizer: its optimizer, or None.
+        engine: its activation offload engine (``get_offload_engine(model)``), or None.
+        saved: on a CPU, the counter of saved tensors of the current step.
+        baseline_other: on CUDA, the "other" bytes of the step's start; None counts every uncategorised byte as
+            "other" (activations not told apart, e.g. at the step's start, or at an OOM).
+
+    Returns:
+        ``(total, bytes by category, host bytes outside the total)``.
+    """
+    dev = device.type
+    seen: set = set()
+    by: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+    by["parameters"] = sum_storages(params, dev, seen)
+    by["gradients"] = sum_storages((p.grad for p in params if p.grad is not None), dev, seen)
+    opt = optimizer_tensors(optimizer)
+    by["optimizer_state"] = sum_storages(opt["optimizer_state"], dev, seen)
+    by["master_weights"] = sum_storages(opt["master_weights"], dev, seen)
+    host: dict[str, int] = {}
+    stats = engine.stats() if engine is not None else None
+    if stats is not None:
+        by["activations_in_flight"] = int(getattr(stats, "pending_bytes", 0))
+    if dev == "cuda":
+        total = int(torch.cuda.memory_allocated(device))
+        if stats is not None and stats.host_pool_bytes:
+            host["offload_pool"] = int(stats.host_pool_bytes)
+        opt_host = optimizer_host_bytes(optimizer)
+        if opt_host:
+            host["optimizer"] = opt_host
+        if baseline_other is not None:
+            # activations: what the step holds above the uncategorised bytes it began with (workspace, caches)
+            by["activations_kept"] = max(0, total - sum(by.values()) - baseline_other)
+    else:
+        if stats is not None:
+            by["offload_pool"] = int(stats.host_pool_bytes)
+        if saved is not None:
+            by["activations_kept"] = sum_storages(saved.live(), dev, seen)
+        rss = process_rss_bytes()
+        total = rss if rss is not None else sum(by.values())
+    categorised = sum(v for k, v in by.items() if k != "other")
+    # a CPU tensor allocated but not yet touched is not resident: the total is at least what is live
+    total = max(total, categorised)
+    by["other"] = total - categorised
+    return total, by, host

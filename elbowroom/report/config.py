@@ -32,7 +32,9 @@ def parse_steps(spec: str) -> frozenset[int]:
                 f"profile steps must look like '3', '3-4' or '3,5' (step numbers as in metrics.jsonl), got {spec!r}"
             ) from None
         if lo < 0 or hi < lo:
-            raise ValueError(f"profile steps: a range must be 'low-high' with 0 <= low <= high, got {part!r} in {spec!r}")
+            raise ValueError(
+                f"profile steps: a range must be 'low-high' with 0 <= low <= high, got {part!r} in {spec!r}"
+            )
         steps.update(range(lo, hi + 1))
     return frozenset(steps)
 
@@ -62,7 +64,9 @@ class RecordConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.steps and not (self.snapshot or self.trace or self.timeline):
-            raise ValueError("profile steps are set but snapshot, trace and timeline are all off: turn one on or clear steps")
+            raise ValueError(
+                "profile steps are set but snapshot, trace and timeline are all off: turn one on or clear steps"
+            )
 
     @property
     def enabled(self) -> bool:

@@ -43,14 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elbowroom.report.categories import (
-    CATEGORIES,
-    SavedTensorCounter,
-    optimizer_host_bytes,
-    optimizer_tensors,
-    process_rss_bytes,
-    sum_storages,
-)
+from elbowroom.report.categories import SavedTensorCounter, categorise
 from elbowroom.report.config import RecordConfig, parse_steps
 
 __all__ = ["Recorder", "record", "PROFILE_DIR"]
@@ -291,7 +284,9 @@ class Recorder:
                 blocks = list(find_blocks(self.model))
             except ValueError:
                 blocks = []
-                logger.warning("report: %s has no repeated blocks; sampling at step bounds only", type(self.model).__name__)
+                logger.warning(
+                    "report: %s has no repeated blocks; sampling at step bounds only", type(self.model).__name__
+                )
             for i, blk in enumerate(blocks):
                 self._handles.append(blk.register_forward_pre_hook(self._fwd_pre(i)))
                 self._handles.append(blk.register_forward_hook(self._fwd_post(i)))
@@ -351,41 +346,17 @@ class Recorder:
     # -- sampling ------------------------------------------------------------------------------------------
     def _sample(self, event: str, block: int | None, *, baseline: bool = False) -> dict[str, Any]:
         t = time.perf_counter() - self._t0
+        total, by, host = categorise(
+            self.device,
+            self._params,
+            self.optimizer,
+            self._engine,
+            self._saved,
+            None if baseline else self._baseline_other,
+        )
         dev = self.device.type
-        seen: set = set()
-        by: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        by["parameters"] = sum_storages(self._params, dev, seen)
-        by["gradients"] = sum_storages((p.grad for p in self._params if p.grad is not None), dev, seen)
-        opt = optimizer_tensors(self.optimizer)
-        by["optimizer_state"] = sum_storages(opt["optimizer_state"], dev, seen)
-        by["master_weights"] = sum_storages(opt["master_weights"], dev, seen)
-        host: dict[str, int] = {}
-        stats = self._engine.stats() if self._engine is not None else None
-        if stats is not None:
-            by["activations_in_flight"] = int(getattr(stats, "pending_bytes", 0))
-        if dev == "cuda":
-            total = int(torch.cuda.memory_allocated(self.device))
-            if stats is not None and stats.host_pool_bytes:
-                host["offload_pool"] = int(stats.host_pool_bytes)
-            opt_host = optimizer_host_bytes(self.optimizer)
-            if opt_host:
-                host["optimizer"] = opt_host
-            rest = total - sum(by.values())
-            # activations: what is above the "other" bytes the step began with (the baseline sample is all other)
-            by["activations_kept"] = 0 if baseline else max(0, rest - self._baseline_other)
-        else:
-            if stats is not None:
-                by["offload_pool"] = int(stats.host_pool_bytes)
-            if self._saved is not None:
-                by["activations_kept"] = sum_storages(self._saved.live(), dev, seen)
-            rss = process_rss_bytes()
-            total = rss if rss is not None else sum(by.values())
+        if dev != "cuda":
             self._peak_rss = max(self._peak_rss, total)
-        categorised = sum(v for k, v in by.items() if k != "other")
-        if categorised > total:
-            # a CPU tensor allocated but not yet touched is not resident; the total is at least what is live
-            total = categorised
-        by["other"] = total - categorised
         row = {
             "kind": "sample",
             "step": self._current,
