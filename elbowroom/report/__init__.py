@@ -23,8 +23,8 @@ from typing import Any
 _EXPORTS = {
     "RecordConfig": "elbowroom.report.config",
     "parse_steps": "elbowroom.report.config",
-    "Recorder": "elbowroom.report.record",
-    "record": "elbowroom.report.record",
+    "Recorder": "elbowroom.report.recorder",
+    "record": "elbowroom.report.recorder",
     "write_oom_report": "elbowroom.report.oom",
     "write_report": "elbowroom.report.cli",
     "cmd_report": "elbowroom.report.cli",

@@ -33,7 +33,7 @@ def parse_steps(spec: str) -> frozenset[int]:
             ) from None
         if lo < 0 or hi < lo:
             raise ValueError(
-                f"profile steps: a range must be 'low-high' with 0 <= low <= high, got {part!r} in {spec!r}"
+                f"profile steps: a range is 'low-high' with 0 <= low <= high such as '3-4', got {part!r} in {spec!r}"
             )
         steps.update(range(lo, hi + 1))
     return frozenset(steps)

@@ -9,7 +9,7 @@ Files read (all written by others; only ``metrics.jsonl`` is required):
   of ``index``, ``policy``, ``kept_bytes``, ``offloaded_bytes``, ``recomputed_bytes``, ``forward_s``,
   ``backward_s``, ``extra_s`` (seconds recompute or transfers add, negative when saved); other keys are shown
   in the table, never interpreted;
-- ``profile/memory.jsonl``, ``profile/trace.json``, ``profile/memory_snapshot.pickle``: :mod:`.record`.
+- ``profile/memory.jsonl``, ``profile/trace.json``, ``profile/memory_snapshot.pickle``: :mod:`.recorder`.
 """
 
 from __future__ import annotations
