@@ -119,7 +119,7 @@ def draw_memory(data: RunData, path: Path) -> Path | None:
     host_keys = sorted({k for s in samples for k in (s.get("host_bytes") or {})})
     plan = data.plan or {}
     panels = 1 + (1 if (not cuda or host_keys) else 0)
-    fig, axes = plt.subplots(panels, 1, figsize=(11, 4.2 * panels), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(panels, 1, figsize=(13, 4.2 * panels), sharex=True, squeeze=False)
     ax = axes[0][0]
     top = max(
         max(s["total_bytes"] if cuda else sum(s["bytes"].get(c, 0) for c in shown) for s in samples),
@@ -161,7 +161,8 @@ def draw_memory(data: RunData, path: Path) -> Path | None:
     ax.set_title(f"Step {data.shown_step}: {where} by category", pad=16)
     ax.set_ylabel(unit)
     ax.set_ylim(0, top / div * 1.12)
-    ax.legend(loc="upper left", fontsize=8, framealpha=0.9, ncol=2)
+    # legends beside the panels: inside they would hide the forward ramp
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     if panels > 1:
         ax2 = axes[1][0]
@@ -206,7 +207,7 @@ def draw_memory(data: RunData, path: Path) -> Path | None:
             ax2.set_title("Process resident memory (RSS) over the same step")
             ax2.set_ylabel(runit)
             ax2.set_ylim(0, max(rss) / rdiv * 1.1)
-        ax2.legend(loc="upper left", fontsize=8, framealpha=0.9)
+        ax2.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
         ax2.grid(axis="y", alpha=0.3)
     axes[-1][0].set_xlabel("milliseconds since the step began (host clock)")
     fig.tight_layout()
@@ -329,7 +330,7 @@ def draw_link(tl: LinkTimeline, plan: dict[str, Any] | None, path: Path) -> Path
         ``path``.
     """
     plt = _pyplot()
-    fig, (ax, axc) = plt.subplots(2, 1, figsize=(11, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    fig, (ax, axc) = plt.subplots(2, 1, figsize=(13, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     ms = [e * 1e3 for e in tl.edges_s]
     ax.stairs(
         [v / 1e9 for v in tl.h2d_bytes_per_s],
@@ -346,36 +347,58 @@ def draw_link(tl: LinkTimeline, plan: dict[str, Any] | None, path: Path) -> Path
         label=f"device to host ({tl.d2h_bytes / 2**30:.2f} GiB in the step)",
     )
     plan = plan or {}
-    limits = [
-        (plan.get("h2d_bandwidth"), "link limit, host to device (plan)", "#1f77b4"),
-        (plan.get("d2h_bandwidth"), "link limit, device to host (plan)", "#d62728"),
-    ]
-    drew = False
-    for value, label, color in limits:
-        if isinstance(value, (int, float)) and value > 0:
-            ax.axhline(value / 1e9, ls="--", color=color, lw=1, label=f"{label}: {value / 1e9:.0f} GB/s")
-            drew = True
-    if not drew and tl.best_copy_bytes_per_s:
+    h2d, d2h, duplex = (plan.get(k) for k in ("h2d_bandwidth", "d2h_bandwidth", "duplex_bandwidth"))
+
+    def rate(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+    if rate(h2d) and rate(d2h) and h2d == d2h:
+        ax.axhline(
+            h2d / 1e9, ls="--", color="black", lw=1, label=f"link limit each way alone (plan): {h2d / 1e9:.0f} GB/s"
+        )
+    else:
+        if rate(h2d):
+            ax.axhline(
+                h2d / 1e9,
+                ls="--",
+                color="#1f77b4",
+                lw=1,
+                label=f"link limit, host to device (plan): {h2d / 1e9:.0f} GB/s",
+            )
+        if rate(d2h):
+            ax.axhline(
+                d2h / 1e9,
+                ls="--",
+                color="#d62728",
+                lw=1,
+                label=f"link limit, device to host (plan): {d2h / 1e9:.0f} GB/s",
+            )
+    if rate(duplex):
+        ax.axhline(
+            duplex / 1e9, ls=":", color="black", lw=1, label=f"each way, both at once (plan): {duplex / 1e9:.0f} GB/s"
+        )
+    if not (rate(h2d) or rate(d2h)) and tl.best_copy_bytes_per_s:
         ax.axhline(
             tl.best_copy_bytes_per_s / 1e9,
             ls="--",
             color="black",
             lw=1,
-            label=f"fastest single copy seen: {tl.best_copy_bytes_per_s / 1e9:.0f} GB/s (no limit in a plan)",
+            label=f"fastest single copy seen: {tl.best_copy_bytes_per_s / 1e9:.0f} GB/s (the plan gives no limit)",
         )
     ax.set_ylabel("GB/s")
     title = f"Step {tl.step}: " if tl.step is not None else ""
     ax.set_title(title + "host-device copies (profiler memcpy events), each way")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     busy = [b * 100 for b in tl.compute_busy]
     axc.stairs(busy, ms, fill=True, color="#55a868", alpha=0.8, label="busy (kernels running)")
-    axc.stairs([100.0] * len(busy), ms, baseline=busy, fill=True, color="#eeeeee", label="waiting")
+    axc.stairs([100.0] * len(busy), ms, baseline=busy, fill=True, color="#f2c4c4", label="waiting (no kernel)")
     axc.set_ylim(0, 100)
     axc.set_ylabel("% of time")
     axc.set_title("Compute stream: busy or waiting")
     axc.set_xlabel("milliseconds since the step began")
-    axc.legend(fontsize=8, loc="lower right")
+    axc.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

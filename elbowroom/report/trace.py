@@ -67,7 +67,7 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
-def link_timeline(events: list[dict[str, Any]], bins: int = 200) -> LinkTimeline | None:
+def link_timeline(events: list[dict[str, Any]], bins: int = 100) -> LinkTimeline | None:
     """Bin one step's copies and kernels.
 
     Args:
