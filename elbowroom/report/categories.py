@@ -127,9 +127,14 @@ def optimizer_tensors(optimizer: Any) -> dict[str, list[torch.Tensor]]:
         for k in out:
             out[k] = [t for t in got.get(k, ()) if isinstance(t, torch.Tensor)]
         return out
-    for st in list(optimizer.state.values()):
-        if isinstance(st, dict):
-            out["optimizer_state"].extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    for _ in range(3):
+        try:
+            # CPUOffloadOptimizer's step thread may add state while backward runs: copy, retry on a change
+            found = [v for st in list(optimizer.state.values()) if isinstance(st, dict) for v in list(st.values())]
+            break
+        except RuntimeError:  # "dictionary changed size during iteration"
+            found = []
+    out["optimizer_state"] = [v for v in found if isinstance(v, torch.Tensor)]
     return out
 
 

@@ -137,7 +137,7 @@ def draw_memory(data: RunData, path: Path) -> Path | None:
     if cuda:
         peak = step_row.get("peak_bytes")
         if peak:
-            _hline(ax, peak, div, unit, "measured peak", ":", "black")
+            _hline(ax, peak, div, unit, "measured peak (allocator, run so far)", ":", "black")
     else:
         i = max(range(len(samples)), key=lambda k: sum(samples[k]["bytes"].get(c, 0) for c in shown))
         ax.plot([t[i]], [sum(samples[i]["bytes"].get(c, 0) for c in shown) / div], "kv", zorder=6)
@@ -272,7 +272,13 @@ def draw_plan(data: RunData, path: Path) -> Path | None:
             bottom = [a + b for a, b in zip(bottom, vals)]
     if measured:
         mk = [max(0.0, measured.get(i, {}).get("kept_bytes", 0)) / div for i in idx]
-        axb.bar([i + width / 2 for i in idx], mk, width, label="kept on the device (measured)", color="#7a1f22")
+        axb.bar(
+            [i + width / 2 for i in idx],
+            mk,
+            width,
+            label="on the device after its forward (measured: kept + in flight)",
+            color="#7a1f22",
+        )
     axb.set_title("Activation bytes per block: kept, offloaded, recomputed")
     axb.set_xlabel("block")
     axb.set_ylabel(unit)

@@ -17,7 +17,9 @@ What it writes under ``OUT/profile/``:
   (``step``, ``forward``, ``recompute``, ``backward``, ``optimizer``), event (``begin``/``end``), block index
   (or null), ``total_bytes`` and ``bytes`` by category (:mod:`elbowroom.report.categories`; they add up to the
   total), ``host_bytes`` (host memory outside the total on CUDA: the offload pool, the optimizer's host part);
-  and one row per step (``"kind": "step"``): its seconds, measured peak, device.
+  and one row per step (``"kind": "step"``): its seconds, ``peak_bytes`` (CUDA: ``max_memory_allocated``, the
+  run's peak so far, never reset here since the trainer's ``peak_memory_bytes`` reads the same counter; CPU: the
+  largest RSS sampled), ``sampled_peak_bytes`` (the largest total among the step's samples), device.
 - ``memory_snapshot.pickle`` (CUDA): ``torch.cuda.memory._snapshot()`` of the recorded steps, with Python
   stacks; open it at https://pytorch.org/memory_viz.
 - ``trace.json``: ``torch.profiler`` Chrome trace (CPU and CUDA activities, copy streams included); open it in
@@ -126,6 +128,8 @@ class Recorder:
         self._params: list[torch.Tensor] = []
         self._engine: Any = None
         self._last_sample: dict[str, Any] | None = None
+        self._step_peak = 0
+        self._peak_rss = 0
 
     # -- the loop's calls ----------------------------------------------------------------------------------
     @property
@@ -147,8 +151,7 @@ class Recorder:
         self._current = step
         self._phase = "step"
         self._backward_seen = False
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self._step_peak = 0
         if self._saved is not None:
             self._saved.__enter__()
         if self._profiler is not None:
@@ -182,10 +185,19 @@ class Recorder:
             self._saved.__exit__(None, None, None)
         if self._file is not None:
             if self.device.type == "cuda":
+                # the allocator's peak since the run began: not reset here, because the trainer's
+                # peak_memory_bytes reads the same counter as "peak so far"
                 peak = torch.cuda.max_memory_allocated(self.device)
             else:
                 peak = self._peak_rss
-            row = {"kind": "step", "step": step, "seconds": seconds, "peak_bytes": peak, "device": self.device.type}
+            row = {
+                "kind": "step",
+                "step": step,
+                "seconds": seconds,
+                "peak_bytes": peak,
+                "sampled_peak_bytes": self._step_peak,
+                "device": self.device.type,
+            }
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
         self._current = None
@@ -228,15 +240,20 @@ class Recorder:
             self._engine = get_offload_engine(self.model)
         if self.config.timeline:
             self._file = open(prof_dir / "memory.jsonl", "a")  # noqa: SIM115 - closed in _stop
-            self._peak_rss = 0
             self._install_hooks()
             if not cuda:
                 self._saved = SavedTensorCounter()
         if cuda and self.config.snapshot:
-            # allocation history with Python stacks only ("python", not "all"): C++ frames make each entry
-            # and the pickle several times larger; max_entries bounds the ring buffer
+            # allocation history with Python stacks only ("python", not "all": C++ frames make each entry and
+            # the pickle several times larger), stacks of allocations only (context "alloc", not "all": free
+            # stacks double the size and say little); max_entries bounds the ring buffer
             torch.cuda.memory._record_memory_history(
-                enabled="all", context="all", stacks="python", max_entries=self.config.max_entries
+                enabled="all",
+                context="alloc",
+                stacks="python",
+                max_entries=self.config.max_entries,
+                device=self.device,
+                clear_history=True,  # only the recorded steps: earlier events would crowd the ring buffer
             )
             self._history = True
         if self.config.trace:
@@ -355,6 +372,7 @@ class Recorder:
             None if baseline else self._baseline_other,
         )
         dev = self.device.type
+        self._step_peak = max(self._step_peak, total)
         if dev != "cuda":
             self._peak_rss = max(self._peak_rss, total)
         row = {
