@@ -80,7 +80,11 @@ def summary(data: RunData) -> dict[str, Any]:
     peaks = [r["peak_memory_bytes"] for r in m if isinstance(r.get("peak_memory_bytes"), (int, float))]
     losses = [r["loss"] for r in m if isinstance(r.get("loss"), (int, float))]
     rec_secs = [r["seconds"] for r in data.steps if isinstance(r.get("seconds"), (int, float))]
-    rec_peaks = [r["peak_bytes"] for r in data.steps if isinstance(r.get("peak_bytes"), (int, float))]
+    if data.device == "cuda":
+        rec_peaks = [r["peak_bytes"] for r in data.steps if isinstance(r.get("peak_bytes"), (int, float))]
+    else:
+        # on a CPU the plan's bytes are tensor bytes: compare with the tensors' sampled peak, not the RSS
+        rec_peaks = [sum(v for k, v in s["bytes"].items() if k != "other") for s in data.samples]
     tokens_per_step = plan.get("tokens_per_step")
     pred_s = plan.get("predicted_step_seconds")
     med_tps = statistics.median(tps) if tps else None
@@ -109,7 +113,11 @@ def summary(data: RunData) -> dict[str, Any]:
 
 def _compare_table(s: dict[str, Any], data: RunData) -> str:
     cpu = data.device != "cuda"
-    peak_note = "max RSS over the recorded steps" if cpu and data.steps else "allocator max over the recorded steps"
+    peak_note = (
+        "largest tensor bytes sampled in the recorded steps (the RSS is in the memory picture)"
+        if cpu
+        else "allocator peak (max_memory_allocated) of the run up to the last recorded step"
+    )
     if not data.steps:
         peak_note = "max peak_memory_bytes in metrics.jsonl"
     rows = [

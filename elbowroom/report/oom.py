@@ -93,12 +93,14 @@ def write_oom_report(
             f"device memory in all:      {_gib(torch.cuda.get_device_properties(device).total_memory)}",
             f"allocation retries / OOMs: {stats.get('num_alloc_retries', 0)} / {stats.get('num_ooms', 0)}",
         ]
+    # the plan predicts tensor bytes: on a CPU the RSS's rest (interpreter, libraries) is not part of it
+    live = total if device.type == "cuda" else total - by["other"]
     if isinstance(plan, dict):
         lines.append("")
         for key, label in (("predicted_peak_bytes", "plan: predicted peak"), ("budget_bytes", "plan: budget")):
             v = plan.get(key)
             if isinstance(v, (int, float)):
-                lines.append(f"{label:<27}{_gib(v)}  (live now: {100 * total / max(v, 1):.0f}% of it)")
+                lines.append(f"{label:<27}{_gib(v)}  (live now: {100 * live / max(v, 1):.0f}% of it)")
     else:
         lines += ["", "no plan: nothing predicted to compare with"]
     if device.type == "cuda":
