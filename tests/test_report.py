@@ -374,3 +374,19 @@ print("clean")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "clean" in out.stdout, out.stderr
+
+
+def test_gradient_accumulation_is_forward_then_backward_twice(tmp_path: Path) -> None:
+    """Two micro-batches in one step: the second forward is a forward, not a recompute."""
+    cfg = ModelConfig.from_preset("tiny")
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = record(tmp_path, config=RecordConfig(steps="1", trace=False), model=model, optimizer=opt)
+    rec.step_begin(1)
+    for _ in range(2):
+        model(torch.randint(0, cfg.vocab_size, (2, 16))).float().logsumexp(-1).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    rec.step_end(1)
+    phases = [s["phase"] for s in _memory_rows(tmp_path) if s["kind"] == "sample" and s["block"] == 0]
+    assert phases == ["forward", "forward", "backward", "backward"] * 2

@@ -28,7 +28,7 @@ What it writes under ``OUT/profile/``:
 Where samples are taken: each block's forward begin/end (module pre/post hooks on the blocks that
 ``find_blocks`` finds), its backward begin (a hook on the block's output gradient) and end (a hook on its input
 gradient), the optimizer step's begin/end (``register_step_pre_hook``/``register_step_post_hook``), and the step's
-own begin and end. A block's forward running again after backward began is a recompute. A sample costs a walk
+own begin and end. A block forward that runs inside backward is labelled a recompute. A sample costs a walk
 over the parameters, gradients and optimizer state (no device sync: ``memory_allocated`` is the allocator's
 host-side count, so the time axis is the host's).
 """
@@ -63,6 +63,16 @@ def _steps_of(steps: str | Iterable[int]) -> frozenset[int]:
     if any(s < 0 for s in out):
         raise ValueError(f"steps must be non-negative step numbers, got {sorted(out)}")
     return out
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a forward now is a recompute).
+
+    torch exposes no public query; ``_current_graph_task_id`` (what torch's own checkpoint uses) is -1 outside
+    backward. Without it, no forward is called a recompute.
+    """
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return callable(task) and task() != -1
 
 
 def _first_tensor(x: Any) -> torch.Tensor | None:
@@ -118,7 +128,6 @@ class Recorder:
         self._handles: list[Any] = []
         self._t0 = 0.0
         self._phase = "step"
-        self._backward_seen = False
         self._baseline_other = 0
         self._file: Any = None
         self._profiler: Any = None
@@ -150,7 +159,6 @@ class Recorder:
             self._start()
         self._current = step
         self._phase = "step"
-        self._backward_seen = False
         self._step_peak = 0
         if self._saved is not None:
             self._saved.__enter__()
@@ -316,7 +324,7 @@ class Recorder:
         def hook(module: nn.Module, args: Any) -> None:
             if self._current is None:
                 return
-            self._phase = "recompute" if self._backward_seen else "forward"
+            self._phase = "recompute" if _in_backward() else "forward"
             self._sample("begin", i)
             x = _first_tensor(args)
             if self._phase == "forward" and x is not None and x.requires_grad:
@@ -343,7 +351,6 @@ class Recorder:
         def hook(grad: torch.Tensor) -> None:
             if self._current is None:
                 return
-            self._backward_seen = True
             self._phase = "backward"
             self._sample(event, i)
 
