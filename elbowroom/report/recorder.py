@@ -247,7 +247,9 @@ class Recorder:
 
             self._engine = get_offload_engine(self.model)
         if self.config.timeline:
-            self._file = open(prof_dir / "memory.jsonl", "a")  # noqa: SIM115 - closed in _stop
+            # a new recording replaces an earlier one of this run directory, as the trace and snapshot do
+            # (appending would mix a resumed run's samples with the first run's under the same step numbers)
+            self._file = open(prof_dir / "memory.jsonl", "w")  # noqa: SIM115 - closed in _stop
             self._install_hooks()
             if not cuda:
                 self._saved = SavedTensorCounter()
