@@ -68,13 +68,14 @@ def _mark_phases(ax: Any, spans: list[tuple[str, float, float]], label: bool) ->
         if label:
             ax.text(
                 (t0 + t1) / 2,
-                1.0,
+                0.985,
                 phase,
                 transform=ax.get_xaxis_transform(),
                 ha="center",
-                va="bottom",
+                va="top",
                 fontsize=9,
                 color="#444444",
+                zorder=7,
             )
 
 
@@ -157,6 +158,14 @@ def draw_memory(data: RunData, path: Path) -> Path | None:
         _hline(ax, plan["predicted_peak_bytes"], div, unit, "predicted peak", "--", "#1f5fbf")
     if plan.get("budget_bytes"):
         _hline(ax, plan["budget_bytes"], div, unit, "budget", "-", "#b00020")
+    # where each block's forward and backward begin: ticks on the top edge, labelled with the block index
+    starts = [(s["t"] * 1e3, s["block"]) for s in samples if s.get("block") is not None and s["event"] == "begin"]
+    if starts:
+        every = max(1, len({b for _, b in starts}) // 12)  # at most ~12 labels per phase
+        top_ax = ax.secondary_xaxis("top")
+        top_ax.set_xticks([x for x, _ in starts], labels=[str(b) if b % every == 0 else "" for _, b in starts])
+        top_ax.tick_params(labelsize=6, length=3, pad=1, colors="#666666")
+        top_ax.set_xlabel("block (each forward and backward begin)", fontsize=7, color="#666666", labelpad=2)
     where = "device memory (torch.cuda.memory_allocated)" if cuda else "tensor memory of the process"
     ax.set_title(f"Step {data.shown_step}: {where} by category", pad=16)
     ax.set_ylabel(unit)
