@@ -161,9 +161,14 @@ def draw_memory(data: RunData, path: Path) -> Path | None:
     # where each block's forward and backward begin: ticks on the top edge, labelled with the block index
     starts = [(s["t"] * 1e3, s["block"]) for s in samples if s.get("block") is not None and s["event"] == "begin"]
     if starts:
-        every = max(1, len({b for _, b in starts}) // 12)  # at most ~12 labels per phase
+        gap = 0.02 * (t[-1] - t[0] or 1.0)  # a label closer than this to the previous one would overlap it
+        labels, last = [], None
+        for x, b in starts:
+            keep = last is None or x - last > gap
+            labels.append(str(b) if keep else "")
+            last = x if keep else last
         top_ax = ax.secondary_xaxis("top")
-        top_ax.set_xticks([x for x, _ in starts], labels=[str(b) if b % every == 0 else "" for _, b in starts])
+        top_ax.set_xticks([x for x, _ in starts], labels=labels)
         top_ax.tick_params(labelsize=6, length=3, pad=1, colors="#666666")
         top_ax.set_xlabel("block (each forward and backward begin)", fontsize=7, color="#666666", labelpad=2)
     where = "device memory (torch.cuda.memory_allocated)" if cuda else "tensor memory of the process"
