@@ -159,6 +159,17 @@ for _extra in ("modes_activations", "modes_optim", "modes_deepspeed", "modes_fsd
         pass
 
 
+def mode_setup(name: str) -> Callable[..., Setup] | None:
+    """The setup of a mode (without its ``+fl`` suffix): a registered name, or the planner's ``fit@24GiB``,
+    ``fit_bf16@16GiB`` and ``plan@FILE``."""
+    base = name.removesuffix(FUSED_LOSS)
+    if base in MODES:
+        return MODES[base]
+    from modes_plan import resolve
+
+    return resolve(base)
+
+
 # ---------------------------------------------------------------- one timed run
 def _fresh_memory() -> None:
     gc.collect()
@@ -181,10 +192,12 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     torch.manual_seed(0)
     cfg = model_config(preset, seq)
     model = build_model(cfg, device=device)
-    fused_loss = name.endswith(FUSED_LOSS)  # the head and loss chunk by chunk (linear_cross_entropy)
-    setup = MODES[name.removesuffix(FUSED_LOSS)](model, args)
     idx = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
     tgt = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
+    args.sample, args.fused_loss = (idx, tgt), name.endswith(FUSED_LOSS)  # what a planner mode profiles with
+    setup = mode_setup(name)(model, args)
+    # the head and loss chunk by chunk (linear_cross_entropy): the suffix asks, a plan decides for itself
+    fused_loss = setup.fused_loss if setup.fused_loss is not None else name.endswith(FUSED_LOSS)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     times, losses = [], []
     # ELBOWROOM_BENCH_EVENTS=1: CUDA events between micro-batches: the GPU time of each in the last step
@@ -236,6 +249,10 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         row.update(stats)
         if mechanism is not None:
             row["settings"]["mechanism"] = mechanism
+    if "pred_step_s" in row:  # a plan's prediction against this measurement
+        row["step_vs_pred"] = round(row["step_s"] / row["pred_step_s"], 3)
+        if row.get("peak_GiB"):
+            row["peak_vs_pred"] = round(row["peak_GiB"] / row["pred_peak_GiB"], 3)
     del model, setup
     return row
 
@@ -248,7 +265,8 @@ def settings(name: str, workload: str, args: Any) -> dict[str, Any]:
         "mode": name,
         "workload": {"name": workload, "preset": preset, "batch_size": bsz, "seq_len": seq,
                      "gradient_accumulation_steps": args.accum or accum},
-        "args": {k: v for k, v in vars(args).items() if k not in ("json", "modes", "reproduce")},
+        "args": {k: v for k, v in vars(args).items()
+                 if k not in ("json", "modes", "reproduce", "sample", "fused_loss")},
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("ELBOWROOM_BENCH_")},
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -358,7 +376,8 @@ def run_trainer(workload: str, args) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="w1", choices=sorted(WORKLOADS))
-    ap.add_argument("--modes", default="plain", help=f"comma-separated; known: minimal, trainer, {', '.join(MODES)}")
+    ap.add_argument("--modes", default="plain", help=f"comma-separated; known: minimal, trainer, fit@BUDGET, "
+                    f"fit_bf16@BUDGET, plan@FILE, {', '.join(MODES)}")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--accum", type=int, default=0, help="gradient accumulation (0: the workload's)")
@@ -374,7 +393,7 @@ def main() -> None:
         _apply_recorded_settings(args)
     names = args.modes.split(",")
     for name in names:
-        if name.removesuffix(FUSED_LOSS) not in MODES and name not in ("minimal", "trainer"):
+        if mode_setup(name) is None and name not in ("minimal", "trainer"):
             raise SystemExit(f"unknown mode {name!r}; known: minimal, trainer, {', '.join(MODES)}")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"# {device}, torch {torch.__version__}", flush=True)
@@ -439,17 +458,22 @@ def run_child(name: str, args) -> dict[str, Any]:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     base = next((r for r in rows if "tok_per_s" in r), None)
-    print(f"\n| workload | mode | tok/s | % of {base['mode'] if base else '-'} | model TFLOP/s | MFU | peak GiB |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n| workload | mode | tok/s | % of {base['mode'] if base else '-'} | model TFLOP/s | MFU | peak GiB |"
+          " predicted GiB | predicted step s | step / pred | plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "tok_per_s" not in r:
-            print(f"| {r['workload']} | {r['mode']} | {r['error']} | | | | |")
+            print(f"| {r['workload']} | {r['mode']} | {r['error']} | | | | | | | | |")
             continue
         pct = 100 * r["tok_per_s"] / base["tok_per_s"]
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        plan = r.get("plan")
+        plan_s = (", ".join(f"{v} {k}" for k, v in plan["blocks"].items()) + f"; optimizer {plan['optimizer_on_host']} "
+                  f"blocks on host; {plan['weights']}" + ("; fused loss" if plan["fused_loss"] else "")) if plan else ""
         print(
             f"| {r['workload']} | {r['mode']} | {r['tok_per_s']:,} | {pct:.1f} | {r['tflops']} | {mfu} | "
-            f"{r['peak_GiB']} |"
+            f"{r['peak_GiB']} | {r.get('pred_peak_GiB', '')} | {r.get('pred_step_s', '')} | "
+            f"{r.get('step_vs_pred', '')} | {plan_s} |"
         )
 
 

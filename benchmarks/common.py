@@ -20,3 +20,5 @@ class Setup:
     notes: dict[str, Any] = field(default_factory=dict)
     backward: Callable[[Any], None] | None = None
     """Runs each micro-batch's backward in place of ``loss.backward()`` (DeepSpeed's engine must see it)."""
+    fused_loss: bool | None = None
+    """The mode's own choice of the fused head and loss (a plan's); None: the ``+fl`` suffix decides."""

@@ -19,6 +19,13 @@ _EXPORTS = {
     "linear_cross_entropy": "elbowroom.ops.linear_cross_entropy",
     "CPUOffloadOptimizer": "elbowroom.optim.offload",
     "CPUOffloadConfig": "elbowroom.optim.config",
+    "ActivationConfig": "elbowroom.activations.policy",
+    "fit": "elbowroom.plan",
+    "plan_for": "elbowroom.plan",
+    "profile": "elbowroom.plan",
+    "apply": "elbowroom.plan",
+    "Plan": "elbowroom.plan",
+    "BudgetError": "elbowroom.plan",
     "ModelConfig": "elbowroom.models",
     "build_model": "elbowroom.models",
 }

@@ -16,7 +16,8 @@ import elbowroom
 for name in elbowroom.__all__:
     getattr(elbowroom, name)
 import elbowroom.cli, elbowroom.config, elbowroom.train.trainer, elbowroom.train.data, elbowroom.ops.rope
-import elbowroom.activations, elbowroom.optim
+import elbowroom.activations, elbowroom.optim, elbowroom.plan, elbowroom.report, elbowroom.distributed
+import elbowroom.plan.profiler, elbowroom.plan.cli
 assert not calls, calls
 print("clean")
 """
@@ -28,7 +29,9 @@ def test_public_api() -> None:
     import elbowroom
     import elbowroom.train.trainer  # noqa: F401 - a subpackage import must not shadow a public verb
 
-    for name in ("checkpoint", "offload", "CPUOffloadOptimizer", "gradient_checkpointing_enable", "build_model"):
+    import elbowroom.plan.fit  # noqa: F401 - nor does importing the module that defines one
+    for name in ("checkpoint", "offload", "CPUOffloadOptimizer", "gradient_checkpointing_enable", "build_model", "fit",
+                 "profile", "plan_for", "apply"):
         assert name in elbowroom.__all__
         assert callable(getattr(elbowroom, name))
     try:

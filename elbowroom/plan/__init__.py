@@ -13,7 +13,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {
+# Eager: these submodules share their names with the functions they define (``elbowroom.plan.fit`` the module
+# would otherwise shadow ``fit`` the function once imported). They import torch and nothing that touches a device.
+from elbowroom.plan.apply import apply
+from elbowroom.plan.fit import fit, parse_budget
+from elbowroom.plan.plan import BlockPlan, Plan
+from elbowroom.plan.search import BudgetError, plan_for
+
+_LAZY = {
     "profile": "elbowroom.plan.profiler",
     "get_device": "elbowroom.plan.devices",
     "DEVICES": "elbowroom.plan.devices",
@@ -23,20 +30,16 @@ _EXPORTS = {
     "MachineProfile": "elbowroom.plan.types",
     "Profile": "elbowroom.plan.types",
     "profile_from_dict": "elbowroom.plan.types",
-    "apply": "elbowroom.plan.apply",
-    "fit": "elbowroom.plan.fit",
-    "parse_budget": "elbowroom.plan.fit",
-    "BlockPlan": "elbowroom.plan.plan",
-    "Plan": "elbowroom.plan.plan",
-    "BudgetError": "elbowroom.plan.search",
-    "plan_for": "elbowroom.plan.search",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "DEVICES", "BlockPlan", "BlockProfile", "BudgetError", "HeadProfile", "MachineProfile", "Plan", "Profile",
+    "apply", "fit", "get_device", "measure_machine", "parse_budget", "plan_for", "profile", "profile_from_dict",
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'elbowroom.plan' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)

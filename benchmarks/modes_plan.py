@@ -1,0 +1,112 @@
+"""The planner as a bench mode: ``fit`` at a budget, its prediction beside the measurement.
+
+    python benchmarks/bench.py --workload w1 --modes plain,fit@24GiB+fl,fit_bf16@16GiB+fl,fit@8GiB+fl
+    python benchmarks/bench.py --workload w1 --modes plan@runs/w1-24.toml       # a saved (or hand-edited) Plan
+
+- ``fit@<budget>``: ``elbowroom.plan.fit`` with the measured profile (a few warm-up steps on this GPU), fp32
+  weights under autocast; ``fit_bf16@<budget>`` also allows bf16 device weights with fp32 masters (the row says
+  which the plan chose). ``+fl`` lets the planner use the fused head and loss; the row follows the plan's choice.
+- ``plan@<file>``: apply a Plan file (TOML or JSON) as it is: a hand plan is a file, not a mode name.
+
+Each row adds the plan's predictions (``pred_peak_GiB``, ``pred_step_s``, their ratios to the measurement), the
+same plan's predictions from the analytic profile (the device table, no measurement: ``analytic_*``), and the
+plan itself under ``settings.mechanism``, so that ``--reproduce`` or ``plan@`` can run it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import Setup  # noqa: E402
+
+PREFIXES = ("fit@", "fit_bf16@", "plan@")
+
+
+def resolve(name: str) -> Callable[..., Setup] | None:
+    """The setup of a parametric planner mode name, or None when ``name`` is not one."""
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            arg = name[len(prefix):]
+            if prefix == "plan@":
+                return lambda model, args: _setup(model, args, plan_file=arg, fused=False)
+            return lambda model, args: _setup(model, args, budget=arg, precision="bf16" if "bf16" in prefix else "fp32",
+                                             fused=getattr(args, "fused_loss", False))
+    return None
+
+
+def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
+           plan_file: str | None = None, fused: bool = False) -> Setup:
+    from elbowroom.plan import Plan, apply, fit
+
+    idx, tgt = args.sample
+    t0 = time.perf_counter()
+    if plan_file is not None:
+        plan = Plan.load(plan_file)
+        model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True)
+    else:
+        # the harness's loss: next-token cross-entropy over its own targets
+        model, opt, plan = fit(model, (idx, tgt), budget=budget, precision=precision, fused_loss=fused,
+                               source="measured", lr=1e-4, fused=True)
+    plan_s = time.perf_counter() - t0
+    notes: dict[str, Any] = {"plan_seconds": round(plan_s, 2), "weights": plan.weight_dtype,
+                             "fused_loss": plan.fused_loss}
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    if plan.weight_dtype == "bfloat16":
+        # a bf16 model runs as it is: the harness's autocast would run the norms in fp32 and save fp32 outputs
+        context = lambda: torch.autocast("cuda" if torch.cuda.is_available() else "cpu", enabled=False)  # noqa: E731
+
+    def stats() -> dict[str, Any]:
+        out = {
+            "pred_peak_GiB": round(plan.predicted_peak_bytes / 2**30, 2),
+            "pred_step_s": round(plan.predicted_step_seconds, 4),
+            "budget_GiB": round(plan.budget_bytes / 2**30, 2),
+            "plan": _summary(plan),
+            "settings": {"plan": plan.to_dict()},
+        }
+        out.update(_analytic(model, plan, idx))
+        if hasattr(opt, "stats"):
+            s = opt.stats()
+            out["host_GiB"] = round(s.get("host_bytes", 0) / 2**30, 2)
+        return out
+
+    return Setup(opt, context=context, stats=stats, notes=notes, fused_loss=plan.fused_loss)
+
+
+def _summary(plan: Any) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    for b in plan.blocks:
+        counts[b.policy_label] = counts.get(b.policy_label, 0) + 1
+    return {"blocks": counts, "optimizer_on_host": len(plan.optimizer_offload_blocks), "weights": plan.weight_dtype,
+            "micro_batch": plan.micro_batch, "accumulation": plan.gradient_accumulation_steps,
+            "fused_loss": plan.fused_loss}
+
+
+def _analytic(model: torch.nn.Module, plan: Any, idx: torch.Tensor) -> dict[str, Any]:
+    """The same plan priced on the analytic profile of the same shape (meta device, H100 table)."""
+    try:
+        from elbowroom.models import build_model
+        from elbowroom.plan import get_device, profile
+
+        cfg = getattr(model, "config", None)
+        if cfg is None or not torch.cuda.is_available():
+            return {}
+        meta = build_model(cfg, device="meta")
+        name = "h200" if "H200" in torch.cuda.get_device_name() else "h100-80gb"
+        prof = profile(meta, torch.zeros_like(idx, device="meta"), source="analytic",
+                       machine=get_device(name, host_memory=plan.profile.host_memory_bytes
+                                          if hasattr(plan.profile, "host_memory_bytes") else None))
+        again = plan.repredicted(prof)
+        return {"analytic_peak_GiB": round(again.predicted_peak_bytes / 2**30, 2),
+                "analytic_step_s": round(again.predicted_step_seconds, 4)}
+    except Exception as e:  # noqa: BLE001 - a side figure; the row stands without it
+        return {"analytic_error": f"{type(e).__name__}: {e}"[:200]}
