@@ -155,8 +155,8 @@ def validation_loss(model: nn.Module | Any, batches: list[dict[str, Any]]) -> fl
         model: anything called as ``model(input_ids) -> logits`` (an ``nn.Module``, a torch.export module).
         batches: from :func:`validation_batches`.
     """
-    if isinstance(model, nn.Module):
-        model.eval()
+    if isinstance(model, nn.Module) and not isinstance(model, torch.fx.GraphModule):
+        model.eval()  # (an exported program's module refuses eval(); it has no train-mode behaviour anyway)
     total, n = 0.0, 0
     for b in batches:
         logits = model(b["input_ids"])
