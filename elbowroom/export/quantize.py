@@ -34,7 +34,7 @@ from elbowroom.export._deps import require
 from elbowroom.export.source import ExportError
 from elbowroom.models import DecoderLM, ModelConfig, build_model
 
-__all__ = ["METHODS", "quantize_model", "save_quantized", "load_quantized", "sqnr"]
+__all__ = ["METHODS", "check_float8", "quantize_model", "save_quantized", "load_quantized", "sqnr"]
 
 METHODS = ("int8-dynamic", "int8-weight", "int4-weight", "float8", "int8-static")
 """The quantisation methods, as named on the command line."""
@@ -50,7 +50,8 @@ def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / noise)) if noise > 0 else float("inf")
 
 
-def _check_float8(device: torch.device | None) -> torch.device:
+def check_float8(device: torch.device | None) -> torch.device:
+    """The CUDA device float8 runs on; :class:`ExportError` where there is none of compute capability 8.9+."""
     if not torch.cuda.is_available():
         raise ExportError("float8 needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper) and none is "
                           "visible here; on the CPU use int8-dynamic, int8-weight, int4-weight or int8-static")
@@ -87,7 +88,7 @@ def quantize_model(model: DecoderLM, method: str, *, calibration: list[torch.Ten
     if method not in METHODS:
         raise ExportError(f"unknown quantisation method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "float8":
-        dev = _check_float8(torch.device(device) if device is not None else None)
+        dev = check_float8(torch.device(device) if device is not None else None)
     ao = require("torchao.quantization", f"quantize {method}")
     model.eval()
     if method == "int8-dynamic":

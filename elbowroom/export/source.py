@@ -148,19 +148,23 @@ def validation_batches(source: Source, num_batches: int | None = None) -> list[d
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module | Any, batches: list[dict[str, Any]]) -> float | None:
+def validation_loss(model: nn.Module | Any, batches: list[dict[str, Any]],
+                    device: torch.device | str = "cpu") -> float | None:
     """Mean cross-entropy per target token of ``model(input_ids)`` over ``batches`` (None when empty).
 
     Args:
-        model: anything called as ``model(input_ids) -> logits`` (an ``nn.Module``, a torch.export module).
+        model: anything called as ``model(input_ids) -> logits`` (an ``nn.Module``, a torch.export module,
+            an ONNX Runtime session wrapped by :func:`elbowroom.export.onnx_export.run_onnx`).
         batches: from :func:`validation_batches`.
+        device: where the inputs go (the model's device).
     """
     if isinstance(model, nn.Module) and not isinstance(model, torch.fx.GraphModule):
         model.eval()  # (an exported program's module refuses eval(); it has no train-mode behaviour anyway)
     total, n = 0.0, 0
     for b in batches:
-        logits = model(b["input_ids"])
-        total += F.cross_entropy(logits.float().flatten(0, 1), b["targets"].flatten(), reduction="sum").item()
+        logits = model(b["input_ids"].to(device)).float().cpu()
+        # .item(): a host sync per batch, what an evaluation is for
+        total += F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten(), reduction="sum").item()
         n += b["num_tokens"]
     return total / n if n else None
 
