@@ -80,7 +80,8 @@ def quantize_onnx_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str])
         ``dst``.
     """
     q = require("onnxruntime.quantization", "the onnx int8 export")
-    q.quantize_dynamic(str(src), str(dst), weight_type=q.QuantType.QInt8)
+    # external data: the weights in a file beside the graph, as the fp32 export has them (ONNX stops at 2 GB)
+    q.quantize_dynamic(str(src), str(dst), weight_type=q.QuantType.QInt8, use_external_data_format=True)
     return Path(dst)
 
 
