@@ -134,7 +134,23 @@ def _static_int8(model: DecoderLM, calibration: list[torch.Tensor] | None) -> nn
     with torch.no_grad():
         for ids in calibration:  # the observers record the activation ranges
             prepared(ids)
-    return convert_pt2e(prepared)
+    return _drop_unused_tensors(convert_pt2e(prepared))
+
+
+def _drop_unused_tensors(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Delete parameters and buffers the graph no longer reads.
+
+    convert_pt2e folds each quantised weight into a new int8 constant, but the fp32 original stays registered
+    on the module: saved as it is, the "int8" program was larger than the fp32 model (5.2 MB against 3.7).
+    """
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, _ in [*gm.named_parameters(), *gm.named_buffers()]:
+        if name in used:
+            continue
+        owner_name, _, attr = name.rpartition(".")
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+        delattr(owner, attr)
+    return gm
 
 
 def save_quantized(qmodel: nn.Module, cfg: ModelConfig, method: str, out: str | os.PathLike[str],
