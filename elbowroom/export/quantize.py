@@ -13,7 +13,9 @@ Methods (the ``Linear`` layers are quantised; embeddings and norms stay in fp32)
   newer (Ada, Hopper): elsewhere an :class:`ExportError`.
 - ``int8-static``: static int8 through ``torchao.quantization.pt2e`` for the CPU: ``torch.export``, the x86
   quantizer's annotations, calibration on the run's validation batches, ``convert_pt2e``; the result is a
-  ``torch.export`` program (q/dq reference graph, int8 weights) saved as ``model.pt2``.
+  ``torch.export`` program (q/dq reference graph, int8 weights) saved as ``model.pt2``. Eagerly it runs the
+  reference q/dq ops (int8 numerics, fp32 speed); ``torch.compile`` of the loaded module lets inductor lower
+  the pattern to int8 CPU kernels, which is what the x86 quantizer targets.
 
 The other methods save ``model.pt``: the quantised ``state_dict`` (torchao tensor subclasses, which
 ``torch.load(weights_only=True)`` accepts), loaded back into a model of the saved config by
