@@ -17,19 +17,15 @@ import torch.nn.functional as F
 
 from elbowroom.activations.policy import get_block_policies
 from elbowroom.models import ModelConfig, build_model
-from elbowroom.optim import CPUOffloadOptimizer
+from elbowroom.optim import CPUOffloadConfig, CPUOffloadOptimizer
 from elbowroom.plan import Plan, apply
 from elbowroom.plan.plan import BlockPlan
 
 TOL = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    # several buckets even for the tiny model, and one CPU thread (two cores shared with other tests)
-    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 1 << 16)
-    monkeypatch.setattr(CPUOffloadOptimizer, "num_staging_slots", 2)
-    monkeypatch.setattr(CPUOffloadOptimizer, "cpu_threads", 1)
+# several buckets even for the tiny model, and one CPU thread (two cores shared with other tests)
+KNOBS = CPUOffloadConfig(bucket_bytes=1 << 16, num_staging_slots=2, cpu_threads=1)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -92,7 +88,7 @@ def test_plan_trains_like_plain(arch: str, dropout: float, other: bool, clip: fl
     ref = tiny(dropout, arch)
     model = copy.deepcopy(ref)
     plan = hand_plan(4, offload_other_params=other)
-    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
+    model, opt = apply(model, plan, torch.optim.AdamW, offload_config=KNOBS, lr=1e-2, weight_decay=0.1, fused=True)
     assert isinstance(opt, CPUOffloadOptimizer)
     assert [p.checkpoint for p in get_block_policies(model)] == ["full", "selective", "none", "full"]
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
@@ -117,7 +113,7 @@ def test_nothing_offloaded_gives_torchs_optimizer() -> None:
     rows = tuple(BlockPlan(index=b.index, checkpoint=b.checkpoint) for b in plan.blocks)
     plain = Plan(blocks=rows, budget_bytes=1, predicted_peak_bytes=0, predicted_step_seconds=1.0,
                  predicted_tokens_per_s=1.0)
-    _, opt = apply(model, plain, torch.optim.AdamW, lr=1e-3)
+    _, opt = apply(model, plain, torch.optim.AdamW, offload_config=KNOBS, lr=1e-3)
     assert type(opt) is torch.optim.AdamW
 
 
@@ -125,10 +121,10 @@ def test_bf16_plan_casts_weights_and_keeps_fp32_masters() -> None:
     ref = tiny()
     model = copy.deepcopy(ref)
     plan = hand_plan(4, weight_dtype="bfloat16", offload_param_dtype="bfloat16")
-    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-2)
+    model, opt = apply(model, plan, torch.optim.AdamW, offload_config=KNOBS, lr=1e-2)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.rope.cos.dtype == torch.float32  # buffers keep their precision
-    assert isinstance(opt, CPUOffloadOptimizer) and opt.master_weights
+    assert isinstance(opt, CPUOffloadOptimizer) and opt.config.master_weights
     losses = run(model, opt, 3)
     want = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3)
     assert losses == pytest.approx(want, rel=2e-2)  # bf16 arithmetic against fp32
@@ -136,7 +132,7 @@ def test_bf16_plan_casts_weights_and_keeps_fp32_masters() -> None:
 
 def test_block_count_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match="the plan has 3 blocks but the model has 4: plan again"):
-        apply(tiny(), hand_plan(3), lr=1e-3)
+        apply(tiny(), hand_plan(3), offload_config=KNOBS, lr=1e-3)
 
 
 class Wrapped(nn.Module):
@@ -155,13 +151,14 @@ def test_blocks_named_by_path() -> None:
     ref = Wrapped()
     model = copy.deepcopy(ref)
     with pytest.raises(ValueError, match="the plan has 4 blocks but the model has 6"):
-        apply(model, hand_plan(4), lr=1e-2)
-    model, opt = apply(model, hand_plan(4), torch.optim.AdamW, blocks="inner.blocks", lr=1e-2, fused=True)
+        apply(model, hand_plan(4), offload_config=KNOBS, lr=1e-2)
+    model, opt = apply(model, hand_plan(4), torch.optim.AdamW, blocks="inner.blocks", offload_config=KNOBS, lr=1e-2,
+                       fused=True)
     got = run(model, opt, 2)
     want = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), 2)
     assert got == pytest.approx(want, rel=1e-5)
     with pytest.raises(ValueError, match="has no submodule 'inner.layers'"):
-        apply(Wrapped(), hand_plan(4), blocks="inner.layers", lr=1e-2)
+        apply(Wrapped(), hand_plan(4), blocks="inner.layers", offload_config=KNOBS, lr=1e-2)
 
 
 @pytest.mark.parametrize("where", ["minimum", "between"])
@@ -173,16 +170,16 @@ def test_searched_plan_applies_and_trains_like_plain(where: str) -> None:
 
     p = make_profile(dim=128, n_layers=4, ffn=384, vocab=256, micro_batch=2, seq_len=64)
     with pytest.raises(BudgetError) as e:
-        plan_for(p, 1, fused_loss_allowed=False)
+        plan_for(p, 1, fused_loss_allowed=False, offload_config=KNOBS)
     low = e.value.minimum_bytes
-    high = plan_for(p, 80 << 30).predicted_peak_bytes
+    high = plan_for(p, 80 << 30, offload_config=KNOBS).predicted_peak_bytes
     budget = low if where == "minimum" else (low + high) // 2
-    plan = plan_for(p, budget)
+    plan = plan_for(p, budget, offload_config=KNOBS)
     if where == "minimum":
         assert plan.offloads_optimizer and any(b.checkpoint != "none" for b in plan.blocks)
     ref = tiny(0.1, "gpt2")
     model = copy.deepcopy(ref)
-    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-2, fused=True)
+    model, opt = apply(model, plan, torch.optim.AdamW, offload_config=KNOBS, lr=1e-2, fused=True)
     got = run(model, opt, 3, clip=1.0)
     want = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), 3, clip=1.0)
     assert got == pytest.approx(want, rel=1e-5)
@@ -206,7 +203,7 @@ def test_hugging_face_models_train_like_plain(arch: str) -> None:
     )
     plan = Plan(blocks=rows, budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=1.0,
                 predicted_tokens_per_s=1.0, offload_other_params=True)
-    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
+    model, opt = apply(model, plan, torch.optim.AdamW, offload_config=KNOBS, lr=1e-2, weight_decay=0.1, fused=True)
     assert model.config.use_cache is False
     got = hf.train(model, opt, 3)
     want = hf.train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True), 3)

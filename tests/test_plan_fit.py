@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from elbowroom.optim import CPUOffloadOptimizer
+from elbowroom.optim import CPUOffloadConfig, CPUOffloadOptimizer
 from elbowroom.plan import BudgetError, fit, parse_budget, plan_for
 
 DEVICE = "h100-80gb"  # a device of the table: analytic profiles plan for it; the run itself is on the CPU
@@ -38,12 +38,8 @@ def test_fit_rejects_a_bad_budget_before_profiling() -> None:
 
 
 # ------------------------------------------------------------------ with the profiler
-@pytest.fixture(autouse=True)
-def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    # small staging (so that the planner finds offloading worth its buffers on these tiny models) and one thread
-    monkeypatch.setattr(CPUOffloadOptimizer, "bucket_bytes", 1 << 14)
-    monkeypatch.setattr(CPUOffloadOptimizer, "num_staging_slots", 2)
-    monkeypatch.setattr(CPUOffloadOptimizer, "cpu_threads", 1)
+# small staging (so that the planner finds offloading worth its buffers on these tiny models) and one thread
+KNOBS = CPUOffloadConfig(bucket_bytes=1 << 14, num_staging_slots=2, cpu_threads=1)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -91,9 +87,9 @@ def budgets(model: torch.nn.Module) -> tuple[int, int]:
     """(the minimum, the plain peak) of the analytic profile on DEVICE."""
     profile = pytest.importorskip("elbowroom.plan.profiler").profile
     prof = profile(copy.deepcopy(model), IDS, source="analytic", machine=DEVICE)
-    high = plan_for(prof, 80 << 30).predicted_peak_bytes
+    high = plan_for(prof, 80 << 30, offload_config=KNOBS).predicted_peak_bytes
     with pytest.raises(BudgetError) as e:
-        plan_for(prof, 1)
+        plan_for(prof, 1, offload_config=KNOBS)
     return e.value.minimum_bytes, high
 
 
@@ -106,7 +102,7 @@ def test_fit_trains_like_plain(make, where: str) -> None:
     low, high = budgets(ref)
     budget = low if where == "minimum" else (low + high) // 2
     model, opt, plan = fit(model, IDS, budget=budget, source="analytic", machine=DEVICE, lr=1e-2,
-                           weight_decay=0.1, fused=True)
+                           weight_decay=0.1, fused=True, offload_config=KNOBS)
     assert plan.predicted_peak_bytes <= budget and len(plan.blocks) == 4
     if where == "minimum":  # the tightest plan uses the mechanisms
         assert any(b.checkpoint != "none" or b.offload_ratio or b.offload_input for b in plan.blocks) or \

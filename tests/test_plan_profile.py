@@ -248,13 +248,24 @@ def test_wrapped_blocks_are_refused() -> None:
         _quick(model, _ids())
 
 
+def test_analytic_profile_of_a_real_model_traces_a_meta_copy() -> None:
+    model = build_model(_cfg("llama"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    on_meta = profile(build_model(_cfg("llama"), device="meta"), _ids(), source="analytic", machine=CPU)
+    on_cpu = profile(model, _ids(), source="analytic", machine=CPU)
+    assert on_cpu.blocks == on_meta.blocks and on_cpu.head == on_meta.head
+    for n, p in model.named_parameters():  # the model itself is untouched and stays where it was
+        assert p.device.type == "cpu" and torch.equal(p, before[n]) and p.grad is None
+
+
 def test_source_errors() -> None:
     with pytest.raises(ValueError, match="source must be"):
         profile(build_model(_cfg("llama"), device="meta"), _ids(), source="guess")
     with pytest.raises(ValueError, match="source='analytic'"):
         profile(build_model(_cfg("llama"), device="meta"), _ids(), source="measured")
-    with pytest.raises(ValueError, match="meta device"):
-        profile(build_model(_cfg("llama")), _ids(), source="analytic", machine=CPU)
+    with pytest.raises(ValueError, match="needs blocks= as a dotted path"):
+        m = build_model(_cfg("llama"))
+        profile(m, _ids(), source="analytic", machine=CPU, blocks=list(m.blocks))
     with pytest.raises(TypeError, match="sample_batch"):
         profile(build_model(_cfg("llama"), device="meta"), torch.zeros(4, dtype=torch.long), machine=CPU)
 

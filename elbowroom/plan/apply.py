@@ -93,6 +93,7 @@ def apply(
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
     *,
     blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
+    offload_config: Any = None,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Make ``model`` follow ``plan`` and build its optimizer.
@@ -102,6 +103,8 @@ def apply(
         plan: the plan (from :func:`~elbowroom.plan.plan_for`, or :meth:`Plan.load`).
         optimizer_class: a torch optimizer class (AdamW by default); offloaded parameters step with its CPU kernel.
         blocks: the model's repeated blocks when they cannot be found (a dotted path or the modules).
+        offload_config: the CPU-offloaded optimizer's engine settings (``elbowroom.optim.CPUOffloadConfig``: bucket
+            size, staging slots, threads); the plan sets placement and precision over it.
         **opt_kwargs: passed to the optimizer (``lr``, ``weight_decay``, ``betas``...).
 
     Besides the plan's own settings, a Hugging Face model that recomputes blocks gets ``config.use_cache =
@@ -170,6 +173,7 @@ def apply(
             offload_params=offload,
             param_dtype=param_dtype,
             master_weights=masters,
+            config=offload_config,
             **opt_kwargs,
         )
         if offload:

@@ -125,6 +125,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -240,6 +241,9 @@ class Decisions:
     expandable_segments: bool = False
     grad_clipping: bool = True
     """The loop clips gradients (or uses a GradScaler): the host step starts after the whole backward."""
+    offload_config: Any = None
+    """The CPU-offloaded optimizer's engine settings (``CPUOffloadConfig``; None: its defaults), whose staging
+    slots the plan prices."""
 
     @property
     def offloads_params(self) -> bool:
@@ -358,12 +362,12 @@ def block_tables(profile: Profile) -> BlockTables:
 
 
 # ---------------------------------------------------------------------------------------------- globals
-def _optimizer_config() -> tuple[int, int, int]:
-    """(bucket_bytes, num_staging_slots, device_chunk_numel) of the CPU-offloaded optimizer's default config
-    (the one :func:`~elbowroom.plan.apply.apply` builds it with)."""
+def _optimizer_config(cfg: Any = None) -> tuple[int, int, int]:
+    """(bucket_bytes, num_staging_slots, device_chunk_numel) of the CPU-offloaded optimizer's config (the one
+    :func:`~elbowroom.plan.apply.apply` builds it with; None: the defaults)."""
     from elbowroom.optim.config import CPUOffloadConfig
 
-    cfg = CPUOffloadConfig()
+    cfg = cfg if cfg is not None else CPUOffloadConfig()
     return int(cfg.bucket_bytes), int(cfg.num_staging_slots), int(cfg.device_chunk_numel)
 
 
@@ -457,9 +461,10 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     weight, off_dtype = LAYOUTS[d.layout]
     off_per = 8 if off_dtype == "float32" else 4
     total = 16 * p_res + off_per * p_off
-    bucket, slots, chunk = _optimizer_config()
+    bucket, slots, chunk = _optimizer_config(d.offload_config)
     if p_off:
-        total += slots * bucket
+        # each staging slot holds one bucket of gradients (at most bucket_bytes; the whole offloaded set when smaller)
+        total += slots * min(bucket, (off_per // 2) * p_off)
     if weight == "bfloat16" and p_res:
         total += 4 * min(chunk, p_res)
     return total

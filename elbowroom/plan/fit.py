@@ -147,6 +147,7 @@ def fit(
         fused_loss_allowed=fused_loss,
         grad_clipping=grad_clipping,
         selective_allowed=selective,
+        offload_config=opt_kwargs.get("offload_config"),
     )
     model, opt = apply(model, plan, optimizer, blocks=blocks, **opt_kwargs)
     logger.info("%s", plan.table())

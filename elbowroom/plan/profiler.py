@@ -183,6 +183,18 @@ def _batch_shape(batch: Any) -> tuple[int, int]:
     return int(ids.shape[0]), int(ids.shape[1])
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are meta tensors of the same shapes and dtypes
+    (no data is copied: the copy costs only the module objects)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
 def _model_device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     if p is None:
@@ -246,10 +258,13 @@ def profile(
     if source == "measured" and device.type == "meta":
         raise ValueError("a model on the meta device has no data to measure: use source='analytic'")
     if source == "analytic" and device.type != "meta":
-        raise ValueError(
-            "source='analytic' traces on the meta device: build the model under `with torch.device('meta'):` "
-            "(or build_model(cfg, device='meta')), or use source='measured' for a model that is on a device"
-        )
+        # trace a copy whose parameters and buffers are meta tensors: the model's own data is neither copied
+        # nor touched (a model too big for any device should be built on meta in the first place)
+        if blocks is not None and not isinstance(blocks, str):
+            raise ValueError("source='analytic' on a model that is not on the meta device needs blocks= as a dotted "
+                             "path (the modules given would be the originals, not the traced copy)")
+        model = meta_copy(model)
+        device = torch.device("meta")
     if warmup < 0 or iters < 1:
         raise ValueError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
     block_list, block_path = _resolve_blocks(model, blocks)

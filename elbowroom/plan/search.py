@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -223,6 +224,7 @@ def plan_for(
     allocator_allowed: bool = True,
     prefetch_window_bytes: int | None = None,
     selective_allowed: bool = True,
+    offload_config: Any = None,
 ) -> Plan:
     """The plan with the shortest predicted step whose predicted peak fits ``budget_bytes``.
 
@@ -238,6 +240,7 @@ def plan_for(
         grad_clipping: the loop clips gradients (or uses a GradScaler): the host step waits for the whole backward.
         allocator_allowed: the plan may set CUDA allocator options (``expandable_segments:True``).
         prefetch_window_bytes: the activation offload engine's prefetch window (its default when None).
+        offload_config: the ``CPUOffloadConfig`` the optimizer will be built with (its staging slots are priced).
         selective_allowed: blocks may use selective recompute (:func:`~elbowroom.plan.fit` turns it off for
             blocks that are not elbowroom's reference blocks, see there).
 
@@ -302,7 +305,8 @@ def plan_for(
                     acc = gb // mb
                     for fused in fused_opts:
                         d = Decisions(
-                            options=(Option(),) * n, offload_blocks=offload_blocks, offload_other=other,
+                            offload_config=offload_config, options=(Option(),) * n, offload_blocks=offload_blocks,
+                            offload_other=other,
                             layout=layout, micro_batch=mb, accumulation=acc, fused_loss=fused,
                             grad_clipping=grad_clipping,
                         )
@@ -340,12 +344,13 @@ def plan_for(
                                     best = (t, outer, li, cap, w)
     if best is None:
         raise _budget_error(
-            profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed
+            profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed,
+            offload_config,
         )
     t, outer, li, cap, w = best
     opts = ks.backtrack(li, w, cap)
     d = Decisions(
-        options=tuple(OPTIONS[o] for o in opts),
+        offload_config=offload_config, options=tuple(OPTIONS[o] for o in opts),
         offload_blocks=tuple(i >= n - outer.k for i in range(n)),
         offload_other=outer.other,
         layout=outer.layout,
@@ -387,9 +392,10 @@ def _budget_error(
     opt_ok: bool,
     global_batch: int | None,
     fused_allowed: bool,
+    offload_config: Any = None,
 ) -> BudgetError:
     n = len(profile.blocks)
-    all_dev = Decisions(options=(Option(),) * n, offload_blocks=(False,) * n)
+    all_dev = Decisions(offload_config=offload_config, options=(Option(),) * n, offload_blocks=(False,) * n)
     parts = [f"model states need {_gib(cost.state_bytes(profile, all_dev))} in fp32 AdamW"]
     if opt_ok:
         host = replace(all_dev, offload_blocks=(True,) * n, offload_other=True)
