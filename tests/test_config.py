@@ -36,7 +36,7 @@ def test_round_trip_through_toml(tmp_path) -> None:
         (["--train.dtype", "fp8"], "train.dtype must be one of auto, fp32, bf16, fp16"),
         (["--activations.offload_ratio", "1.5"], r"activations.offload_ratio must be in \[0, 1\], got 1.5"),
         (["--optimizer.betas", "0.9"], "optimizer.betas expects 2 values"),
-        (["--activations.offload_checkpoint_inputs"], "needs activations.checkpoint = full"),
+        (["--activations.offload_checkpoint_inputs"], "offload_checkpoint_inputs needs checkpointed blocks"),
         (["--resume"], "--resume needs the run to continue"),
         (["--steps"], "--train.steps needs a value"),
         (["steps", "3"], "unexpected argument 'steps'"),
