@@ -141,6 +141,11 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        if final.exists():
+            try:
+                self.validate(final)
+            except ValueError as e:  # a corrupt one of the same step is set aside, not overwritten
+                self.set_aside(final, str(e))
         if final.exists():  # the same step saved again (e.g. on a signal right after a periodic save)
             old = self.directory / f".old-{final.name}-{os.getpid()}"
             os.replace(final, old)

@@ -177,9 +177,8 @@ def load_tokens(
     if meta is None and require_sidecar and path.stat().st_size > 0:
         raise DataError(
             f"data file {path} has no sidecar {sidecar_path(path).name}, so it was not written by `elbowroom "
-            "prepare` (raw text or any other bytes would be read as tokens and train on noise); run "
-            f"`elbowroom prepare INPUT.txt {path.with_suffix('.bin') if path.suffix != '.bin' else path}` and pass "
-            "that .bin as --data.path"
+            "prepare` (raw text or any other bytes would be read as tokens and train on noise); make a token "
+            "file with `elbowroom prepare INPUT.txt OUT.bin` and pass OUT.bin as --data.path"
         )
     if meta is not None:
         if dtype is not None and dtype != meta["dtype"]:
