@@ -387,7 +387,7 @@ def test_a_model_too_big_for_the_hosts_ram_is_refused_before_it_is_built(tmp_pat
             raise AssertionError(f"built the model on {device} before checking that it fits")
         return real_build(cfg, device=device)
 
-    monkeypatch.setattr(T, "available_host_memory", lambda: 23 * 2**30)
+    monkeypatch.setattr(T, "available_host_memory", lambda: 23 * 2**30, raising=False)
     monkeypatch.setattr(T, "build_model", shapes_only)
     out = tmp_path / "w1"
     w1 = Path(__file__).parents[1] / "configs" / "w1.toml"
@@ -401,6 +401,6 @@ def test_a_model_too_big_for_the_hosts_ram_is_refused_before_it_is_built(tmp_pat
 
 
 def test_the_memory_estimate_lets_the_tiny_model_through(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(T, "available_host_memory", lambda: 2 * 2**30)
+    monkeypatch.setattr(T, "available_host_memory", lambda: 2 * 2**30, raising=False)
     assert run(tmp_path / "run", "--steps", "1") == 0
     assert math.isfinite(rows(tmp_path / "run" / "metrics.jsonl")[0]["loss"])

@@ -776,7 +776,8 @@ def build_dataloader(
     batches an uninterrupted run would. Batches may span an epoch boundary; the stream never ends, so
     ``drop_last`` never drops anything. The loader gets its own ``torch.Generator``: creating an
     iterator draws the workers' base seed from it, not from the global RNG (which would shift every
-    later dropout mask and break exact resume).
+    later dropout mask and break exact resume). Workers ignore SIGINT: the trainer's main process handles
+    Ctrl-C (finish the step, save, exit) and still needs the batch in flight.
 
     Args:
         dataset: A map-style dataset.
@@ -804,7 +805,16 @@ def build_dataloader(
         pin_memory=_pin_memory(pin_memory),
         persistent_workers=persistent_workers and num_workers > 0,
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=_ignore_sigint if num_workers > 0 else None,
     )
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: a worker that died of it would fail the batch the
+    # main process is waiting for, before it could save. The main process decides how the run stops.
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def build_eval_loader(

@@ -437,9 +437,6 @@ def _train(cfg: Config) -> TrainResult:
         cfg = replace(cfg, out=time.strftime("runs/%Y%m%d-%H%M%S"))
     out = Path(cfg.out)
     _check_out_dir(out, cfg.resume)
-    ckpts = CheckpointManager(out / "checkpoints", keep=cfg.checkpoint.keep)
-    # read (and verify) the checkpoint first: a --resume with nothing to resume fails before any work
-    loaded = _load_resume_checkpoint(out, ckpts) if cfg.resume else None
     device = resolve_device(cfg.train.device)
     amp_dtype = resolve_dtype(cfg.train.dtype, device)
     if cfg.optimizer.offload_param_dtype == "bfloat16" and amp_dtype != torch.bfloat16:
@@ -460,6 +457,9 @@ def _train(cfg: Config) -> TrainResult:
             raise ConfigError(str(e)) from None
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)  # given back by train()
+    ckpts = CheckpointManager(out / "checkpoints", keep=cfg.checkpoint.keep)
+    # read and verify the checkpoint before the data: a --resume with nothing to resume fails before any work
+    loaded = _load_resume_checkpoint(out, ckpts) if cfg.resume else None
 
     # --- data (validated before anything is written to OUT)
     cache_dir = cfg.data.cache_dir or os.environ.get("ELBOWROOM_CACHE")
