@@ -143,7 +143,7 @@ class CheckpointManager:
         _fsync_dir(tmp)
         if final.exists():
             try:
-                self.validate(final)
+                self._verified_meta(final)
             except ValueError as e:  # a corrupt one of the same step is set aside, not overwritten
                 self.set_aside(final, str(e))
         if final.exists():  # the same step saved again (e.g. on a signal right after a periodic save)
@@ -168,7 +168,7 @@ class CheckpointManager:
         valid = 0
         for _, path in self.checkpoints():
             try:
-                self.validate(path)
+                self._verified_meta(path)
             except ValueError as e:
                 self.set_aside(path, str(e))
                 continue
@@ -202,14 +202,19 @@ class CheckpointManager:
     def validate(self, path: Path) -> dict[str, Any]:
         """The metadata of a checkpoint if its files are whole; ValueError saying what is wrong if not.
 
-        A checkpoint this manager wrote or verified before, whose files are unchanged, is not hashed again.
+        Always reads and hashes the files; rotation uses :meth:`_verified_meta`, which does not repeat that.
         """
-        cached = self._verified.get(path)
-        if cached is not None and cached[0] == _signature(path):
-            return cached[1]
         meta = self._verify(path)
         self._verified[path] = (_signature(path), meta)
         return meta
+
+    def _verified_meta(self, path: Path) -> dict[str, Any]:
+        """:meth:`validate`, except that a checkpoint this manager wrote or verified before, whose files are
+        unchanged (size, mtime, inode), is not hashed again: a save must not re-read every kept checkpoint."""
+        cached = self._verified.get(path)
+        if cached is not None and cached[0] == _signature(path):
+            return cached[1]
+        return self.validate(path)
 
     def _verify(self, path: Path) -> dict[str, Any]:
         try:
