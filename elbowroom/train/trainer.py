@@ -3,6 +3,13 @@
 One optimizer step = ``gradient_accumulation_steps`` micro-batches whose summed token losses are divided
 by the number of target tokens of the *whole step* (counted on the host from the batches, so it costs no
 device sync). The loop syncs with the device only where logging, evaluation or a checkpoint asks for it.
+
+Everything that can be wrong with the input is checked before the first step (config, optional extras, the
+checkpoint to resume, the data file, the model against the data, the checkpoint and, on CPU, the RAM), and
+the run directory appears only with the first finished step, so a failed start leaves nothing behind. A
+resumed run keeps its checkpoint's LR schedule length unless ``--scheduler.decay_steps`` says otherwise. On
+SIGTERM/SIGINT the step finishes, a checkpoint is saved (no validation pass first) and the result carries the
+signal, which the CLI turns into exit code 128 + N.
 """
 
 from __future__ import annotations
