@@ -286,7 +286,11 @@ def test_signal_saves_skips_validation_and_exits_128_plus_n(tmp_path: Path, sig,
                             stderr=subprocess.STDOUT, text=True)
     _wait_for_steps(out, proc, 2)
     proc.send_signal(sig)
-    output, _ = proc.communicate(timeout=240)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # never leave a 100000-step run behind
+        pytest.fail(f"the run did not stop within 240 s of {sig.name}: {proc.communicate()[0][-2000:]}")
     assert proc.returncode == code, output
     logged = rows(out / "metrics.jsonl")
     stopped = max(r["step"] for r in logged)
