@@ -2,7 +2,8 @@
 
 Bad input (an unknown key, a wrong type, a missing data file, a checkpoint of another model) prints one
 line naming the problem and the fix and exits with code 2, without a traceback and without writing
-anything.
+anything. A run stopped by SIGTERM or SIGINT saves a checkpoint and exits with 128 + the signal's number
+(143, 130), as shells and schedulers expect of a process a signal ended.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 USAGE = """usage: elbowroom COMMAND [options]
@@ -84,10 +86,14 @@ def cmd_train(argv: list[str]) -> int:
             result = train(cfg)
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _fail("train", str(e))
+    except KeyboardInterrupt:  # a second Ctrl-C outside a save: the previous checkpoint stands
+        logging.getLogger("elbowroom").warning("aborted; the newest checkpoint saved before stands")
+        return 128 + signal.SIGINT
     if result.interrupted:
         logging.getLogger("elbowroom").warning(
-            "interrupted at step %d; checkpoint saved in %s; continue with --resume", result.step, cfg.out
+            "interrupted at step %d; checkpoint saved in %s; continue with --resume", result.step, result.out
         )
+        return 128 + (result.signal or signal.SIGTERM)
     return 0
 
 

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field, fields
 from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin
 
+# The mechanisms own their config dataclasses (frozen, validated, one docstring per field); the run's config
+# composes them, so each setting has one schema and --help shows the mechanism's own words.
+from elbowroom.activations.policy import ActivationConfig
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -228,29 +232,6 @@ class CheckpointSection:
 
 
 @dataclass
-class ActivationsSection:
-    checkpoint: Literal["none", "full", "selective"] = "none"
-    """Recompute in backward: none, full (whole blocks) or selective (keep matmuls and attention)."""
-    every: int = 1
-    """Apply recompute to every N-th block."""
-    offload_ratio: float = 0.0
-    """Share of the saved activation bytes moved to pinned host memory (0 disables offload)."""
-    offload_checkpoint_inputs: bool = False
-    """Offload only the inputs of recomputed blocks (needs checkpoint = full)."""
-
-    def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ConfigError(f"activations.every must be >= 1, got {self.every}")
-        if not 0.0 <= self.offload_ratio <= 1.0:
-            raise ConfigError(f"activations.offload_ratio must be in [0, 1], got {self.offload_ratio}")
-        if self.offload_checkpoint_inputs and self.checkpoint != "full":
-            raise ConfigError(
-                "activations.offload_checkpoint_inputs needs activations.checkpoint = full "
-                f"(got {self.checkpoint!r}); set --activations.checkpoint full"
-            )
-
-
-@dataclass
 class LoggingSection:
     log_every: int = 10
     """Log metrics every N steps (and at the first and last step)."""
@@ -276,7 +257,7 @@ class Config:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    activations: ActivationsSection = field(default_factory=ActivationsSection)
+    activations: ActivationConfig = field(default_factory=ActivationConfig)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def __post_init__(self) -> None:
@@ -359,7 +340,7 @@ def type_name(tp: Any) -> str:
         args = [a for a in get_args(tp) if a is not type(None)]
         return type_name(args[0]) if len(args) == 1 else "|".join(type_name(a) for a in args)
     if origin is tuple:
-        return ",".join(type_name(a) for a in get_args(tp))
+        return ",".join("..." if a is Ellipsis else type_name(a) for a in get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
@@ -384,10 +365,15 @@ def convert(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, got {value!r}")
         return value
     if origin is tuple:
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)) or len(items) != len(get_args(tp)):
-            raise ConfigError(f"{key} expects {len(get_args(tp))} values like 0.9,0.95, got {value!r}")
-        return tuple(convert(key, v, a) for v, a in zip(items, get_args(tp)))
+        args = get_args(tp)
+        items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: any number, written 0,3,5
+            if not isinstance(items, (list, tuple)):
+                raise ConfigError(f"{key} expects values like 0,3,5, got {value!r}")
+            return tuple(convert(key, v, args[0]) for v in items)
+        if not isinstance(items, (list, tuple)) or len(items) != len(args):
+            raise ConfigError(f"{key} expects {len(args)} values like 0.9,0.95, got {value!r}")
+        return tuple(convert(key, v, a) for v, a in zip(items, args))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -455,8 +441,9 @@ def build_config(raw: dict[str, Any]) -> Config:
                 top[name] = tp(**kwargs)
             except ConfigError:
                 raise
-            except ValueError as e:  # validation that lives in a shared dataclass
-                raise ConfigError(str(e)) from None
+            except (ValueError, TypeError) as e:  # validation that lives in a mechanism's own dataclass
+                message = str(e)
+                raise ConfigError(message if f"{name}." in message else f"[{name}] {message}") from None
         else:
             top[name] = convert(name, value, tp)
     return Config(**top)

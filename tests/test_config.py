@@ -36,7 +36,7 @@ def test_round_trip_through_toml(tmp_path) -> None:
         (["--train.dtype", "fp8"], "train.dtype must be one of auto, fp32, bf16, fp16"),
         (["--activations.offload_ratio", "1.5"], r"activations.offload_ratio must be in \[0, 1\], got 1.5"),
         (["--optimizer.betas", "0.9"], "optimizer.betas expects 2 values"),
-        (["--activations.offload_checkpoint_inputs"], "needs activations.checkpoint = full"),
+        (["--activations.offload_checkpoint_inputs"], "offload_checkpoint_inputs needs checkpointed blocks"),
         (["--resume"], "--resume needs the run to continue"),
         (["--steps"], "--train.steps needs a value"),
         (["steps", "3"], "unexpected argument 'steps'"),
@@ -71,3 +71,53 @@ def test_every_option_documented() -> None:
         assert doc, f"{key} has no docstring"
         assert f"--{key}" in text
     assert "(default: 200)" in text  # train.steps
+
+
+# ---------------------------------------------------------------- composed mechanism configs
+def test_activations_is_the_mechanisms_own_config() -> None:
+    """[activations] is ActivationConfig itself: every field is an option, with the mechanism's docstring."""
+    from dataclasses import fields
+
+    from elbowroom.activations.policy import ActivationConfig
+    from elbowroom.config import field_docs
+
+    assert type(Config().activations) is ActivationConfig
+    docs = field_docs(ActivationConfig)  # read from the source of a class in another module
+    text = help_text()
+    for f in fields(ActivationConfig):
+        assert docs.get(f.name), f"ActivationConfig.{f.name} has no docstring"
+        assert f"--activations.{f.name}" in text and docs[f.name] in text
+    assert "--activations.checkpoint_blocks INT,..." in text
+
+
+def test_activation_field_types_from_command_line_and_toml(tmp_path) -> None:
+    cfg = resolve(None, ["--activations.checkpoint", "full", "--activations.checkpoint_blocks", "0,3,-1",
+                         "--activations.offload_checkpoint_inputs", "--activations.host_memory_limit_bytes",
+                         "1_000_000"])
+    a = cfg.activations
+    assert a.checkpoint_blocks == (0, 3, -1) and a.host_memory_limit_bytes == 1_000_000
+    assert resolve(None, ["--activations.host_memory_limit_bytes", "none"]).activations.host_memory_limit_bytes is None
+    f = tmp_path / "c.toml"
+    f.write_text('[activations]\ncheckpoint = "selective"\nevery = 2\noffload_ratio = 0.5\n'
+                 "offload_checkpoint_inputs = true\n")  # the key names of the old section
+    b = resolve(str(f), []).activations
+    assert (b.checkpoint, b.every, b.offload_ratio, b.offload_checkpoint_inputs) == ("selective", 2, 0.5, True)
+    f.write_text(to_toml(cfg))
+    assert resolve(str(f), []) == cfg  # tuples and ints survive the round trip
+    f.write_text('[activations]\ncheckpoint = "full"\ncheckpoint_blocks = [1, 2]\n')
+    assert resolve(str(f), []).activations.checkpoint_blocks == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--activations.checkpoint", "full", "--activations.checkpoint_blocks", "0,x"],
+         "activations.checkpoint_blocks expects an integer, got 'x'"),
+        (["--activations.use_reentrant"], "activations.use_reentrant has no effect without checkpoint"),
+        (["--activations.checkpoint", "full", "--activations.keep_last", "0"], "activations.keep_last must be >= 1"),
+        (["--activations.checkpoint", "sometimes"], "activations.checkpoint must be one of none, full, selective"),
+    ],
+)
+def test_the_mechanisms_validation_becomes_a_config_error(args, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve(None, args)

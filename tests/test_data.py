@@ -16,10 +16,10 @@ from elbowroom.train import data as D
 
 
 def write_tokens(path: Path, tokens: list[int], dtype: str = "uint16", meta: dict | None = None) -> Path:
-    """Writes a raw token file, and a sidecar when ``meta`` is given."""
+    """Writes a raw token file, and a sidecar (with prepare's format magic) when ``meta`` is given."""
     np.asarray(tokens, dtype=dtype).tofile(path)
     if meta is not None:
-        D.sidecar_path(path).write_text(json.dumps(meta))
+        D.sidecar_path(path).write_text(json.dumps({"format": D.TOKEN_FORMAT, "version": 1, **meta}))
     return path
 
 
@@ -55,8 +55,8 @@ def test_default_corpus_is_deterministic_bytes_with_eos_separated_documents(tmp_
     assert eos[-1] == len(tokens) - 1  # ... each one terminated by eos
     assert np.all(np.diff(eos) > 1)  # no empty documents: NUL bytes were stripped from the sources
     meta = json.loads(D.sidecar_path(first.path).read_text())
-    assert meta == {"dtype": "uint16", "vocab_size": 256, "num_tokens": len(tokens), "eos_id": 0,
-                    "tokenizer": "bytes"}  # fmt: skip
+    assert meta == {"format": "elbowroom-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
+                    "num_tokens": len(tokens), "eos_id": 0, "tokenizer": "bytes"}  # fmt: skip
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [first.path.name, first.path.name + ".json"]
 
 
@@ -82,8 +82,8 @@ def test_prepare_bytes_round_trip(tmp_path):
     (tmp_path / "in.txt").write_bytes(text)
     meta = D.prepare(tmp_path / "in.txt", tmp_path / "out" / "x.bin", progress=False)
     expected = list(text.replace(b"\x00", b"")) + [0]
-    assert meta == {"dtype": "uint16", "vocab_size": 256, "num_tokens": len(expected), "eos_id": 0,
-                    "tokenizer": "bytes"}  # fmt: skip
+    assert meta == {"format": "elbowroom-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
+                    "num_tokens": len(expected), "eos_id": 0, "tokenizer": "bytes"}  # fmt: skip
     token_file = D.load_tokens(tmp_path / "out" / "x.bin")
     assert token_file.tokens.tolist() == expected
     assert (token_file.vocab_size, token_file.eos_id) == (256, 0)

@@ -1,9 +1,14 @@
-"""Training checkpoints: atomic, checksummed, the newest K kept, the newest valid one found on resume.
+"""Training checkpoints: atomic, checksummed, the newest K valid ones kept, the newest valid one found on resume.
 
 A checkpoint is a directory ``step_00000010/`` holding ``state.pt`` (model, optimizer, schedule, RNG,
 data position) and ``meta.json`` (step, sha256 and size of state.pt, model config). It is written into a
 hidden temporary directory and renamed into place, so a crash mid-save never leaves a half checkpoint
 under a real name and never touches the previous one.
+
+Rotation counts only checkpoints that verify: a corrupt one (truncated, bit-flipped, meta missing) is
+renamed ``corrupt-step_00000060`` with a warning, never deleted and never counted, so the valid ones
+older than it are kept. Verifying hashes the whole state file, so what verified is remembered (by the
+files' size, mtime and inode) for the life of the manager: a save does not re-hash the checkpoints it keeps.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d{8})$")
+_CORRUPT_PREFIX = "corrupt-"
 
 
 class CheckpointError(ValueError):
@@ -65,6 +71,19 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _signature(path: Path) -> tuple[int, ...]:
+    """Size, mtime and inode of a checkpoint's two files: any rewrite of them changes it."""
+    sig: list[int] = []
+    for name in ("state.pt", "meta.json"):
+        try:
+            st = (path / name).stat()
+        except OSError:
+            sig += [-1, -1, -1]
+        else:
+            sig += [st.st_size, st.st_mtime_ns, st.st_ino]
+    return tuple(sig)
+
+
 @dataclass(frozen=True)
 class Loaded:
     """A checkpoint read back: its step, its state dict and its metadata."""
@@ -88,6 +107,8 @@ class CheckpointManager:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory)
         self.keep = keep
+        # path -> (file signature, meta) of checkpoints verified by this process; see _signature
+        self._verified: dict[Path, tuple[tuple[int, ...], dict[str, Any]]] = {}
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Complete-looking checkpoints as (step, path), newest first."""
@@ -120,6 +141,11 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        if final.exists():
+            try:
+                self._verified_meta(final)
+            except ValueError as e:  # a corrupt one of the same step is set aside, not overwritten
+                self.set_aside(final, str(e))
         if final.exists():  # the same step saved again (e.g. on a signal right after a periodic save)
             old = self.directory / f".old-{final.name}-{os.getpid()}"
             os.replace(final, old)
@@ -128,6 +154,7 @@ class CheckpointManager:
         else:
             os.replace(tmp, final)
         _fsync_dir(self.directory)
+        self._verified[final] = (_signature(final), info)  # hashed while writing: no need to read it back
         self._prune()
         return final
 
@@ -137,11 +164,59 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
     def _prune(self) -> None:
-        for _, path in self.checkpoints()[self.keep :]:
-            shutil.rmtree(path, ignore_errors=True)
+        """Keep the newest ``keep`` checkpoints that verify; set corrupt ones aside, delete older valid ones."""
+        valid = 0
+        for _, path in self.checkpoints():
+            try:
+                self._verified_meta(path)
+            except ValueError as e:
+                self.set_aside(path, str(e))
+                continue
+            valid += 1
+            if valid > self.keep:
+                shutil.rmtree(path, ignore_errors=True)
+                self._verified.pop(path, None)
+
+    def set_aside(self, path: Path, reason: str) -> Path:
+        """Rename a corrupt checkpoint to ``corrupt-step_N`` (kept for inspection, no longer found); returns it."""
+        target = self.directory / f"{_CORRUPT_PREFIX}{path.name}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{_CORRUPT_PREFIX}{path.name}-{n}"
+        os.replace(path, target)
+        self._verified.pop(path, None)
+        log.warning("checkpoint %s is corrupt (%s); moved it to %s", path, reason, target)
+        return target
+
+    def corrupt(self) -> list[tuple[Path, str]]:
+        """Checkpoints under real names that fail to verify, as (path, reason), newest first."""
+        bad = []
+        for _, path in self.checkpoints():
+            try:
+                self.validate(path)
+            except ValueError as e:
+                bad.append((path, str(e)))
+        return bad
 
     def validate(self, path: Path) -> dict[str, Any]:
-        """The metadata of a checkpoint if its files are whole; ValueError saying what is wrong if not."""
+        """The metadata of a checkpoint if its files are whole; ValueError saying what is wrong if not.
+
+        Always reads and hashes the files; rotation uses :meth:`_verified_meta`, which does not repeat that.
+        """
+        meta = self._verify(path)
+        self._verified[path] = (_signature(path), meta)
+        return meta
+
+    def _verified_meta(self, path: Path) -> dict[str, Any]:
+        """:meth:`validate`, except that a checkpoint this manager wrote or verified before, whose files are
+        unchanged (size, mtime, inode), is not hashed again: a save must not re-read every kept checkpoint."""
+        cached = self._verified.get(path)
+        if cached is not None and cached[0] == _signature(path):
+            return cached[1]
+        return self.validate(path)
+
+    def _verify(self, path: Path) -> dict[str, Any]:
         try:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -157,7 +232,11 @@ class CheckpointManager:
         return meta
 
     def load_latest(self, map_location: Any = "cpu") -> Loaded | None:
-        """The newest checkpoint that validates and loads; corrupt ones are skipped with a warning."""
+        """The newest checkpoint that validates and loads; corrupt ones are skipped with a warning.
+
+        Nothing is moved or deleted here: the caller decides whether the run proceeds (the next
+        :meth:`save` sets the corrupt ones aside).
+        """
         for step, path in self.checkpoints():
             try:
                 meta = self.validate(path)

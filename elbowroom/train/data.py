@@ -3,7 +3,11 @@
 Token files are nanoGPT-style: a raw ``.bin`` of ``uint16`` or ``uint32`` tokens, memory-mapped, with a
 small JSON sidecar next to it (``runs/x.bin`` -> ``runs/x.bin.json``)::
 
-    {"dtype": "uint16", "vocab_size": 256, "num_tokens": 123, "eos_id": 0, "tokenizer": "bytes"}
+    {"format": "elbowroom-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256, "num_tokens": 123,
+     "eos_id": 0, "tokenizer": "bytes"}
+
+``format`` is the magic that says ``elbowroom prepare`` wrote the pair. The trainer reads only such
+files: any other file (raw text, random bytes) would be read as tokens and trained on as noise.
 
 The flow is ``prepare`` (text -> ``.bin``, once) -> ``load_tokens`` -> ``split`` -> ``ChunkDataset`` or
 ``DocumentDataset`` -> ``build_dataloader`` (exactly resumable, never touches the global RNG) ->
@@ -61,10 +65,15 @@ BYTE_EOS_ID = 0
 
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
+TOKEN_FORMAT = "elbowroom-tokens"
+"""The sidecar's ``format`` value: the magic of a token file written by ``prepare``."""
+TOKEN_FORMAT_VERSION = 1
+"""The sidecar's ``version``; readers refuse newer ones."""
+
 # The built-in corpus: top-level stdlib modules plus these packages (tests excluded), sorted by relative
 # path and capped, so that it is ~6-8 MB and the same on every machine with the same Python minor version.
 # Bump _CORPUS_VERSION whenever the selection changes, so stale caches are not reused.
-_CORPUS_VERSION = 2
+_CORPUS_VERSION = 3
 _CORPUS_PACKAGES = (
     "asyncio", "collections", "concurrent", "email", "http", "importlib", "json", "logging", "re", "urllib",
 )  # fmt: skip
@@ -138,6 +147,7 @@ def load_tokens(
     dtype: str | None = None,
     vocab_size: int | None = None,
     eos_id: int | None = None,
+    require_sidecar: bool = False,
 ) -> TokenFile:
     """Memory-maps a token file, or the built-in corpus when ``path`` is None.
 
@@ -147,6 +157,7 @@ def load_tokens(
         dtype: ``"uint16"`` or ``"uint32"``, for files without a sidecar (default ``"uint16"``).
         vocab_size: For files without a sidecar; None means max token + 1, computed when first asked.
         eos_id: For files without a sidecar; None means the data has no document separator.
+        require_sidecar: Refuse a file without the sidecar ``prepare`` writes (what the trainer does).
 
     Returns:
         The tokens (a read-only ``np.memmap``) and their metadata.
@@ -163,6 +174,12 @@ def load_tokens(
             "or leave the data path unset to train on the built-in corpus"
         )
     meta = _read_sidecar(path)
+    if meta is None and require_sidecar and path.stat().st_size > 0:
+        raise DataError(
+            f"data file {path} has no sidecar {sidecar_path(path).name}, so it was not written by `elbowroom "
+            "prepare` (raw text or any other bytes would be read as tokens and train on noise); make a token "
+            "file with `elbowroom prepare INPUT.txt OUT.bin` and pass OUT.bin as --data.path"
+        )
     if meta is not None:
         if dtype is not None and dtype != meta["dtype"]:
             raise DataError(
@@ -191,6 +208,13 @@ def load_tokens(
         )
     tokens = np.memmap(path, dtype=_DTYPES[dtype], mode="r", shape=(num_tokens,))
     if meta is not None:
+        # a cheap spot check of the first tokens: a file replaced by other bytes under an old sidecar
+        head = int(tokens[:_SCAN_TOKENS].max())
+        if head >= meta["vocab_size"]:
+            raise DataError(
+                f"data file {path} holds token id {head}, but its sidecar {sidecar_path(path)} says vocab_size "
+                f"{meta['vocab_size']}: the file does not belong to this sidecar; re-run `elbowroom prepare`"
+            )
         return TokenFile(tokens, path, meta["eos_id"], meta["tokenizer"], meta["vocab_size"])
     return TokenFile(tokens, path, eos_id, None, vocab_size)
 
@@ -203,10 +227,34 @@ def _read_sidecar(path: Path) -> dict[str, Any] | None:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DataError(f"cannot read sidecar {meta_path}: {e}; delete it or re-run `elbowroom prepare`") from e
-    required = ("dtype", "vocab_size", "num_tokens", "eos_id", "tokenizer")
+    if not isinstance(meta, dict):
+        raise DataError(f"sidecar {meta_path} is not a JSON object; re-run `elbowroom prepare`")
+    required = ("dtype", "vocab_size", "num_tokens", "eos_id", "tokenizer", "format")
     missing = [key for key in required if key not in meta]
     if missing:
         raise DataError(f"sidecar {meta_path} lacks {', '.join(missing)}; re-run `elbowroom prepare` or add them")
+    if meta["format"] != TOKEN_FORMAT:
+        raise DataError(
+            f"sidecar {meta_path} has format {meta['format']!r}, not {TOKEN_FORMAT!r}: it was not written by "
+            "`elbowroom prepare`; re-run `elbowroom prepare`"
+        )
+    if not isinstance(meta.get("version"), int) or meta["version"] > TOKEN_FORMAT_VERSION:
+        raise DataError(
+            f"sidecar {meta_path} has version {meta.get('version')!r}; this elbowroom reads version "
+            f"{TOKEN_FORMAT_VERSION}: upgrade elbowroom or re-run `elbowroom prepare` with this one"
+        )
+    if meta["dtype"] not in _DTYPES:
+        raise DataError(f"sidecar {meta_path} has dtype {meta['dtype']!r}, not uint16 or uint32; re-run prepare")
+    vocab = meta["vocab_size"]
+    limit = 2**16 if meta["dtype"] == "uint16" else 2**32
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 0 < vocab <= limit:
+        raise DataError(
+            f"sidecar {meta_path} has vocab_size {vocab!r}, not an int in [1, {limit}] for {meta['dtype']}; "
+            "re-run `elbowroom prepare`"
+        )
+    eos = meta["eos_id"]
+    if eos is not None and (not isinstance(eos, int) or not 0 <= eos < vocab):
+        raise DataError(f"sidecar {meta_path} has eos_id {eos!r}, outside [0, {vocab}); re-run `elbowroom prepare`")
     return meta
 
 
@@ -296,6 +344,11 @@ def _write_sidecar(path: Path, meta: Mapping[str, Any]) -> None:
         f.write((json.dumps(dict(meta), indent=2) + "\n").encode())
 
 
+def _sidecar(**fields: Any) -> dict[str, Any]:
+    """What a sidecar holds: the format magic and version first, then ``fields``."""
+    return {"format": TOKEN_FORMAT, "version": TOKEN_FORMAT_VERSION, **fields}
+
+
 def _corpus_files() -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = list(stdlib.glob("*.py"))
@@ -340,8 +393,7 @@ def build_default_corpus(cache_dir: str | os.PathLike[str] | None = None) -> Pat
             total += len(data)
             out.write(np.frombuffer(data + b"\x00", dtype=np.uint8).astype(np.uint16).tobytes())
             num_tokens += len(data) + 1
-    meta = {"dtype": "uint16", "vocab_size": 256, "num_tokens": num_tokens, "eos_id": BYTE_EOS_ID,
-            "tokenizer": "bytes"}  # fmt: skip
+    meta = _sidecar(dtype="uint16", vocab_size=256, num_tokens=num_tokens, eos_id=BYTE_EOS_ID, tokenizer="bytes")
     _write_sidecar(path, meta)
     return path
 
@@ -417,8 +469,7 @@ def prepare(
     if num_tokens == 0:
         output_path.unlink()
         raise DataError(f"input {input_path} produced 0 tokens; check that it holds text")
-    meta = {"dtype": dtype, "vocab_size": vocab_size, "num_tokens": num_tokens, "eos_id": eos,
-            "tokenizer": tokenizer_name}  # fmt: skip
+    meta = _sidecar(dtype=dtype, vocab_size=vocab_size, num_tokens=num_tokens, eos_id=eos, tokenizer=tokenizer_name)
     _write_sidecar(output_path, meta)
     logger.info("prepared %s: %d tokens, vocab %d, %s", output_path, num_tokens, vocab_size, dtype)
     return meta
@@ -725,7 +776,8 @@ def build_dataloader(
     batches an uninterrupted run would. Batches may span an epoch boundary; the stream never ends, so
     ``drop_last`` never drops anything. The loader gets its own ``torch.Generator``: creating an
     iterator draws the workers' base seed from it, not from the global RNG (which would shift every
-    later dropout mask and break exact resume).
+    later dropout mask and break exact resume). Workers ignore SIGINT: the trainer's main process handles
+    Ctrl-C (finish the step, save, exit) and still needs the batch in flight.
 
     Args:
         dataset: A map-style dataset.
@@ -753,7 +805,16 @@ def build_dataloader(
         pin_memory=_pin_memory(pin_memory),
         persistent_workers=persistent_workers and num_workers > 0,
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=_ignore_sigint if num_workers > 0 else None,
     )
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: a worker that died of it would fail the batch the
+    # main process is waiting for, before it could save. The main process decides how the run stops.
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def build_eval_loader(

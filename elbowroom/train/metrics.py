@@ -65,47 +65,76 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     return {"peak_memory_bytes": rss if sys.platform == "darwin" else rss * 1024}
 
 
+def check_tensorboard() -> None:
+    """Raise ValueError naming the extra to install when TensorBoard logging cannot work here."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "logging.tensorboard needs the tensorboard package, which is not installed: "
+            "pip install 'elbowroom[tensorboard]', or drop --logging.tensorboard"
+        ) from None
+
+
 class MetricsLogger:
-    """Writes one JSON object per logged step to ``metrics.jsonl`` and mirrors it to log and TensorBoard.
+    """Appends one JSON object per logged step to ``metrics.jsonl`` and mirrors it to log and TensorBoard.
+
+    Nothing is written, and the run directory is not created, before the first :meth:`write`: a run that
+    fails before its first step leaves nothing behind. Rows are only ever appended; no logged row is lost.
 
     Args:
         out_dir: the run directory.
         resume_step: when resuming, rows after this step (written after the checkpoint by an earlier,
-            interrupted run) are dropped so the file continues the exact curve; None starts a new file.
-        tensorboard: also write TensorBoard scalars (needs the ``tensorboard`` package).
+            interrupted run, or by a run whose newer checkpoints were corrupt) move to
+            ``metrics.rewound-<resume_step>.jsonl`` so that the main file continues one curve; None: a new run.
+        tensorboard: also write TensorBoard scalars (needs the ``tensorboard`` package; see
+            :func:`check_tensorboard`).
     """
 
     def __init__(self, out_dir: Path, *, resume_step: int | None, tensorboard: bool = False) -> None:
+        self.out_dir = out_dir
         self.path = out_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            self._truncate_after(resume_step)
-        elif self.path.exists():
-            self.path.unlink()
-        self._f = open(self.path, "a", buffering=1)  # line buffered: a crash loses at most one line
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ValueError(
-                    "logging.tensorboard needs the tensorboard package: pip install 'elbowroom[tensorboard]'"
-                ) from e
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+        self.resume_step = resume_step
+        self.tensorboard = tensorboard
+        self._f: Any = None
+        self._tb: Any = None
 
-    def _truncate_after(self, step: int) -> None:
-        keep = []
+    def _open(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.resume_step is not None and self.path.exists():
+            self._rewind(self.resume_step)
+        self._f = open(self.path, "a", buffering=1)  # line buffered: a crash loses at most one line
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+
+    def _rewind(self, step: int) -> None:
+        """Move the rows after ``step`` (and lines cut by a crash) to a side file; keep the rest in place."""
+        keep, moved = [], []
         for line in self.path.read_text().splitlines():
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a crash
+            except json.JSONDecodeError:  # a line cut by a crash: kept aside, it would break readers here
+                moved.append(line)
                 continue
-            if row.get("step", 0) <= step:
-                keep.append(line)
+            (keep if row.get("step", 0) <= step else moved).append(line)
+        if not moved:
+            return
+        side = self.out_dir / f"metrics.rewound-{step}.jsonl"
+        with open(side, "a") as f:  # written before the main file shrinks: no row exists nowhere
+            f.write("".join(x + "\n" for x in moved))
+            f.flush()
+            os.fsync(f.fileno())
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(x + "\n" for x in keep))
         os.replace(tmp, self.path)
+        log.warning("resuming at step %d: moved %d logged rows after it from %s to %s", step, len(moved),
+                    self.path.name, side.name)
 
     def write(self, row: dict[str, Any]) -> None:
+        if self._f is None:
+            self._open()
         self._f.write(json.dumps(row) + "\n")
         if self._tb is not None:
             for k, v in row.items():
@@ -114,7 +143,8 @@ class MetricsLogger:
         log.info(format_row(row))
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
         if self._tb is not None:
             self._tb.close()
 

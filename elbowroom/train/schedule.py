@@ -51,3 +51,18 @@ def build_scheduler(
         # OneCycle steps total+1 times at most; one spare step keeps the last .step() legal.
         return OneCycleLR(optimizer, max_lr=max_lrs, total_steps=total + 1, pct_start=pct, cycle_momentum=False)
     raise ValueError(f"unknown schedule {name!r}; choose cosine, onecycle or constant")
+
+
+def sync_lr(scheduler: LRScheduler) -> None:
+    """Set each group's LR to what ``scheduler`` gives at its current step.
+
+    A LambdaLR rebuilt with another length and then given an older ``state_dict`` keeps the optimizer's
+    saved LR for one step; this makes the next step use the new curve at once.
+    """
+    if not isinstance(scheduler, LambdaLR):
+        return
+    step = scheduler.last_epoch
+    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports

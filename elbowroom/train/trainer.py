@@ -3,6 +3,13 @@
 One optimizer step = ``gradient_accumulation_steps`` micro-batches whose summed token losses are divided
 by the number of target tokens of the *whole step* (counted on the host from the batches, so it costs no
 device sync). The loop syncs with the device only where logging, evaluation or a checkpoint asks for it.
+
+Everything that can be wrong with the input is checked before the first step (config, optional extras, the
+checkpoint to resume, the data file, the model against the data, the checkpoint and, on CPU, the RAM), and
+the run directory appears only with the first finished step, so a failed start leaves nothing behind. A
+resumed run keeps its checkpoint's LR schedule length unless ``--scheduler.decay_steps`` says otherwise. On
+SIGTERM/SIGINT the step finishes, a checkpoint is saved (no validation pass first) and the result carries the
+signal, which the CLI turns into exit code 128 + N.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from elbowroom.activations.policy import ActivationConfig, apply_activation_policy
 from elbowroom.config import Config, ConfigError, to_dict, to_toml
 from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
 from elbowroom.ops.linear_cross_entropy import linear_cross_entropy
 from elbowroom.train import data as D
-from elbowroom.train.checkpoint import CheckpointError, CheckpointManager
-from elbowroom.train.metrics import MetricsLogger, peak_flops, peak_memory
-from elbowroom.train.schedule import build_scheduler
+from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
+from elbowroom.train.metrics import MetricsLogger, check_tensorboard, peak_flops, peak_memory
+from elbowroom.train.schedule import build_scheduler, sync_lr
 
 log = logging.getLogger("elbowroom.train")
 
@@ -44,6 +52,8 @@ class TrainResult:
     """Validation loss of every evaluated step."""
     interrupted: bool = False
     """True when a signal stopped the run (a checkpoint was saved first)."""
+    signal: int | None = None
+    """The signal that stopped the run (SIGTERM, SIGINT), if one did."""
     out: Path | None = None
 
 
@@ -131,18 +141,10 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
 
 
 def apply_activations(model: DecoderLM, cfg: Config) -> None:
-    a = cfg.activations
-    if a.checkpoint == "none" and a.offload_ratio == 0.0:
+    """The ``[activations]`` switches (the mechanism's own ActivationConfig); the defaults leave the model as is."""
+    if cfg.activations == ActivationConfig():
         return
-    from elbowroom.activations import apply_activation_policy
-
-    apply_activation_policy(
-        model,
-        checkpoint=a.checkpoint,
-        every=a.every,
-        offload_ratio=a.offload_ratio,
-        offload_checkpoint_inputs=a.offload_checkpoint_inputs,
-    )
+    apply_activation_policy(model, cfg.activations)
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -194,6 +196,23 @@ def clip_gradients(params: list[torch.Tensor], optimizer: Any, max_norm: float) 
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
+def gradient_norm(params: list[torch.Tensor], optimizer: Any) -> torch.Tensor | None:
+    """The global L2 norm of the gradients, for logging only: reads them and changes nothing.
+
+    Not the optimizer's ``clip_grad_norm_(inf)``: for the CPU-offloaded optimizer that call is part of the
+    step (it decides whether the CPU step may start during backward), so logging through it would change
+    how training runs. An optimizer that frees its device gradients once they are on the host
+    (``offload_gradients``) has no complete set to read: None, the row logs no norm.
+    """
+    if getattr(optimizer, "offload_gradients", False):
+        return None
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    # per-tensor norms in fp32 (bf16 and fp32 gradients may mix); a Python loop, on logged steps only
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+
+
 def rng_state(device: torch.device) -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if device.type == "cuda":
@@ -208,11 +227,33 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@contextlib.contextmanager
+def _restored_global_state() -> Any:
+    """Give back what train() changes process-wide: deterministic-algorithm flags and the RNG states."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch_rng, python_rng = torch.get_rng_state(), random.getstate()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.set_rng_state(torch_rng)
+        random.setstate(python_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
 class _StopSignal:
-    """Turns SIGTERM/SIGINT into a flag the loop checks after each step; a second SIGINT aborts."""
+    """Turns SIGTERM/SIGINT into a flag the loop checks after each step.
+
+    A second SIGINT aborts at once (KeyboardInterrupt; the previous checkpoint stands), except during a
+    save: there it is noted and ignored, so that the checkpoint the first signal asked for is completed.
+    """
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self._saving = False
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignal:
@@ -224,10 +265,23 @@ class _StopSignal:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            if self._saving:
+                log.warning("received %s while saving the checkpoint: finishing the save first", name)
+            elif signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         self.received = signum
-        log.warning("received %s: finishing this step, saving a checkpoint, then exiting", signal.Signals(signum).name)
+        log.warning("received %s: finishing this step, saving a checkpoint, then exiting", name)
+
+    @contextlib.contextmanager
+    def saving(self) -> Any:
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._old.items():
@@ -246,6 +300,122 @@ def _check_out_dir(out: Path, resume: bool) -> None:
         )
 
 
+def _load_resume_checkpoint(out: Path, ckpts: CheckpointManager) -> Loaded:
+    """The newest valid checkpoint of the run in ``out``; CheckpointError (nothing touched) when there is none."""
+    if not out.is_dir():
+        raise CheckpointError(
+            f"--resume: {out} does not exist, so there is no run to continue; check --out (a typo?), "
+            "or drop --resume to start a new run"
+        )
+    if not ckpts.checkpoints():
+        raise CheckpointError(
+            f"--resume: {out} holds no checkpoint (nothing under {ckpts.directory}); check --out, "
+            "or drop --resume to start a new run in another directory"
+        )
+    loaded = ckpts.load_latest(map_location="cpu")
+    if loaded is None:
+        reasons = "; ".join(reason for _, reason in ckpts.corrupt()) or "none loads"
+        raise CheckpointError(
+            f"--resume: no checkpoint in {ckpts.directory} verifies ({reasons}); nothing was changed. "
+            "Restore a good copy of one, or start a new run with another --out"
+        )
+    return loaded
+
+
+def _saved_schedule_steps(meta: dict[str, Any]) -> int | None:
+    """The schedule length a checkpoint was trained on (older checkpoints: from its saved config)."""
+    if "schedule_steps" in meta:
+        return meta["schedule_steps"]
+    saved = meta.get("config") or {}
+    return (saved.get("scheduler") or {}).get("decay_steps") or (saved.get("train") or {}).get("steps")
+
+
+def schedule_length(cfg: Config, loaded: Loaded | None) -> int:
+    """The LR schedule's length: ``--scheduler.decay_steps``, else the checkpoint's, else ``--steps``.
+
+    A resumed run stays on the curve its checkpoint was trained on: a larger ``--steps`` alone does not
+    stretch the cosine (that would jump the LR back up); ``--scheduler.decay_steps N`` changes it on purpose.
+    """
+    steps = cfg.scheduler.decay_steps or cfg.train.steps
+    saved = _saved_schedule_steps(loaded.meta) if loaded is not None else None
+    if saved is None or saved == steps:
+        return steps
+    if cfg.scheduler.decay_steps is None:
+        log.warning(
+            "resuming on the checkpoint's LR schedule of %d steps, not --steps %d (the LR continues the curve "
+            "it was on); pass --scheduler.decay_steps %d to stretch the schedule instead",
+            saved, cfg.train.steps, cfg.train.steps,
+        )
+        return saved
+    if cfg.scheduler.name == "onecycle":
+        raise ConfigError(
+            f"the checkpoint's onecycle schedule is {saved} steps long and cannot change length on resume; "
+            f"drop --scheduler.decay_steps {cfg.scheduler.decay_steps} (or pass {saved})"
+        )
+    log.warning("--scheduler.decay_steps %d: the LR schedule changes from %d to %d steps at step %d",
+                steps, saved, steps, loaded.step)
+    return steps
+
+
+def available_host_memory() -> int | None:
+    """Bytes of RAM available to a new allocation (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(cfg: Config, model_cfg: ModelConfig) -> None:
+    """Refuse a CPU run whose model cannot fit in RAM, before building it (the OS would kill it minutes later).
+
+    A deliberately low estimate, so that it refuses only what cannot work: 16 bytes per parameter
+    (fp32 weight and gradient, two fp32 AdamW moments) plus the block inputs and MLP activations
+    backward needs (4 bytes per value) and the logits and their gradient.
+    """
+    available = available_host_memory()
+    if available is None:
+        return
+    n_params = count_params(build_model(model_cfg, device="meta"))  # shapes only: no memory
+    states = 16 * n_params
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    d, ffn, layers = model_cfg.dim, model_cfg.ffn_dim, model_cfg.n_layers
+    kept = d if cfg.activations.checkpoint != "none" else 4 * d + 2 * ffn  # a recomputed block keeps its input
+    acts = 4 * tokens * (layers * kept + 4 * d + 2 * ffn + 2 * model_cfg.vocab_size)
+    if states + acts <= available:
+        return
+    gib = 2**30
+    raise ConfigError(
+        f"model {cfg.model.preset} ({n_params / 1e9:.2f}B parameters) needs ~{states / gib:.1f} GiB for weights, "
+        f"gradients and AdamW state plus ~{acts / gib:.1f} GiB of activations at batch {cfg.data.batch_size} x "
+        f"{cfg.data.seq_len}, and this machine has {available / gib:.1f} GiB of RAM available; train it on a GPU "
+        "(--train.device cuda), or choose a smaller --model.preset, --data.batch_size or --data.seq_len"
+    )
+
+
+def _check_enough_tokens(tokens: D.TokenFile, cfg: Config) -> None:
+    """Fixed-length samples: one training batch and one validation sample must fit, else say how many tokens."""
+    seq_len, bsz, vf = cfg.data.seq_len, cfg.data.batch_size, cfg.data.val_fraction
+    n = tokens.num_tokens
+    n_val = int(n * vf)
+    need_train, need_val = bsz * seq_len + 1, seq_len + 1
+    if n - n_val >= need_train and n_val >= need_val:
+        return
+    need = max(math.ceil(need_train / (1 - vf)), math.ceil(need_val / vf)) + 1
+    raise D.DataError(
+        f"{tokens.path} holds {n:,} tokens, too few for one batch: a training batch needs --data.batch_size "
+        f"{bsz} x --data.seq_len {seq_len} + 1 = {need_train:,} tokens and the validation split "
+        f"(--data.val_fraction {vf}) one sample of seq_len + 1 = {need_val:,}, so about {need:,} tokens in all; "
+        "prepare more text with `elbowroom prepare`, or lower --data.seq_len or --data.batch_size"
+    )
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
@@ -256,12 +426,20 @@ def _atomic_write_text(path: Path, text: str) -> None:
 def train(cfg: Config) -> TrainResult:
     """Train as ``cfg`` says; returns the losses. Raises ConfigError / DataError / CheckpointError on bad input.
 
+    Bad input is found before anything is written: the run directory appears with the first finished
+    step. Process-wide settings changed here (RNG states, deterministic algorithms) are given back on return.
+
     Args:
         cfg: the resolved run configuration (see ``elbowroom.config.Config``).
 
     Returns:
         A :class:`TrainResult` with the logged training and validation losses.
     """
+    with _restored_global_state():
+        return _train(cfg)
+
+
+def _train(cfg: Config) -> TrainResult:
     if cfg.out is None:
         cfg = replace(cfg, out=time.strftime("runs/%Y%m%d-%H%M%S"))
     out = Path(cfg.out)
@@ -279,14 +457,24 @@ def train(cfg: Config) -> TrainResult:
             "optimizer.param_dtype bfloat16 runs the model in bf16: set --train.dtype bf16 (it resolves to "
             f"{str(amp_dtype).removeprefix('torch.')} here)"
         )
+    if cfg.logging.tensorboard:  # optional extras are checked with the config, not at the first log line
+        try:
+            check_tensorboard()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True, warn_only=True)  # given back by train()
+    ckpts = CheckpointManager(out / "checkpoints", keep=cfg.checkpoint.keep)
+    # read and verify the checkpoint before the data: a --resume with nothing to resume fails before any work
+    loaded = _load_resume_checkpoint(out, ckpts) if cfg.resume else None
 
     # --- data (validated before anything is written to OUT)
     cache_dir = cfg.data.cache_dir or os.environ.get("ELBOWROOM_CACHE")
-    tokens = D.load_tokens(cfg.data.path, cache_dir=cache_dir)
-    train_tokens, val_tokens = D.split(tokens, cfg.data.val_fraction)
+    tokens = D.load_tokens(cfg.data.path, cache_dir=cache_dir, require_sidecar=True)
     seq_len, bsz, accum = cfg.data.seq_len, cfg.data.batch_size, cfg.train.gradient_accumulation_steps
+    if not cfg.data.variable_length:
+        _check_enough_tokens(tokens, cfg)
+    train_tokens, val_tokens = D.split(tokens, cfg.data.val_fraction)
     if cfg.data.variable_length:
         if tokens.eos_id is None:
             raise ConfigError(
@@ -305,110 +493,113 @@ def train(cfg: Config) -> TrainResult:
                 f"one batch of {bsz}; use more data, a smaller --data.seq_len or --data.batch_size"
             )
 
+    # --- the model's shape, checked against the data, the checkpoint and (on CPU) the machine's RAM
+    model_cfg = resolve_model_config(cfg, tokens.vocab_size)
+    D.check_vocab(tokens.vocab_size, model_cfg.vocab_size)
+    if loaded is not None and loaded.meta.get("model") != model_cfg.to_dict():
+        saved_model = loaded.meta.get("model") or {}
+        diff = {k: (saved_model.get(k), v) for k, v in model_cfg.to_dict().items() if saved_model.get(k) != v}
+        raise CheckpointError(
+            f"checkpoint {loaded.path} was written for another model (checkpoint vs now: {diff}); "
+            "resume with the same --model settings, or start a new run with another --out"
+        )
+    if device.type == "cpu":
+        check_host_memory(cfg, model_cfg)
+    schedule_steps = schedule_length(cfg, loaded)
+    cfg = replace(cfg, scheduler=replace(cfg.scheduler, decay_steps=schedule_steps))  # recorded in config.toml
+
     # --- model, optimizer, schedule: seeded so that every run with this config starts identically
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
-    model_cfg = resolve_model_config(cfg, tokens.vocab_size)
-    D.check_vocab(tokens.vocab_size, model_cfg.vocab_size)
     model = build_model(model_cfg, device=device)
     if bf16_params:
         model.to(torch.bfloat16)  # the optimizer keeps fp32 masters of these values
     apply_activations(model, cfg)
     optimizer = build_optimizer(model, cfg, device)
-    scheduler = build_scheduler(
-        optimizer,
-        cfg.scheduler.name,
-        total_steps=cfg.scheduler.decay_steps or cfg.train.steps,
-        warmup_steps=cfg.scheduler.warmup_steps,
-        min_lr_ratio=cfg.scheduler.min_lr_ratio,
-    )
-    scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
-    fwd_model: nn.Module = torch.compile(model) if cfg.train.compile else model
+    metrics = MetricsLogger(out, resume_step=loaded.step if loaded else None, tensorboard=cfg.logging.tensorboard)
+    progress = None
+    try:  # from here on the optimizer (its host threads, pinned memory) is closed however the run ends
+        scheduler = build_scheduler(
+            optimizer,
+            cfg.scheduler.name,
+            total_steps=schedule_steps,
+            warmup_steps=cfg.scheduler.warmup_steps,
+            min_lr_ratio=cfg.scheduler.min_lr_ratio,
+        )
+        scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
+        fwd_model: nn.Module = torch.compile(model) if cfg.train.compile else model
 
-    # --- resume: model, optimizer, schedule, scaler, RNG and data position from the newest valid checkpoint
-    ckpts = CheckpointManager(out / "checkpoints", keep=cfg.checkpoint.keep)
-    step, samples_seen = 0, 0
-    if cfg.resume:
-        loaded = ckpts.load_latest(map_location="cpu")
-        if loaded is None:
-            log.warning("--resume: no valid checkpoint in %s; starting from step 0", ckpts.directory)
-        else:
-            saved_model = loaded.meta.get("model")
-            if saved_model != model_cfg.to_dict():
-                saved_model = saved_model or {}
-                diff = {k: (saved_model.get(k), v) for k, v in model_cfg.to_dict().items() if saved_model.get(k) != v}
-                raise CheckpointError(
-                    f"checkpoint {loaded.path} was written for another model (checkpoint vs now: {diff}); "
-                    "resume with the same --model settings, or start a new run with another --out"
-                )
+        # --- resume: model, optimizer, schedule, scaler, RNG and data position
+        step, samples_seen = 0, 0
+        if loaded is not None:
             model.load_state_dict(loaded.state["model"])
             optimizer.load_state_dict(loaded.state["optimizer"])
             scheduler.load_state_dict(loaded.state["scheduler"])
+            if _saved_schedule_steps(loaded.meta) != schedule_steps:
+                sync_lr(scheduler)  # the optimizer's saved LR is the old curve's
             if scaler is not None and loaded.state.get("scaler"):
                 scaler.load_state_dict(loaded.state["scaler"])
             set_rng_state(loaded.state["rng"], device)
             step, samples_seen = loaded.step, loaded.state["samples_seen"]
             log.info("resumed from %s at step %d", loaded.path, step)
+            loaded = replace(loaded, state={})  # the tensors now live in the model and optimizer
 
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(out / "config.toml", to_toml(cfg))
-    metrics = MetricsLogger(out, resume_step=step if cfg.resume else None, tensorboard=cfg.logging.tensorboard)
+        # --- loaders: the sampler starts at the data position, so a resumed run sees the same samples
+        pin = cfg.data.pin_memory and device.type == "cuda"
+        loader = D.build_dataloader(
+            train_ds,
+            batch_size=bsz,
+            seed=cfg.train.seed,
+            start_sample=samples_seen,
+            num_workers=cfg.data.num_workers,
+            pin_memory=pin,
+            persistent_workers=cfg.data.num_workers > 0,
+            collate_fn=collate,
+        )
+        batches = iter(D.DevicePrefetcher(loader, device))
+        eval_loader = (
+            D.build_eval_loader(val_ds, batch_size=bsz, num_batches=cfg.train.eval_batches, collate_fn=collate)
+            if cfg.train.eval_batches
+            else None
+        )
 
-    # --- loaders: the sampler starts at the data position, so a resumed run sees the same samples
-    pin = cfg.data.pin_memory and device.type == "cuda"
-    loader = D.build_dataloader(
-        train_ds,
-        batch_size=bsz,
-        seed=cfg.train.seed,
-        start_sample=samples_seen,
-        num_workers=cfg.data.num_workers,
-        pin_memory=pin,
-        persistent_workers=cfg.data.num_workers > 0,
-        collate_fn=collate,
-    )
-    batches = iter(D.DevicePrefetcher(loader, device))
-    eval_loader = (
-        D.build_eval_loader(val_ds, batch_size=bsz, num_batches=cfg.train.eval_batches, collate_fn=collate)
-        if cfg.train.eval_batches
-        else None
-    )
+        n_params = count_params(model)
+        flops_tok = flops_per_token(model_cfg, seq_len)
+        peak = peak_flops(device) if amp_dtype != torch.float32 else None
+        log.info("run directory %s", out)
+        log.info(
+            "model %s/%s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d steps of %d x %d x %d tokens",
+            model_cfg.arch, cfg.model.preset, n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
+            cfg.train.steps, accum, bsz, seq_len,
+        )
+        autocast = (
+            torch.autocast(device.type, dtype=amp_dtype)
+            if amp_dtype != torch.float32 and not bf16_params  # a bf16 model runs as it is
+            else contextlib.nullcontext()
+        )
+        params = [p for p in model.parameters() if p.requires_grad]
+        result = TrainResult(step=step, losses={}, val_losses={}, out=out)
+        progress = _progress_bar(cfg, step)
 
-    n_params = count_params(model)
-    flops_tok = flops_per_token(model_cfg, seq_len)
-    peak = peak_flops(device) if amp_dtype != torch.float32 else None
-    log.info("run directory %s", out)
-    log.info(
-        "model %s/%s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d steps of %d x %d x %d tokens",
-        model_cfg.arch, cfg.model.preset, n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
-        cfg.train.steps, accum, bsz, seq_len,
-    )
-    autocast = (
-        torch.autocast(device.type, dtype=amp_dtype)
-        if amp_dtype != torch.float32 and not bf16_params  # a bf16 model runs as it is
-        else contextlib.nullcontext()
-    )
-    params = [p for p in model.parameters() if p.requires_grad]
-    result = TrainResult(step=step, losses={}, val_losses={}, out=out)
-    progress = _progress_bar(cfg, step)
+        def save(at: int) -> None:
+            if hasattr(optimizer, "wait_for_weights"):
+                optimizer.wait_for_weights()  # host wait: the CPU step of the offloaded weights must have landed
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "rng": rng_state(device),
+                "samples_seen": samples_seen,
+            }
+            meta = {"model": model_cfg.to_dict(), "config": to_dict(cfg), "schedule_steps": schedule_steps}
+            path = ckpts.save(at, state, meta)
+            log.info("saved checkpoint %s", path)
 
-    def save(at: int) -> None:
-        if hasattr(optimizer, "wait_for_weights"):
-            optimizer.wait_for_weights()  # host wait: the CPU step of the offloaded weights must have landed
-        state = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": rng_state(device),
-            "samples_seen": samples_seen,
-        }
-        path = ckpts.save(at, state, {"model": model_cfg.to_dict(), "config": to_dict(cfg)})
-        log.info("saved checkpoint %s", path)
-
-    # --- the loop
-    tokens_since_log, t_log = 0, time.perf_counter()
-    loss_acc = torch.zeros((), device=device)
-    try:
+        # --- the loop
+        tokens_since_log, t_log = 0, time.perf_counter()
+        loss_acc = torch.zeros((), device=device)
+        started = False
         with _StopSignal() as stop:
             while step < cfg.train.steps:
                 model.train()
@@ -425,8 +616,8 @@ def train(cfg: Config) -> TrainResult:
                 log_now = (step + 1) % cfg.logging.log_every == 0 or step == 0 or last
                 if cfg.train.max_grad_norm:
                     grad_norm = clip_gradients(params, optimizer, cfg.train.max_grad_norm)
-                elif log_now:  # without clipping the norm is computed only when it is logged
-                    grad_norm = clip_gradients(params, optimizer, math.inf)
+                elif log_now:  # without clipping the norm is read only when it is logged, and read-only
+                    grad_norm = gradient_norm(params, optimizer)
                 else:
                     grad_norm = None
                 lr = optimizer.param_groups[0]["lr"]
@@ -440,8 +631,15 @@ def train(cfg: Config) -> TrainResult:
                 step += 1
                 if progress is not None:
                     progress.update(1)
+                if not started:  # the run directory appears with the first finished step, not before
+                    out.mkdir(parents=True, exist_ok=True)
+                    _atomic_write_text(out / "config.toml", to_toml(cfg))
+                    started = True
 
-                last = last or stop.received is not None  # a signal may have come during the step
+                # one reading of the flag decides evaluation, the save and the exit: a signal that lands
+                # between two readings must not stop the run without its checkpoint
+                stopping = stop.received is not None
+                last = last or stopping
                 if log_now or last:
                     loss_val = loss_acc.item()  # host-device sync: logging asks for it
                     now = time.perf_counter()
@@ -467,29 +665,33 @@ def train(cfg: Config) -> TrainResult:
                     tokens_since_log, t_log = 0, time.perf_counter()
                 loss_acc.zero_()
 
-                if eval_loader is not None and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
+                # on a signal the checkpoint comes first: no validation pass on the way out
+                if eval_loader is not None and not stopping and (
+                    (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last
+                ):
                     val = evaluate(fwd_model, eval_loader, device, autocast)
                     if val is not None:
                         result.val_losses[step] = val
                         metrics.write({"step": step, "val_loss": val})
                     t_log = time.perf_counter()  # evaluation time is not training throughput
 
-                # one reading of the flag decides both the save and the exit: a signal that lands between
-                # two readings must not stop the run without its checkpoint
-                stopping = stop.received is not None
                 if cfg.checkpoint.enabled and (
-                    (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last or stopping
+                    (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last
                 ):
-                    save(step)
+                    with stop.saving():  # a second Ctrl-C now would lose the checkpoint the first asked for
+                        save(step)
                     t_log = time.perf_counter()
                 if stopping:
                     result.interrupted = True
+                    result.signal = stop.received
                     log.warning("stopped by signal at step %d; continue with --resume", step)
                     break
     finally:
         metrics.close()
         if progress is not None:
             progress.close()
+        if hasattr(optimizer, "close"):
+            optimizer.close()  # its host threads and pinned buffers, also when the run failed
     result.step = step
     return result
 
