@@ -1,4 +1,4 @@
-"""The ``elbowroom`` command: ``train`` and ``prepare`` (``plan``, ``report`` and ``bench`` come with the planner).
+"""The ``elbowroom`` command: ``train``, ``prepare``, ``plan``, ``report`` and ``export``.
 
 Bad input (an unknown key, a wrong type, a missing data file, a checkpoint of another model) prints one
 line naming the problem and the fix and exits with code 2, without a traceback and without writing
@@ -19,6 +19,9 @@ USAGE = """usage: elbowroom COMMAND [options]
 commands:
   train     train the reference LM (default: the tiny model on Python's own stdlib source, CPU-friendly)
   prepare   turn a text file or folder into a token file (.bin) for --data.path
+  plan      plan a model under a memory budget before any step runs (analytic profile, no GPU needed)
+  report    draw where a run's memory and time went (RUN_DIR/report/: pictures and one HTML page)
+  export    turn a run's checkpoint into a Hugging Face, ONNX, quantized or pruned model
 
 `elbowroom COMMAND --help` shows a command's options.
 """
@@ -121,7 +124,28 @@ def cmd_prepare(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare}
+def cmd_plan(argv: list[str]) -> int:
+    from elbowroom.plan.cli import cmd_plan as run
+
+    _setup_logging()
+    return run(argv)
+
+
+def cmd_report(argv: list[str]) -> int:
+    from elbowroom.report.cli import cmd_report as run
+
+    _setup_logging()
+    return run(argv)
+
+
+def cmd_export(argv: list[str]) -> int:
+    from elbowroom.export.cli import cmd_export as run
+
+    _setup_logging()
+    return run(argv)
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "plan": cmd_plan, "report": cmd_report, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

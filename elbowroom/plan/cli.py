@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="model preset: tiny, w1, w2, 7b (default tiny)")
     p.add_argument("--arch", choices=("llama", "gpt2"), default=None, help="block family (default: the preset's)")
     p.add_argument("--device", default=None, help="device of the table elbowroom.plan.devices, e.g. h100-80gb")
+    p.add_argument("--host-memory", default=None, help="host memory of the machine planned for, e.g. 128GiB "
+                   "(default: this machine's): the host optimizer state and pinned activations must fit it")
     p.add_argument("--budget", required=True, help="device memory for the step: 24GiB, 24GB, 512MiB or bytes")
     p.add_argument("--batch", default=None, help="micro-batch as SAMPLESxTOKENS, e.g. 4x4096 (default 1 x the "
                    "preset's max_seq_len)")
@@ -66,21 +68,10 @@ def _parse_batch(text: str) -> tuple[int, int]:
     return b, s
 
 
-def _known_devices() -> list[str] | None:
-    """Names of the device table, whatever shape the table module gives them in (None if it is not there)."""
-    try:
-        from elbowroom.plan import devices
-    except ImportError:
-        return None
-    for attr in ("names", "known", "list_devices", "device_names"):
-        f = getattr(devices, attr, None)
-        if callable(f):
-            return sorted(f())
-    for attr in ("DEVICES", "MACHINES", "TABLE", "devices"):
-        table = getattr(devices, attr, None)
-        if isinstance(table, Mapping):
-            return sorted(table)
-    return None
+def _known_devices() -> list[str]:
+    from elbowroom.plan.devices import DEVICES
+
+    return sorted(DEVICES)
 
 
 def _profile_from_args(args: argparse.Namespace) -> Any:
@@ -95,7 +86,7 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
         raise _UsageError("elbowroom plan: --device is needed to profile a model (e.g. --device h100-80gb), or "
                           "pass --profile FILE.json")
     names = _known_devices()
-    if names is not None and args.device not in names:
+    if args.device not in names:
         raise _UsageError(f"elbowroom plan: unknown device {args.device!r}; known: {', '.join(names)}")
     preset = PRESETS[args.model]
     b, s = _parse_batch(args.batch) if args.batch else (1, preset.max_seq_len)
@@ -107,8 +98,12 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
     cfg = ModelConfig.from_preset(args.model, arch=args.arch, max_seq_len=max(preset.max_seq_len, s))
     model = build_model(cfg, device="meta")
     sample = torch.zeros((b, s), dtype=torch.long, device="meta")
+    from elbowroom.plan.devices import get_device
+    from elbowroom.plan.fit import parse_budget
+
     try:
-        return profile(model, sample, source="analytic", machine=args.device)
+        host = parse_budget(args.host_memory) if args.host_memory else None
+        return profile(model, sample, source="analytic", machine=get_device(args.device, host_memory=host))
     except (KeyError, ValueError) as e:
         raise _UsageError(f"elbowroom plan: {e}") from None
 

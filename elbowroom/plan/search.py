@@ -280,8 +280,16 @@ def plan_for(
         budget = int(m.device_memory_bytes)
 
     tables = cost.block_tables(profile)
-    ks = _Knapsack(profile, tables, offload_ok=link_ok and offload_allowed, prefetch_window=prefetch_window_bytes,
-                   selective_ok=selective_allowed)
+    ks_all = _Knapsack(profile, tables, offload_ok=link_ok and offload_allowed, prefetch_window=prefetch_window_bytes,
+                       selective_ok=selective_allowed)
+    host_mem = m.host_memory_bytes if m.host_memory_bytes > 0 else math.inf
+    programmes = [ks_all]
+    if max(ks_all.level_pool) > 0 and max(ks_all.level_pool) * max(_micro_batches(profile, global_batch)) \
+            / profile.micro_batch > host_mem / 2:
+        # where the host cannot hold every activation a level may offload, the same levels without activation
+        # offload stay open (recompute alone), so that a small host limits the offload, not the plan
+        programmes.append(_Knapsack(profile, tables, offload_ok=False, prefetch_window=prefetch_window_bytes,
+                                    selective_ok=selective_allowed))
     n = len(profile.blocks)
     mbs = _micro_batches(profile, global_batch)
     gb = global_batch if global_batch is not None else profile.micro_batch
@@ -289,10 +297,9 @@ def plan_for(
     alloc_opts = [False, True] if cuda_like else [False]
     k_opts = _offload_counts(n) if opt_ok else [0]
     other_opts = [False, True] if opt_ok else [False]
-    host_mem = m.host_memory_bytes if m.host_memory_bytes > 0 else math.inf
     slack = n + 16  # bytes lost to rounding each block's bytes up separately
 
-    best: tuple[float, _Outer, int, int, float] | None = None  # (seconds, outer, level, capacity, w)
+    best: tuple[float, _Outer, int, int, float, _Knapsack] | None = None  # (seconds, outer, level, capacity, w, ks)
     minimum: tuple[int, _Outer, dict[str, int]] | None = None
     for layout in layouts:
         for k in k_opts:
@@ -315,7 +322,7 @@ def plan_for(
                             continue
                         w = cost.duplex_share(d)
                         floor_s = cost.step_seconds(g, s, acc, 0.0)
-                        for expandable in alloc_opts:
+                        for expandable, ks in ((a, k) for a in alloc_opts for k in programmes):
                             for li, e in enumerate(ks.levels):
                                 if g.host_bytes + s * ks.level_pool[li] > host_mem:
                                     continue
@@ -341,13 +348,13 @@ def plan_for(
                                     continue
                                 t = cost.step_seconds(g, s, acc, float(t_blocks))
                                 if best is None or t < best[0]:
-                                    best = (t, outer, li, cap, w)
+                                    best = (t, outer, li, cap, w, ks)
     if best is None:
         raise _budget_error(
             profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed,
             offload_config,
         )
-    t, outer, li, cap, w = best
+    t, outer, li, cap, w, ks = best
     opts = ks.backtrack(li, w, cap)
     d = Decisions(
         offload_config=offload_config, options=tuple(OPTIONS[o] for o in opts),
@@ -409,6 +416,14 @@ def _budget_error(
     parts.append("the smallest plan: " + ", ".join(f"{k} {_gib(v)}" for k, v in comp.items())
                  + f" (micro-batch {outer.micro_batch}; {top} dominate)")
     hints = []
+    if opt_ok:
+        need_host = cost.globals_for(profile, replace(all_dev, offload_blocks=(True,) * n, offload_other=True))
+        if need_host.host_bytes > profile.machine.host_memory_bytes:
+            hints.append(
+                f"the host's {_gib(profile.machine.host_memory_bytes)} cannot hold the whole optimizer "
+                f"({_gib(need_host.host_bytes)}), which limits the offload: a machine with more host memory "
+                "(elbowroom plan --host-memory) lowers the minimum"
+            )
     if precision == "fp32" and profile.compute_dtype in ("bfloat16", "float16") and opt_ok:
         hints.append("precision='bf16' allows bf16 device weights")
     if not fused_allowed:
