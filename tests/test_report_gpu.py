@@ -70,7 +70,8 @@ def test_cuda_recording_and_report(tmp_path: Path, offload: bool) -> None:
         for s in samples
         if s["step"] == 3 and s["phase"] == "forward" and s["event"] == "end"
     ]
-    assert fwd_end[-1] > fwd_end[0]
+    if not offload:  # kept activations grow block by block (offloaded ones leave as they grow)
+        assert fwd_end[-1] > fwd_end[0]
     if offload:
         assert any(s["host_bytes"].get("offload_pool") for s in samples)
         assert any(s["host_bytes"].get("optimizer") for s in samples)
@@ -92,9 +93,9 @@ def test_oom_report_dumps_the_snapshot(tmp_path: Path) -> None:
     model, opt, cfg = _model_and_optimizer(False)
     torch.cuda.memory._record_memory_history(max_entries=10_000)
     try:
-        free = torch.cuda.mem_get_info()[0]
+        total = torch.cuda.mem_get_info()[1]  # more than the device has: the allocator's cache cannot cover it
         with pytest.raises(torch.OutOfMemoryError) as e:
-            torch.empty(free + (1 << 30), dtype=torch.uint8, device="cuda")
+            torch.empty(total + (1 << 30), dtype=torch.uint8, device="cuda")
         path = write_oom_report(tmp_path, model, opt, plan={"predicted_peak_bytes": 1 << 30}, error=e.value)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -136,7 +136,10 @@ class Tracer:
         region = self.regions[self.bwd_block if self.backward else self.fwd_block]
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
-            flops = count(*args, **kwargs, out_val=out)
+            try:
+                flops = count(*args, **kwargs, out_val=out)
+            except AssertionError:  # torch's attention counter refuses grouped-query shapes (fewer k/v heads)
+                flops = _grouped_attention_flops(func, args)
             if self.backward:
                 region.bwd_flops += flops
             else:
@@ -421,3 +424,13 @@ class MetaEmulation(TorchFunctionMode):
         if mask is None and q.dtype in (torch.float16, torch.bfloat16) and hd <= 256 and hd % 8 == 0:
             return "flash"
         return "efficient"
+
+
+def _grouped_attention_flops(func: Any, args: tuple) -> int:
+    """FLOPs of an attention op whose keys and values have fewer heads than its queries (grouped-query): the
+    query heads' count, as if k and v were repeated; 2 matmuls forward, 4 backward (torch's own convention)."""
+    q, k = args[0], args[1]
+    b, h, s_q, d = q.shape
+    s_k = k.shape[-2]
+    per_matmul = 2 * b * h * s_q * s_k * d
+    return (4 if "backward" in func._overloadpacket.__name__ else 2) * per_matmul
