@@ -365,6 +365,7 @@ class _Runner:
                 t1 = self.clock.mark()
                 if not backward:
                     del loss  # frees the graph, and with it what the blocks saved
+                    self.clock.sync()  # host-device sync: the events are read next
                     return self.clock.seconds(t0, t1), 0.0
                 tracer.backward = True
                 # not loss.backward(): under a TorchFunctionMode that call is itself intercepted, and the mode is
