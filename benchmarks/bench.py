@@ -196,6 +196,12 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     tgt = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
     args.sample, args.fused_loss = (idx, tgt), name.endswith(FUSED_LOSS)  # what a planner mode profiles with
     setup = mode_setup(name)(model, args)
+    if device.type == "cuda":
+        # the peak of the training steps, not of the set-up (a planner mode profiles the model first)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     # the head and loss chunk by chunk (linear_cross_entropy): the suffix asks, a plan decides for itself
     fused_loss = setup.fused_loss if setup.fused_loss is not None else name.endswith(FUSED_LOSS)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
