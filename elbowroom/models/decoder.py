@@ -85,6 +85,9 @@ PRESETS: dict[str, ModelConfig] = {
     "w1": ModelConfig(vocab_size=32000, dim=2048, n_layers=24, n_heads=16, ffn_dim=5632, max_seq_len=4096),
     "w2": ModelConfig(vocab_size=32000, dim=4096, n_layers=8, n_heads=32, ffn_dim=14336, max_seq_len=8192),
     "7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096),
+    # a GPT-2-XL-shaped model (1.6B, LayerNorm, learned positions, GELU, dropout): the planner's unseen shape
+    "gpt2-xl": ModelConfig(arch="gpt2", vocab_size=50304, dim=1600, n_layers=48, n_heads=25, ffn_dim=6400,
+                           max_seq_len=1024, dropout=0.1),
 }
 
 

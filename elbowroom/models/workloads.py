@@ -32,6 +32,7 @@ WORKLOADS: dict[str, Workload] = {
     "w2": Workload("w2", 1, 8192),
     "w3": Workload("7b", 1, 4096),
     "w3-accum8": Workload("7b", 1, 4096, 8),
+    "gpt2-xl": Workload("gpt2-xl", 8, 1024),
     # a small shape to check the harness itself, on a CPU too
     "smoke": Workload("tiny", 4, 128),
 }
