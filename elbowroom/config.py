@@ -21,6 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 # The mechanisms own their config dataclasses (frozen, validated, one docstring per field); the run's config
 # composes them, so each setting has one schema and --help shows the mechanism's own words.
 from elbowroom.activations.policy import ActivationConfig
+from elbowroom.optim.config import CPUOffloadConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -258,11 +259,32 @@ class Config:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     activations: ActivationConfig = field(default_factory=ActivationConfig)
+    offload: CPUOffloadConfig = field(default_factory=CPUOffloadConfig)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def __post_init__(self) -> None:
         if self.resume and not self.out:
             raise ConfigError("--resume needs the run to continue: pass --out DIR of that run")
+        # [offload] is the CPU-offloaded optimizer's own config; the trainer sets its placement and precision
+        # from [optimizer] (one schema per setting), so only the engine's knobs are read from this section
+        default = CPUOffloadConfig()
+        for name in _OFFLOAD_PLACEMENT:
+            if getattr(self.offload, name) != getattr(default, name):
+                where = _OFFLOAD_PLACEMENT[name]
+                raise ConfigError(
+                    f"offload.{name} is set by the trainer from {where}; set that instead (the [offload] section "
+                    "holds the optimizer engine's knobs: bucket_bytes, num_staging_slots, cpu_threads, ...)"
+                )
+
+
+# CPUOffloadConfig fields the trainer derives from [optimizer] -> where the user sets them
+_OFFLOAD_PLACEMENT = {
+    "offload_fraction": "--optimizer.offload_fraction",
+    "offload_gradients": "--optimizer.offload_gradients",
+    "param_dtype": "--optimizer.offload_param_dtype",
+    "master_weights": "--optimizer.param_dtype bfloat16",
+    "overlap": "the trainer (it always overlaps the host step with the next forward)",
+}
 
 
 # Short flags users expect from nanoGPT/torchtitan-style CLIs, mapped to their dotted keys.
@@ -579,6 +601,8 @@ def help_text() -> str:
     lines = []
     section = None
     for key, tp, default, doc in iter_options():
+        if key.startswith("offload.") and key.removeprefix("offload.") in _OFFLOAD_PLACEMENT:
+            continue  # set from [optimizer]; refused here
         sec = key.split(".")[0] if "." in key else ""
         if sec != section:
             section = sec

@@ -67,8 +67,13 @@ def test_bad_toml(tmp_path) -> None:
 
 def test_every_option_documented() -> None:
     text = help_text()
+    from elbowroom.config import _OFFLOAD_PLACEMENT
+
     for key, _tp, _default, doc in iter_options():
         assert doc, f"{key} has no docstring"
+        if key.removeprefix("offload.") in _OFFLOAD_PLACEMENT and key.startswith("offload."):
+            assert f"--{key}" not in text  # set from [optimizer], refused in [offload]: not offered
+            continue
         assert f"--{key}" in text
     assert "(default: 200)" in text  # train.steps
 
@@ -121,3 +126,28 @@ def test_activation_field_types_from_command_line_and_toml(tmp_path) -> None:
 def test_the_mechanisms_validation_becomes_a_config_error(args, message) -> None:
     with pytest.raises(ConfigError, match=message):
         resolve(None, args)
+
+
+def test_offload_section_is_the_optimizers_own_config(tmp_path) -> None:
+    """[offload] composes CPUOffloadConfig: its engine knobs reach the optimizer; placement stays in [optimizer]."""
+    import torch
+
+    from elbowroom.config import ConfigError, resolve
+    from elbowroom.models import ModelConfig, build_model
+    from elbowroom.optim import CPUOffloadConfig
+    from elbowroom.train.trainer import build_optimizer
+
+    cfg = resolve(None, ["--optimizer.offload_fraction", "0.5", "--offload.bucket_bytes", "65536",
+                         "--offload.num_staging_slots", "2", "--offload.cpu_threads", "1"])
+    assert isinstance(cfg.offload, CPUOffloadConfig) and cfg.offload.bucket_bytes == 65536
+    opt = build_optimizer(build_model(ModelConfig.from_preset("tiny")), cfg, torch.device("cpu"))
+    try:
+        assert opt.config.bucket_bytes == 65536 and opt.config.num_staging_slots == 2
+        assert 0 < len(opt.offloaded_parameters()) < len(list(opt.param_groups[0]["params"])) + len(
+            list(opt.param_groups[1]["params"]))  # the late half, from [optimizer]
+    finally:
+        opt.close()
+    with pytest.raises(ConfigError, match="set by the trainer from --optimizer.offload_fraction"):
+        resolve(None, ["--offload.offload_fraction", "0.5"])
+    with pytest.raises(ConfigError, match="offload.bucket_bytes"):
+        resolve(None, ["--offload.bucket_bytes", "0"])

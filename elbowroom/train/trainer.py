@@ -132,6 +132,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
             offload_params=last_fraction(list(model.parameters()), o.offload_fraction) if late else None,
             param_dtype=torch.bfloat16 if o.offload_param_dtype == "bfloat16" else None,
             master_weights=o.param_dtype == "bfloat16",  # the model was cast to bf16: fp32 masters on both sides
+            config=cfg.offload,  # the engine's knobs ([offload]); the placement above overrides its own fields
         )
         # step() returns at once; each block waits for its own updated weights in the next forward, so
         # the CPU step of the late blocks hides behind the forward of the early ones even with clipping
