@@ -149,5 +149,5 @@ def test_offload_section_is_the_optimizers_own_config(tmp_path) -> None:
         opt.close()
     with pytest.raises(ConfigError, match="set by the trainer from --optimizer.offload_fraction"):
         resolve(None, ["--offload.offload_fraction", "0.5"])
-    with pytest.raises(ConfigError, match="offload.bucket_bytes"):
+    with pytest.raises(ConfigError, match=r"\[offload\] bucket_bytes must be a positive int"):
         resolve(None, ["--offload.bucket_bytes", "0"])
