@@ -1,0 +1,176 @@
+"""Data parallel on 2 gloo processes: DDP, FSDP2 and HSDP give a single process's losses over the global batch.
+
+Every training check runs in one spawn (CI has two cores); the reference single-process runs happen in the
+test process itself. fp32 throughout, no dropout: the ranks' losses must equal the single process's within
+1e-5 relative (the only difference is the order of the gradient sums).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elbowroom.distributed.comm_hooks import int8_compress, int8_decompress, topk_compress, topk_decompress
+from elbowroom.distributed.config import ParallelConfig
+from elbowroom.models import ModelConfig, build_model
+from tests.distributed_utils import run_ranks
+
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
+GLOBAL_BATCH, SEQ, STEPS = 4, 16, 10
+
+
+def _batches(step: int, accum: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, CFG.vocab_size, (accum, GLOBAL_BATCH, SEQ + 1), generator=g)
+
+
+def _train(model, optimizer, steps: int, accum: int, *, topo=None, sync=None, scale: float = 1.0,
+           reduce=lambda v: v, rank_slice=slice(None), recompute_hook=None) -> list[float]:
+    """The loop every check runs: the loss of a step is normalised by the global step's tokens."""
+    import contextlib
+
+    losses = []
+    step_tokens = accum * GLOBAL_BATCH * SEQ
+    for step in range(steps):
+        data = _batches(step, accum)
+        total = 0.0
+        for i in range(accum):
+            x, y = data[i, rank_slice, :-1], data[i, rank_slice, 1:]
+            ctx = sync(model, i == accum - 1) if sync is not None else contextlib.nullcontext()
+            with ctx:
+                logits = model(x)
+                loss_sum = F.cross_entropy(logits.reshape(-1, CFG.vocab_size), y.reshape(-1), reduction="sum")
+                (loss_sum / step_tokens * scale).backward()
+            total += loss_sum.item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(reduce(total) / step_tokens)
+    return losses
+
+
+def _reference(steps: int = STEPS, accum: int = 1) -> list[float]:
+    torch.manual_seed(0)
+    model = build_model(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return _train(model, opt, steps, accum)
+
+
+def _ranks_train(rank: int, world: int) -> dict:
+    """On each rank: every data-parallel mode, with and without accumulation; losses and hook counts."""
+    from elbowroom.distributed.data_parallel import (
+        all_reduce_sum,
+        apply_data_parallel,
+        gradient_sync,
+        init_distributed,
+        loss_scale,
+    )
+
+    out = {}
+    cases = {
+        "ddp": ParallelConfig(dp_replicate=2),
+        "fsdp": ParallelConfig(dp_shard=2),
+        "hsdp_2x1": ParallelConfig(dp_replicate=2, data_parallel="hsdp"),
+        "hsdp_1x2": ParallelConfig(dp_shard=2, data_parallel="hsdp"),
+    }
+    for name, parallel in cases.items():
+        for accum in (1, 3):
+            topo = init_distributed(parallel, rank=rank, world_size=world, local_rank=rank,
+                                    device=torch.device("cpu"))
+            torch.manual_seed(0)
+            model = build_model(CFG)
+            model, comm = apply_data_parallel(model, topo)
+            calls = []
+            if comm is not None:  # count the all-reduces: one per bucket per optimizer step, never per micro-batch
+                inner = comm.hook
+
+                def counting(state, bucket, _inner=inner, calls=calls):
+                    calls.append(bucket.index())
+                    return _inner(state, bucket)
+
+                comm.hook = counting
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            local = GLOBAL_BATCH // topo.dp_size
+            losses = _train(
+                model, opt, STEPS, accum, sync=gradient_sync, scale=loss_scale(topo),
+                reduce=lambda v, topo=topo: all_reduce_sum(v, topo, torch.device("cpu")),
+                rank_slice=slice(topo.dp_rank * local, (topo.dp_rank + 1) * local),
+            )
+            full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                    for n, p in model.named_parameters()}
+            out[(name, accum)] = {"losses": losses, "calls": len(calls), "params": full}
+    return out
+
+
+@pytest.mark.slow
+def test_data_parallel_modes_equal_single_process() -> None:
+    ref = {accum: _reference(accum=accum) for accum in (1, 3)}
+    r0, r1 = run_ranks(_ranks_train)
+    for key, res in r0.items():
+        name, accum = key
+        assert res["losses"] == pytest.approx(ref[accum], rel=1e-5), key
+        assert r1[key]["losses"] == res["losses"], key  # every rank logs the same global loss
+        for n, p in res["params"].items():  # and holds the same weights after 10 steps
+            torch.testing.assert_close(p, r1[key]["params"][n], rtol=0, atol=0, msg=f"{key} {n}")
+        if name == "ddp":  # the tiny model fits one bucket: one all-reduce per optimizer step
+            assert res["calls"] == STEPS, (key, res["calls"])
+
+
+# ---------------------------------------------------------------- compression: exact error feedback
+def test_topk_error_feedback_is_exact() -> None:
+    x = torch.randn(1000)
+    values, indices, residual = topk_compress(x, 0.05)
+    assert values.numel() == 50 and indices.dtype == torch.int32
+    torch.testing.assert_close(topk_decompress(values, indices, x.numel()) + residual, x, rtol=0, atol=0)
+    # what is sent is the largest in magnitude
+    assert values.abs().min() >= residual.abs().max()
+
+
+def test_int8_error_feedback_is_exact_and_unbiased() -> None:
+    x = torch.randn(4096)
+    q, scale, residual = int8_compress(x, torch.Generator().manual_seed(0))
+    assert q.dtype == torch.int8 and scale.numel() == 1
+    torch.testing.assert_close(int8_decompress(q, scale) + residual, x, rtol=0, atol=1e-6)
+    assert residual.abs().max() <= scale.item() + 1e-6  # stochastic rounding moves by less than one step
+    # unbiased: the mean of many roundings of one value is the value
+    v = torch.full((20000,), 0.3 * 127 / 127)
+    v[0] = 1.0  # sets the scale to 1/127
+    qs, s, _ = int8_compress(v, torch.Generator().manual_seed(1))
+    assert int8_decompress(qs, s)[1:].mean().item() == pytest.approx(0.3, abs=2e-3)
+
+
+# ---------------------------------------------------------------- bad set-ups
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dp_shard": 0}, "parallel.dp_shard must be an integer >= 1"),
+        ({"tp": 2}, "not available yet"),
+        ({"dp_shard": 2, "comm_hook": "fp16"}, "set --parallel.dp_shard 1 or --parallel.comm_hook none"),
+        ({"dp_shard": 2, "data_parallel": "ddp"}, "set --parallel.dp_shard 1"),
+        ({"topk_ratio": 0.0}, "parallel.topk_ratio must be in (0, 1]"),
+    ],
+)
+def test_bad_parallel_configs(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        ParallelConfig(**kwargs)
+
+
+def test_mesh_must_match_world_size() -> None:
+    from elbowroom.distributed.data_parallel import init_distributed
+
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 4"):
+        init_distributed(ParallelConfig(dp_replicate=2, dp_shard=2), rank=0, world_size=2, local_rank=0,
+                         device=torch.device("cpu"))
+
+
+def test_rank_batches_tile_the_global_batch() -> None:
+    from elbowroom.distributed.sampler import RankBatchSampler
+    from elbowroom.train.data import ResumableSampler
+
+    stream = ResumableSampler(100, seed=3)
+    parts = [iter(RankBatchSampler(stream, global_batch=8, dp_rank=r, dp_size=2)) for r in range(2)]
+    single = iter(RankBatchSampler(stream, global_batch=8, dp_rank=0, dp_size=1))
+    for _ in range(30):  # across epoch boundaries too
+        assert next(parts[0]) + next(parts[1]) == next(single)
+    with pytest.raises(ValueError, match="must divide by the data-parallel size 3"):
+        RankBatchSampler(stream, global_batch=8, dp_rank=0, dp_size=3)
