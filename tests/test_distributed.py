@@ -28,14 +28,14 @@ def _batches(step: int, accum: int) -> torch.Tensor:
     return (start + stride * torch.arange(SEQ + 1)) % CFG.vocab_size
 
 
-def _train(model, optimizer, steps: int, accum: int, *, topo=None, sync=None, scale: float = 1.0,
-           reduce=lambda v: v, rank_slice=slice(None), recompute_hook=None) -> list[float]:
+def _train(model, optimizer, steps: int, accum: int, *, sync=None, scale: float = 1.0,
+           reduce=lambda v: v, rank_slice=slice(None), first_step: int = 0) -> list[float]:
     """The loop every check runs: the loss of a step is normalised by the global step's tokens."""
     import contextlib
 
     losses = []
     step_tokens = accum * GLOBAL_BATCH * SEQ
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         data = _batches(step, accum)
         total = 0.0
         for i in range(accum):
@@ -245,3 +245,59 @@ def test_compression_recompute_and_offload_under_data_parallel() -> None:
     assert r0["fp16"]["bytes"] / 10 == full / 2  # half the bytes of fp32 on the wire
     assert r0["int8"]["bytes"] / 50 < full / 3.9
     assert r0["topk"]["bytes"] / 50 < full / 4
+
+
+# ---------------------------------------------------------------- sharded checkpoints across world sizes
+def _ranks_checkpoint(rank: int, world: int, ckpt_dir: str) -> dict:
+    """FSDP2 on 2 ranks: continue a world-size-1 checkpoint for 5 steps; then train 5 fresh steps, save, train 5."""
+    from pathlib import Path
+
+    from elbowroom.distributed import checkpoint as C
+    from elbowroom.distributed.data_parallel import (
+        all_reduce_sum,
+        apply_data_parallel,
+        gradient_sync,
+        init_distributed,
+        loss_scale,
+    )
+
+    topo = init_distributed(ParallelConfig(dp_shard=2), rank=rank, world_size=world, local_rank=rank,
+                            device=torch.device("cpu"))
+    local = GLOBAL_BATCH // topo.dp_size
+    kw = dict(sync=gradient_sync, scale=loss_scale(topo), rank_slice=slice(rank * local, (rank + 1) * local),
+              reduce=lambda v: all_reduce_sum(v, topo, torch.device("cpu")))
+
+    def fresh():
+        torch.manual_seed(0)
+        model, _ = apply_data_parallel(build_model(CFG), topo)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = fresh()
+    extra = C.load(Path(ckpt_dir, "ws1"), model, opt)  # written by one process: resharded over two
+    resumed = _train(model, opt, 5, 1, first_step=extra["step"], **kw)
+    model, opt = fresh()
+    first = _train(model, opt, 5, 1, **kw)
+    C.save(Path(ckpt_dir, "ws2"), model, opt, extra={"step": 5})
+    return {"resumed": resumed, "first": first, "rest": _train(model, opt, 5, 1, first_step=5, **kw)}
+
+
+@pytest.mark.slow
+def test_resume_across_world_sizes(tmp_path) -> None:
+    """FSDP2 checkpoints through DCP: world size 2 -> 1 and 1 -> 2 continue the uninterrupted curve (1e-6)."""
+    from elbowroom.distributed import checkpoint as C
+
+    ref = _reference(steps=10)
+    torch.manual_seed(0)
+    model = build_model(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 5, 1)
+    C.save(tmp_path / "ws1", model, opt, extra={"step": 5})
+    assert not list(tmp_path.glob(".tmp-*"))  # published by rename, nothing left half-written
+
+    r0, r1 = run_ranks(_ranks_checkpoint, str(tmp_path))
+    assert r0["resumed"] == pytest.approx(ref[5:], rel=1e-6, abs=1e-6)  # 1 -> 2
+    assert r0["first"] + r0["rest"] == pytest.approx(ref, rel=1e-5)
+    model = build_model(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert C.load(tmp_path / "ws2", model, opt) == {"step": 5}
+    assert _train(model, opt, 5, 1, first_step=5) == pytest.approx(r0["rest"], rel=1e-6, abs=1e-6)  # 2 -> 1
