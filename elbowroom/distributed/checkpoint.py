@@ -1,0 +1,81 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP), loadable at another world size.
+
+Each rank writes its own shards of the model and optimizer state (``get_state_dict`` gives fully qualified
+names whatever the wrapper: DDP, FSDP2 or none), so a checkpoint written by 2 ranks loads in 1 process and
+the reverse: DCP reshards on load. The files go into a temporary directory that rank 0 renames into place
+after every rank has written (a barrier), so a crash mid-save never leaves a half checkpoint under a real
+name. Non-tensor state (schedule, RNG, data position) is small and written once, by rank 0, beside the shards.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from elbowroom.distributed.data_parallel import unwrap
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer state keyed by parameter names (sharded tensors stay sharded)."""
+    model_sd, optim_sd = get_state_dict(unwrap(model), optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def save(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+         extra: dict[str, Any] | None = None) -> Path:
+    """Write a DCP checkpoint to ``directory`` atomically (all ranks call this).
+
+    Args:
+        directory: the final checkpoint directory; it must not exist yet.
+        model: the (possibly wrapped) model.
+        optimizer: its optimizer.
+        extra: picklable non-tensor state (schedule, RNG, data position), saved once.
+
+    Returns:
+        The directory.
+    """
+    final = Path(directory)
+    tmp = final.with_name(f".tmp-{final.name}")
+    state = state_for_save(model, optimizer)
+    rank0 = not _distributed() or dist.get_rank() == 0
+    if rank0 and tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    if _distributed():
+        dist.barrier()
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+    if _distributed():
+        dist.barrier()  # every rank's shards are on disk before the rename publishes them
+    if rank0:
+        torch.save(extra or {}, tmp / "extra.pt")  # schedule, RNG, data position: small, written once
+        os.replace(tmp, final)
+    if _distributed():
+        dist.barrier()
+    return final
+
+
+def load(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load a DCP checkpoint into ``model`` and ``optimizer`` (resharding to this world); returns ``extra``."""
+    state = state_for_save(model, optimizer)
+    dcp.load(state, checkpoint_id=str(directory), no_dist=not _distributed())
+    set_state_dict(
+        unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=True),
+    )
+    return torch.load(Path(directory) / "extra.pt", weights_only=False)

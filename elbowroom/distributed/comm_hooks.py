@@ -1,0 +1,230 @@
+"""Gradient compression for DDP: torch's hooks behind a flag, and top-k and int8 with error feedback.
+
+A DDP communication hook receives one gradient bucket at a time (a flat buffer, ~25 MB by default) and
+returns a future of the averaged bucket. torch ships fp16/bf16 casting hooks and PowerSGD (low rank, with
+error feedback); this module adds two from the classic compression literature:
+
+- **top-k**: each rank sends the ``ratio`` share of its bucket's entries that are largest in magnitude
+  (values and int32 indices) and keeps the rest as a residual added to the next step's bucket (error
+  feedback, so that nothing is lost, only delayed);
+- **int8**: each rank sends its bucket quantised to int8 with one fp32 scale, rounded stochastically
+  (unbiased: E[q] = x / scale), and keeps the rounding error as its residual.
+
+Both exchange their compressed buckets with an all-gather (each rank's selection differs, so they cannot be
+summed on the wire) and decompress the sum locally; every rank then holds the same averaged bucket. The
+invariant the tests check: ``decompress(compress(g + e)) + e' == g + e`` exactly, where ``e`` is the residual
+carried in and ``e'`` the one carried out.
+
+:class:`CompressionState` counts the bytes each rank puts on the wire per step (``bytes_sent``), for the
+metrics. The hooks run on DDP's reducer thread for the whole bucket at once: no per-parameter Python work.
+"""
+
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CompressionState:
+    """What a compressing hook carries between steps: each bucket's residual, and the bytes sent."""
+
+    process_group: Any = None
+    """The group to all-gather over (None: the default group)."""
+    ratio: float = 0.01
+    """top-k: share of entries sent."""
+    generator: torch.Generator | None = None
+    """int8: the source of the stochastic rounding's noise (seeded per rank, so runs repeat)."""
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Bucket index -> error carried to the next step (the part of ``g + e`` not sent)."""
+    bytes_sent: int = 0
+    """Bytes this rank put on the wire since the last :meth:`take_bytes`."""
+
+    def take_bytes(self) -> int:
+        """The bytes sent since the last call (the metrics read this once per step)."""
+        n, self.bytes_sent = self.bytes_sent, 0
+        return n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {k: v.cpu() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {int(k): v for k, v in state["residuals"].items()}
+
+
+# ---------------------------------------------------------------- the compressors (pure, tested on their own)
+def topk_compress(x: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The largest-magnitude ``ratio`` share of flat ``x``: (values, int32 indices, residual = x - sent)."""
+    k = max(1, int(round(ratio * x.numel())))
+    indices = x.abs().topk(k, sorted=False).indices
+    values = x[indices]
+    residual = x.clone()
+    residual[indices] = 0
+    return values, indices.to(torch.int32), residual
+
+
+def topk_decompress(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """A dense flat tensor of ``numel`` zeros with ``values`` at ``indices`` (repeated indices add up)."""
+    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    out.index_add_(0, indices.long(), values)
+    return out
+
+
+def int8_compress(
+    x: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` as int8 with one fp32 scale, stochastically rounded: (q, scale, residual = x - q * scale)."""
+    scale = (x.abs().max().float() / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    noise = torch.rand(x.shape, generator=generator, device=x.device if generator is None else generator.device)
+    q = torch.floor(x.float() / scale + noise.to(x.device)).clamp_(-127, 127).to(torch.int8)
+    residual = x - int8_decompress(q, scale).to(x.dtype)
+    return q, scale.reshape(1), residual
+
+
+def int8_decompress(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()
+
+
+# ---------------------------------------------------------------- the DDP hooks
+def _world(state: CompressionState) -> int:
+    return dist.get_world_size(state.process_group)
+
+
+def _gather(state: CompressionState, tensor: torch.Tensor) -> torch.futures.Future:
+    """All-gather ``tensor`` (same shape on every rank) into a list, asynchronously."""
+    out = [torch.empty_like(tensor) for _ in range(_world(state))]
+    work = dist.all_gather(out, tensor, group=state.process_group, async_op=True)
+    state.bytes_sent += tensor.numel() * tensor.element_size()
+    return work.get_future().then(lambda _: out)
+
+
+def topk_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: top-k sparsification with error feedback (see the module docstring)."""
+    buf = bucket.buffer()
+    x = buf + state.residuals[bucket.index()] if bucket.index() in state.residuals else buf.clone()
+    values, indices, state.residuals[bucket.index()] = topk_compress(x, state.ratio)
+    gathered_values = _gather(state, values)
+    gathered_indices = _gather(state, indices)
+    world = _world(state)
+
+    def decompress(_: Any) -> torch.Tensor:
+        vals, idxs = gathered_values.value(), gathered_indices.value()
+        dense = topk_decompress(torch.cat(vals), torch.cat(idxs), buf.numel())
+        buf.copy_(dense.div_(world))
+        return buf
+
+    return torch.futures.collect_all([gathered_values, gathered_indices]).then(decompress)
+
+
+def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: int8 quantisation with stochastic rounding and error feedback (see the module docstring)."""
+    buf = bucket.buffer()
+    x = buf + state.residuals[bucket.index()] if bucket.index() in state.residuals else buf.clone()
+    q, scale, state.residuals[bucket.index()] = int8_compress(x, state.generator)
+    gathered_q = _gather(state, q)
+    gathered_scale = _gather(state, scale)
+    world = _world(state)
+
+    def decompress(_: Any) -> torch.Tensor:
+        total = sum(int8_decompress(qi, si) for qi, si in zip(gathered_q.value(), gathered_scale.value()))
+        buf.copy_(total.div_(world))
+        return buf
+
+    return torch.futures.collect_all([gathered_q, gathered_scale]).then(decompress)
+
+
+class _Counting:
+    """Wraps one of torch's hooks to count the bytes it sends (its compressed bucket: the dtype it casts to)."""
+
+    def __init__(
+        self,
+        hook: Callable,
+        wire_bytes_per_element: int | None,
+        wire_bytes: Callable[[dist.GradBucket], int] | None = None,
+    ) -> None:
+        self.hook = hook
+        self.__name__ = f"counting_{hook.__name__}"  # DDP logs its hook's name
+        self.__qualname__ = self.__name__
+        self.wire = wire_bytes_per_element
+        self.wire_bytes = wire_bytes
+        self.bytes_sent = 0
+
+    def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if self.wire_bytes is not None:
+            self.bytes_sent += self.wire_bytes(bucket)
+        else:
+            buf = bucket.buffer()
+            self.bytes_sent += buf.numel() * (self.wire or buf.element_size())
+        return self.hook(state, bucket)
+
+    def take_bytes(self) -> int:
+        n, self.bytes_sent = self.bytes_sent, 0
+        return n
+
+
+def _powersgd_wire_bytes(ps: Any) -> Callable[[dist.GradBucket], int]:
+    """PowerSGD's bytes per bucket, by its own rule: a full all-reduce before ``start_powerSGD_iter``; then
+    each matrix it compresses sends its P (n x r) and Q (m x r) factors in the gradient's dtype, and
+    vectors and matrices that would not shrink by ``min_compression_rate`` go uncompressed."""
+
+    def count(bucket: dist.GradBucket) -> int:
+        if ps.iter < ps.start_powerSGD_iter:
+            return bucket.buffer().numel() * bucket.buffer().element_size()
+        total = 0
+        for g in bucket.gradients():
+            n = g.shape[0] if g.dim() > 1 else g.numel()
+            m = g.numel() // max(n, 1)
+            r = min(n, m, ps.matrix_approximation_rank)
+            compressed = g.dim() > 1 and (n + m) * r * ps.min_compression_rate < n * m
+            total += ((n + m) * r if compressed else g.numel()) * g.element_size()
+        return total
+
+    return count
+
+
+def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, name: str, *, process_group: Any = None,
+                       powersgd_rank: int = 4, topk_ratio: float = 0.01, seed: int = 0) -> Any:
+    """Install the hook ``name`` (none, fp16, bf16, powersgd, topk, int8) on a DDP model.
+
+    Returns:
+        The hook's state: an object with ``take_bytes()`` (bytes sent since the last call) and, for the
+        hooks that carry error feedback or PowerSGD's factors, ``state_dict()`` / ``load_state_dict()``
+        for checkpoints.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "topk":
+        state = CompressionState(process_group=process_group, ratio=topk_ratio)
+        ddp_model.register_comm_hook(state, topk_hook)
+        return state
+    if name == "int8":
+        generator = torch.Generator(device=ddp_model.device if ddp_model.device_ids else "cpu")
+        generator.manual_seed(seed + dist.get_rank())  # independent noise per rank, the same on every rerun
+        state = CompressionState(process_group=process_group, generator=generator)
+        ddp_model.register_comm_hook(state, int8_hook)
+        return state
+    if name == "powersgd":
+        ps = powerSGD_hook.PowerSGDState(
+            process_group=process_group, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2,
+            use_error_feedback=True, warm_start=True, random_seed=seed,
+        )
+        counting = _Counting(powerSGD_hook.powerSGD_hook, None, wire_bytes=_powersgd_wire_bytes(ps))
+        ddp_model.register_comm_hook(ps, counting)
+        counting.state = ps  # PowerSGD's own state (its factors and error) travels with checkpoints
+        counting.state_dict = lambda: {"powersgd": ps.__getstate__()}
+        counting.load_state_dict = lambda sd: ps.__setstate__(dict(sd["powersgd"]))
+        return counting
+    hooks = {
+        "none": (default_hooks.allreduce_hook, None),
+        "fp16": (default_hooks.fp16_compress_hook, 2),
+        "bf16": (default_hooks.bf16_compress_hook, 2),
+    }
+    if name not in hooks:
+        raise ValueError(f"unknown comm hook {name!r}; choose none, fp16, bf16, powersgd, topk or int8")
+    hook, wire = hooks[name]
+    counting = _Counting(hook, wire)
+    ddp_model.register_comm_hook(process_group, counting)
+    return counting

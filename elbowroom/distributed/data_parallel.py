@@ -1,0 +1,214 @@
+"""Data parallel on torch's own engines: process groups, the device mesh, DDP, FSDP2 and HSDP.
+
+- ``dp_shard 1``: DDP (gradient buckets all-reduced while backward runs, optional compression hooks);
+- ``dp_replicate 1``: FSDP2 (``fully_shard`` per block and at the root: ZeRO-3);
+- both above 1: HSDP (``fully_shard`` on the 2-D mesh: sharded within a replica group, all-reduced across).
+
+Accumulation turns gradient synchronisation off for every micro-batch but the last, around forward *and*
+backward (:func:`gradient_sync`). The loss of each rank is normalised by the tokens of the *global* step, and
+since both engines average gradients over the data-parallel ranks it is multiplied by their number
+(:func:`loss_scale`): the gradients then equal one process's over the whole global batch.
+
+Set-up takes the rank and world size as arguments: the CLI reads torchrun's environment, the library never does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from elbowroom.distributed.config import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: its rank, the world, and the mesh (None in a single process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    mesh: Any = None
+    """A ``DeviceMesh`` with dimensions ``dp_replicate`` and ``dp_shard``."""
+    parallel: ParallelConfig = ParallelConfig()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (its slice of each global batch)."""
+        return self.rank  # dp is the whole world until tensor/pipeline parallel land
+
+    @property
+    def dp_size(self) -> int:
+        return self.parallel.dp_size
+
+
+def init_distributed(
+    parallel: ParallelConfig, *, rank: int, world_size: int, local_rank: int, device: torch.device,
+    timeout_s: float = 600.0,
+) -> Topology:
+    """Start the process group and build the mesh ``parallel`` asks for.
+
+    Args:
+        parallel: the mesh sizes; their product must equal ``world_size``.
+        rank, world_size, local_rank: this process's place (torchrun's RANK, WORLD_SIZE, LOCAL_RANK).
+        device: the device this rank computes on (``cuda:LOCAL_RANK`` or ``cpu``).
+        timeout_s: collective timeout.
+
+    Returns:
+        The :class:`Topology`; a single process without FSDP gets one with no mesh and no process group.
+
+    Raises:
+        ValueError: the mesh does not match the world size.
+    """
+    if parallel.world_size != world_size:
+        raise ValueError(
+            f"the mesh needs dp_replicate x dp_shard x tp x pp = {parallel.dp_replicate} x {parallel.dp_shard} x "
+            f"{parallel.tp} x {parallel.pp} = {parallel.world_size} processes, but the world size is {world_size}; "
+            f"launch with `torchrun --nproc-per-node {parallel.world_size}` or change --parallel.*"
+        )
+    if world_size == 1 and parallel.mode == "single":
+        return Topology(parallel=parallel)
+    if not dist.is_initialized():
+        # CUDA tensors over NCCL, host tensors (the CPU-offloaded optimizer's norms, metrics) over gloo
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(
+        device.type, (parallel.dp_replicate, parallel.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+    )
+    return Topology(rank=rank, world_size=world_size, local_rank=local_rank, mesh=mesh, parallel=parallel)
+
+
+def shutdown() -> None:
+    """Destroy the process group if this process made one (idempotent)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    topo: Topology,
+    *,
+    blocks: list[nn.Module] | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    bucket_cap_mb: float = 25.0,
+    seed: int = 0,
+) -> tuple[nn.Module, Any]:
+    """Wrap ``model`` for the topology's data-parallel mode.
+
+    Args:
+        model: the model, already on its device, memory policies applied (recompute and offload wrap the
+            blocks' forwards, which DDP and FSDP2 call through).
+        topo: from :func:`init_distributed`.
+        blocks: FSDP2's units (default: ``find_blocks(model)``).
+        param_dtype: FSDP2's compute dtype for parameters (None: as stored).
+        reduce_dtype: FSDP2's gradient reduction dtype.
+        bucket_cap_mb: DDP's bucket size.
+        seed: seeds the compression hooks' randomness.
+
+    Returns:
+        ``(model, comm_state)``: the model to call (a ``DistributedDataParallel`` under DDP, the same module
+        under FSDP2, whose class gains FSDP2's methods) and the comm hook's state (``take_bytes()``; None
+        under FSDP2 and in a single process).
+    """
+    mode = topo.parallel.mode
+    if mode == "single":
+        return model, None
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from elbowroom.distributed.comm_hooks import register_comm_hook
+
+        device = next(model.parameters()).device
+        group = topo.mesh["dp_replicate"].get_group()
+        ddp = DDP(
+            model, process_group=group, device_ids=[device] if device.type == "cuda" else None,
+            bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
+        )
+        p = topo.parallel
+        state = register_comm_hook(ddp, p.comm_hook, process_group=group, powersgd_rank=p.powersgd_rank,
+                                   topk_ratio=p.topk_ratio, seed=seed)
+        return ddp, state
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from elbowroom.activations.recompute import find_blocks
+
+    mesh = topo.mesh["dp_shard"] if mode == "fsdp" else topo.mesh["dp_replicate", "dp_shard"]
+    kw: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": CPUOffloadPolicy(pin_memory=True) if topo.parallel.fsdp_cpu_offload else OffloadPolicy(),
+    }
+    for blk in blocks if blocks is not None else find_blocks(model):
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)
+    return model, None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 keeps the module itself)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Turn gradient synchronisation off (``enabled=False``) for a micro-batch's forward *and* backward.
+
+    DDP decides in forward whether the coming backward reduces, so the context must hold both; FSDP2 reads
+    its flag in backward. Outside any data-parallel wrapper this does nothing.
+    """
+    if enabled:
+        yield
+        return
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+        return
+    yield
+
+
+def loss_scale(topo: Topology) -> float:
+    """Factor on each rank's loss (already divided by the global step's tokens) so that the averaged
+    gradients equal a single process's over the global batch: the data-parallel size."""
+    return float(topo.dp_size) if topo.parallel.mode != "single" else 1.0
+
+
+def all_reduce_sum(value: float | int, topo: Topology, device: torch.device) -> float:
+    """Sum a host number over the data-parallel ranks (a host-device sync where the group is NCCL)."""
+    if topo.parallel.mode == "single" or not dist.is_initialized():
+        return value
+    t = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def global_grad_norm(model: nn.Module, topo: Topology) -> torch.Tensor:
+    """The L2 norm of all gradients across ranks (FSDP2's sharded gradients are DTensors: their
+    ``full_tensor`` norm; DDP's are replicated, so the local norm is already global)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads)

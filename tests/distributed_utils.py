@@ -1,0 +1,65 @@
+"""Start two gloo processes for a test and bring back what each returned.
+
+CI has two cores: each spawn is costly (~3 s of interpreter and torch start), so a test groups several checks
+in one worker function and returns their results; assertions run in the parent on what came back.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import torch
+
+    torch.set_num_threads(1)  # two ranks on two cores
+    try:
+        result: Any = fn(rank, world, *args)
+    except BaseException:  # noqa: BLE001 - carried to the parent, which fails the test with it
+        result = {"__error__": traceback.format_exc()}
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout_s: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; returns each rank's result, rank order.
+
+    ``fn`` must be a module-level function (it is pickled). An exception in any rank fails with its traceback.
+    """
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), out, fn, args), nprocs=world, join=False,
+                                 start_method="spawn")
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"distributed test did not finish in {timeout_s:.0f} s")
+        results = [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    for r, res in enumerate(results):
+        if isinstance(res, dict) and "__error__" in res:
+            raise AssertionError(f"rank {r} failed:\n{res['__error__']}")
+    return results
