@@ -142,6 +142,9 @@ def cmd_export(argv: list[str]) -> int:
     from elbowroom.export.cli import cmd_export as run
 
     _setup_logging()
+    cache = os.environ.get("ELBOWROOM_CACHE")
+    if cache and not any(a == "--cache-dir" or a.startswith("--cache-dir=") for a in argv) and len(argv) > 1:
+        argv = [*argv, "--cache-dir", cache]  # the library reads no environment: the CLI passes it on
     return run(argv)
 
 

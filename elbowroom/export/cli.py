@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
                        help="a run directory (its newest valid checkpoint) or a checkpoint directory step_NNNNNNNN")
         p.add_argument("--out", required=True, help="output directory (must not exist; written atomically)")
+        p.add_argument("--cache-dir", default=None, help="where the built-in corpus is cached (for the validation "
+                       "loss; default ~/.cache/elbowroom, or $ELBOWROOM_CACHE)")
         return p
 
     p = add("hf", "a transformers directory (LlamaForCausalLM / GPT2LMHeadModel, safetensors)")
@@ -82,7 +84,7 @@ def _export_onnx(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str, 
     from elbowroom.export.onnx_export import export_onnx, quantize_onnx_int8, run_onnx
 
     path = export_onnx(src.model, tmp / "model.onnx", opset_version=args.opset)
-    batches = validation_batches(src, args.eval_batches)
+    batches = validation_batches(src, args.eval_batches, cache_dir=args.cache_dir)
     before = _loss(src.model, batches)
     after = _loss(run_onnx(path), batches)
     # the weights live beside the graph, in model.onnx.data (ONNX files stop at 2 GB)
@@ -100,8 +102,8 @@ def _export_onnx(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str, 
 def _export_quantize(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from elbowroom.export.quantize import quantize_model, save_quantized
 
-    batches = validation_batches(src, args.eval_batches)
-    calibration = [b["input_ids"] for b in validation_batches(src, args.calibration_batches)]
+    batches = validation_batches(src, args.eval_batches, cache_dir=args.cache_dir)
+    calibration = [b["input_ids"] for b in validation_batches(src, args.calibration_batches, cache_dir=args.cache_dir)]
     before = _loss(src.model, batches)
     device = "cuda" if args.method == "float8" else "cpu"
     qmodel = quantize_model(copy.deepcopy(src.model), args.method, calibration=calibration, device=device)
@@ -117,7 +119,7 @@ def _export_prune(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str,
     from elbowroom.export.prune import prune_model
     from elbowroom.train.checkpoint import CheckpointManager
 
-    batches = validation_batches(src, args.eval_batches)
+    batches = validation_batches(src, args.eval_batches, cache_dir=args.cache_dir)
     before = _loss(src.model, batches)
     model = copy.deepcopy(src.model)
     stats = prune_model(model, args.method, args.amount)

@@ -109,12 +109,16 @@ def load_source(path: str | os.PathLike[str]) -> Source:
     return Source(model=model.float().eval(), config=cfg, meta=meta, path=ckpt)
 
 
-def validation_batches(source: Source, num_batches: int | None = None) -> list[dict[str, Any]]:
+def validation_batches(
+    source: Source, num_batches: int | None = None, *, cache_dir: str | None = None
+) -> list[dict[str, Any]]:
     """The run's validation batches (the trainer's eval batches), or [] when the run config is not known.
 
     Args:
         source: the checkpoint, whose metadata holds the run's config.
         num_batches: how many batches; the run's ``train.eval_batches`` when None.
+        cache_dir: where the built-in corpus is cached, when the run did not name one (the CLI passes
+            ``$ELBOWROOM_CACHE``).
 
     Returns:
         Batches ``{"input_ids", "targets", "num_tokens"}`` on the CPU.
@@ -130,7 +134,7 @@ def validation_batches(source: Source, num_batches: int | None = None) -> list[d
     except ConfigError as e:
         log.warning("validation loss skipped: the run config in %s does not load (%s)", source.path, e)
         return []
-    cache_dir = cfg.data.cache_dir or os.environ.get("ELBOWROOM_CACHE")
+    cache_dir = cfg.data.cache_dir or cache_dir
     try:
         tokens = D.load_tokens(cfg.data.path, cache_dir=cache_dir)
     except (OSError, ValueError) as e:
