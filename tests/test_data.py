@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from elbowroom.train import data as D
+from elbowroom.train import tokens
 
 
 def write_tokens(path: Path, tokens: list[int], dtype: str = "uint16", meta: dict | None = None) -> Path:
@@ -66,7 +67,7 @@ def test_default_corpus_is_loaded_from_the_cache(tmp_path, monkeypatch):
     def no_rebuild():
         raise AssertionError("the cached corpus should have been reused")
 
-    monkeypatch.setattr(D, "_corpus_files", no_rebuild)
+    monkeypatch.setattr(tokens, "_corpus_files", no_rebuild)
     token_file = D.load_tokens(None, cache_dir=tmp_path)
     assert token_file.path == path
     assert isinstance(token_file.tokens, np.memmap)
@@ -102,7 +103,7 @@ def test_prepare_failing_midway_leaves_the_old_file_and_no_temp_file(tmp_path, m
 
         return encode
 
-    monkeypatch.setattr(D, "_byte_encoder", failing_encoder)
+    monkeypatch.setattr(tokens, "_byte_encoder", failing_encoder)
     (tmp_path / "in.txt").write_text("something else")
     with pytest.raises(RuntimeError, match="disk full"):
         D.prepare(tmp_path / "in.txt", tmp_path / "x.bin", progress=False)
