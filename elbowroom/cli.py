@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 USAGE = """usage: elbowroom COMMAND [options]
 
@@ -76,6 +77,7 @@ def cmd_train(argv: list[str]) -> int:
         cfg = C.resolve(config_file, rest)
     except C.ConfigError as e:
         return _fail("train", str(e))
+    cfg = _from_environment(cfg)
 
     from elbowroom.train.checkpoint import CheckpointError
     from elbowroom.train.data import DataError
@@ -98,6 +100,19 @@ def cmd_train(argv: list[str]) -> int:
         )
         return 128 + (result.signal or signal.SIGTERM)
     return 0
+
+
+def _from_environment(cfg: Any) -> Any:
+    """The environment's say in a run, read here and nowhere below: ``ELBOWROOM_CACHE`` (where the built-in
+    corpus is cached, unless the config names a place) and ``CI`` (no progress bar)."""
+    from dataclasses import replace
+
+    cache = os.environ.get("ELBOWROOM_CACHE")
+    if cache and cfg.data.cache_dir is None:
+        cfg = replace(cfg, data=replace(cfg.data, cache_dir=cache))
+    if os.environ.get("CI") and cfg.logging.progress:
+        cfg = replace(cfg, logging=replace(cfg.logging, progress=False))
+    return cfg
 
 
 def cmd_prepare(argv: list[str]) -> int:
