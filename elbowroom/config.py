@@ -68,6 +68,11 @@ class ModelSection:
                 raise ConfigError(f"model.{name} must be positive, got {v}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.hf is not None:
+            shaped = [f"--model.{f.name}" for f in fields(self)
+                      if f.name != "hf" and getattr(self, f.name) != f.default]
+            if shaped:
+                raise ConfigError(f"model.hf takes the model from {self.hf}/config.json; drop {', '.join(shaped)}")
 
 
 @dataclass
@@ -275,6 +280,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.resume and not self.out:
             raise ConfigError("--resume needs the run to continue: pass --out DIR of that run")
+        if self.model.hf is not None and self.train.fused_loss:
+            raise ConfigError("train.fused_loss needs elbowroom's own models (it reads their head); drop "
+                              "--train.fused_loss with --model.hf")
         if self.budget is not None and self.plan is not None:
             raise ConfigError("--budget plans the run and --plan applies a saved plan: drop one of them")
         if self.budget is not None:

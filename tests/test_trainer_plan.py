@@ -9,6 +9,7 @@ keeps every activation. On a CPU nothing is offloaded (no host link); recompute 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,14 +19,15 @@ from elbowroom.cli import main
 from elbowroom.config import resolve
 from elbowroom.models import build_model
 from elbowroom.plan import BudgetError, Plan, plan_for, profile
+from elbowroom.train.checkpoint import CheckpointManager
 from elbowroom.train.trainer import resolve_model_config
 
-SMALL = [
-    "--model.dim", "32", "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.n_layers", "2",
+RUN = [
     "--data.seq_len", "32", "--data.batch_size", "4", "--data.num_workers", "0",
     "--train.eval_every", "0", "--train.eval_batches", "1", "--logging.progress", "false", "--log-every", "1",
     "--scheduler.warmup_steps", "2",
 ]
+SMALL = ["--model.dim", "32", "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.n_layers", "2", *RUN]
 BYTES = 256  # the built-in corpus is bytes
 
 
@@ -179,3 +181,82 @@ def test_profile_steps_are_validated() -> None:
     with pytest.raises(ConfigError, match="profile.steps: profile steps must look like"):
         resolve(None, ["--profile.steps", "3-x"])
     assert resolve(None, ["--profile.steps", "3-4"]).profile.step_set == {3, 4}
+
+
+# ---------------------------------------------------------------- --model.hf
+def hf_dir(tmp_path: Path, arch: str, weights: bool, vocab: int = BYTES) -> Path:
+    """A tiny Hugging Face model directory: config.json only, or with the weights of a seeded model."""
+    transformers = pytest.importorskip("transformers")
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+        cls = transformers.GPT2LMHeadModel
+    d = tmp_path / f"hf-{arch}-{'weights' if weights else 'config'}-{vocab}"
+    if weights:
+        torch.manual_seed(0)
+        cls(cfg).save_pretrained(d)
+    else:
+        cfg.save_pretrained(d)
+    return d
+
+
+def run_hf(out: Path, model_dir: Path, *args: str) -> int:
+    return main(["train", "--out", str(out), *RUN, "--model.hf", str(model_dir), "--optimizer.lr", "1e-2", *args])
+
+
+@pytest.mark.parametrize("arch, weights", [("llama", False), ("llama", True), ("gpt2", False)])
+def test_hf_model_trains(tmp_path: Path, arch: str, weights: bool) -> None:
+    d = hf_dir(tmp_path, arch, weights)
+    out = tmp_path / "run"
+    assert run_hf(out, d, "--steps", "3") == 0
+    losses = train_losses(out)
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    assert losses[3] < losses[1], losses
+    # the checkpoint holds the Hugging Face model's own keys, and the config it was trained with
+    loaded = CheckpointManager(out / "checkpoints").load_latest(map_location="cpu")
+    assert any(k.startswith(("model.layers.", "transformer.h.")) for k in loaded.state["model"])
+    assert loaded.meta["model"]["source"] == "hf" and loaded.meta["model"]["model_type"] == arch
+
+
+def test_hf_model_under_a_budget(tmp_path: Path) -> None:
+    from elbowroom.train.hf import build_hf_model, load_hf_config
+
+    d = hf_dir(tmp_path, "llama", True)
+    model = build_hf_model(str(d), load_hf_config(str(d)), torch.device("cpu"))
+    ids = torch.randint(0, BYTES, (4, 32))
+    prof = profile(model, (ids, ids), source="measured")
+    with pytest.raises(BudgetError) as e:
+        plan_for(prof, 1)
+    keep_all = plan_for(prof, 1 << 40)
+    plain = sum(v for k, v in keep_all.memory.items() if k != "allocator margin")
+    budget = (e.value.minimum_bytes + plain) // 2
+    out = tmp_path / "run"
+    assert run_hf(out, d, "--steps", "3", "--budget", str(budget)) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["predicted_peak_bytes"] <= budget and len(plan["blocks"]) == 2 and not plan["fused_loss"]
+    losses = train_losses(out)
+    assert losses[3] < losses[1], losses
+
+
+def test_hf_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+
+    def fails(model_dir: Path, *args: str) -> str:
+        assert run_hf(out, model_dir, "--steps", "1", *args) == 2
+        assert not out.exists()
+        return capsys.readouterr().err
+
+    assert "is not a directory" in fails(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in fails(tmp_path / "empty")
+    small = hf_dir(tmp_path, "gpt2", False, vocab=128)
+    err = fails(small)
+    assert "vocab_size 256" in err and "vocab_size 128" in err
+    assert "drop --model.dim" in fails(small, "--model.dim", "64")
+    assert "drop --train.fused_loss" in fails(small, "--train.fused_loss")
+    assert "fewer than --data.seq_len 100" in fails(hf_dir(tmp_path, "gpt2", False), "--data.seq_len", "100")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    assert "pip install transformers" in fails(small)

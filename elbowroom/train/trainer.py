@@ -42,6 +42,7 @@ from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count
 from elbowroom.ops.linear_cross_entropy import linear_cross_entropy
 from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
+from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
 from elbowroom.train.metrics import MetricsLogger, check_tensorboard, peak_flops, peak_memory
 from elbowroom.train.schedule import build_scheduler, sync_lr
 
@@ -110,6 +111,22 @@ def resolve_model_config(cfg: Config, data_vocab: int) -> ModelConfig:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_hf_model(cfg: Config, hf_config: Any, data_vocab: int) -> None:
+    """A Hugging Face model must look up every token id of the data and hold --data.seq_len positions."""
+    if hf_config.vocab_size < data_vocab:
+        raise ConfigError(
+            f"the data has vocab_size {data_vocab} but the model in {cfg.model.hf} has vocab_size "
+            f"{hf_config.vocab_size}; train it on data tokenized for it (`elbowroom prepare --tokenizer`) or use a "
+            f"model whose vocabulary holds at least {data_vocab} tokens"
+        )
+    positions = hf_max_positions(hf_config)
+    if positions is not None and positions < cfg.data.seq_len:
+        raise ConfigError(
+            f"the model in {cfg.model.hf} holds {positions} positions, fewer than --data.seq_len {cfg.data.seq_len}; "
+            f"pass --data.seq_len {positions} or less"
+        )
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -609,17 +626,25 @@ def _train(cfg: Config) -> TrainResult:
                 f"one batch of {bsz}; use more data, a smaller --data.seq_len or --data.batch_size"
             )
 
-    # --- the model's shape, checked against the data, the checkpoint and (on CPU) the machine's RAM
-    model_cfg = resolve_model_config(cfg, tokens.vocab_size)
-    D.check_vocab(tokens.vocab_size, model_cfg.vocab_size)
-    if loaded is not None and loaded.meta.get("model") != model_cfg.to_dict():
+    # --- the model's shape (elbowroom's reference models, or a Hugging Face directory's config.json), checked
+    # against the data, the checkpoint and (on CPU) the machine's RAM
+    model_cfg: ModelConfig | None = None
+    if cfg.model.hf is not None:
+        hf_config = load_hf_config(cfg.model.hf)
+        model_meta = hf_config_meta(hf_config)
+        _check_hf_model(cfg, hf_config, tokens.vocab_size)
+    else:
+        model_cfg = resolve_model_config(cfg, tokens.vocab_size)
+        model_meta = model_cfg.to_dict()
+        D.check_vocab(tokens.vocab_size, model_cfg.vocab_size)
+    if loaded is not None and loaded.meta.get("model") != model_meta:
         saved_model = loaded.meta.get("model") or {}
-        diff = {k: (saved_model.get(k), v) for k, v in model_cfg.to_dict().items() if saved_model.get(k) != v}
+        diff = {k: (saved_model.get(k), v) for k, v in model_meta.items() if saved_model.get(k) != v}
         raise CheckpointError(
             f"checkpoint {loaded.path} was written for another model (checkpoint vs now: {diff}); "
             "resume with the same --model settings, or start a new run with another --out"
         )
-    if device.type == "cpu":
+    if device.type == "cpu" and model_cfg is not None:
         check_host_memory(cfg, model_cfg)
     schedule_steps = schedule_length(cfg, loaded)
     cfg = replace(cfg, scheduler=replace(cfg.scheduler, decay_steps=schedule_steps))  # recorded in config.toml
@@ -631,7 +656,10 @@ def _train(cfg: Config) -> TrainResult:
     # --- the model, seeded so that every run with this config starts identically
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
-    model = build_model(model_cfg, device=device)
+    if model_cfg is not None:
+        model: nn.Module = build_model(model_cfg, device=device)
+    else:  # called as ids -> logits; checkpoints hold the Hugging Face model's own state_dict
+        model = build_hf_model(cfg.model.hf, hf_config, device)
 
     # --- loaders: the sampler starts at the data position, so a resumed run sees the same samples
     samples_seen = loaded.state["samples_seen"] if loaded is not None else 0
@@ -658,8 +686,9 @@ def _train(cfg: Config) -> TrainResult:
     if cfg.budget is not None and plan is None:
         first = next(batches)  # the plan is made for the run's own micro-batch, which step 1 then trains on
         batches = itertools.chain([first], batches)
-        # the fused head + loss runs outside torch.compile: with --train.compile the planner may not choose it
-        model, optimizer, plan = plan_for_budget(model, first, cfg, fused_loss=not cfg.train.compile)
+        # the fused head + loss needs our own models' head, and runs outside torch.compile
+        fused_ok = model_cfg is not None and not cfg.train.compile
+        model, optimizer, plan = plan_for_budget(model, first, cfg, fused_loss=fused_ok)
     elif plan is not None:
         model, optimizer = apply_plan(model, plan, cfg)
     else:
@@ -701,12 +730,14 @@ def _train(cfg: Config) -> TrainResult:
             loaded = replace(loaded, state={})  # the tensors now live in the model and optimizer
 
         n_params = count_params(model)
-        flops_tok = flops_per_token(model_cfg, seq_len)
+        # a Hugging Face model: 6 FLOPs per parameter and token, the attention scores left out
+        flops_tok = flops_per_token(model_cfg, seq_len) if model_cfg is not None else 6 * n_params
         peak = peak_flops(device) if amp_dtype != torch.float32 else None
         log.info("run directory %s", out)
         log.info(
             "model %s/%s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d steps of %d x %d x %d tokens",
-            model_cfg.arch, cfg.model.preset, n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
+            *((model_cfg.arch, cfg.model.preset) if model_cfg is not None else (hf_config.model_type, cfg.model.hf)),
+            n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
             cfg.train.steps, accum, bsz, seq_len,
         )
         autocast = (
@@ -733,7 +764,7 @@ def _train(cfg: Config) -> TrainResult:
                 "rng": rng_state(device),
                 "samples_seen": samples_seen,
             }
-            meta = {"model": model_cfg.to_dict(), "config": to_dict(cfg), "schedule_steps": schedule_steps}
+            meta = {"model": model_meta, "config": to_dict(cfg), "schedule_steps": schedule_steps}
             path = ckpts.save(at, state, meta)
             log.info("saved checkpoint %s", path)
 
