@@ -239,13 +239,20 @@ def check_plan(plan: Plan, cfg: Config, amp_dtype: torch.dtype) -> None:
 
 
 def plan_for_budget(
-    model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool
+    model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool, amp_dtype: torch.dtype
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Profile ``model`` on ``sample`` (a training micro-batch), plan it into ``--budget`` and apply the plan.
 
     The budget too small for any plan is a ConfigError whose one line names the minimum.
     """
-    from elbowroom.plan import fit
+    from elbowroom.plan import BudgetError, fit
+
+    # fit profiles in bf16 on CUDA and in the weights' dtype elsewhere; it takes no compute dtype to follow ours
+    profiled = torch.bfloat16 if sample["input_ids"].device.type == "cuda" else torch.float32
+    if amp_dtype != profiled:
+        log.warning("the planner profiles this step in %s but it runs in %s: the plan's memory predictions are "
+                    "those of %s", str(profiled).removeprefix("torch."), str(amp_dtype).removeprefix("torch."),
+                    str(profiled).removeprefix("torch."))
 
     # measuring the machine draws random matrices from the global RNG (the profile itself restores it): the
     # run's dropout stream must be the one an unplanned run with this seed draws
@@ -262,10 +269,23 @@ def plan_for_budget(
             offload_config=cfg.offload,
             **_adamw_kwargs(cfg),
         )
-    except ValueError as e:  # BudgetError (names the minimum), or a model the planner cannot read
+    except BudgetError as e:  # its message names the minimum in GiB; a small model's needs finer units
+        raise ConfigError(
+            f"{' '.join(str(e).split())}; the minimum is {e.minimum_bytes:,} bytes: pass --budget "
+            f"{_size_at_least(e.minimum_bytes)} or more"
+        ) from None
+    except ValueError as e:  # a model the planner cannot read
         raise ConfigError(" ".join(str(e).split())) from None
     finally:
         torch.set_rng_state(rng)
+
+
+def _size_at_least(n: int) -> str:
+    """``n`` bytes rounded up to two decimals of the largest binary unit it fills, as --budget reads it."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{math.ceil(n * 100 / size) / 100:g}{unit}"
+    return f"{n}B"
 
 
 def apply_plan(model: nn.Module, plan: Plan, cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -688,7 +708,7 @@ def _train(cfg: Config) -> TrainResult:
         batches = itertools.chain([first], batches)
         # the fused head + loss needs our own models' head, and runs outside torch.compile
         fused_ok = model_cfg is not None and not cfg.train.compile
-        model, optimizer, plan = plan_for_budget(model, first, cfg, fused_loss=fused_ok)
+        model, optimizer, plan = plan_for_budget(model, first, cfg, fused_loss=fused_ok, amp_dtype=amp_dtype)
     elif plan is not None:
         model, optimizer = apply_plan(model, plan, cfg)
     else:
