@@ -130,12 +130,14 @@ def _check_hf_model(cfg: Config, hf_config: Any, data_vocab: int) -> None:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay on matmul weights; none on norms, biases and embeddings."""
+    """AdamW groups: decay on matmul weights; none on norms, biases and embeddings (any ``nn.Embedding``'s, so a
+    Hugging Face model's too)."""
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.dim() < 2 or name.startswith(("tok_emb.", "pos_emb.")):
+        if p.dim() < 2 or id(p) in embeddings:
             no_decay.append(p)
         else:
             decay.append(p)
