@@ -51,8 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("elbowroom.train")
 
-PLAN_FILES = ("plan.toml", "plan.json")
-"""What a planned run writes to OUT with its first step: the plan to re-apply on --resume, and the report's copy."""
+PLAN_FILE = "plan.toml"
+"""The plan a planned run writes to OUT with its first step and re-applies on --resume (plan.json beside it is the
+report's copy)."""
 
 
 @dataclass
@@ -204,7 +205,9 @@ def plan_to_follow(cfg: Config, out: Path) -> Plan | None:
     """The saved plan this run applies: on ``--resume`` the run's own ``OUT/plan.toml`` (the layout its checkpoint
     was trained with), else ``--plan FILE``; None when there is none (a ``--budget`` run plans once it has a model).
     """
-    saved = out / PLAN_FILES[0]
+    from elbowroom.plan import parse_budget
+
+    saved = out / PLAN_FILE
     if cfg.resume and saved.is_file():
         plan = load_plan(saved)
         overrides = memory_overrides(cfg)
@@ -213,6 +216,9 @@ def plan_to_follow(cfg: Config, out: Path) -> Plan | None:
                               f"{', '.join(overrides)} to resume it")
         if cfg.plan is not None and load_plan(cfg.plan) != plan:
             raise ConfigError(f"--resume continues under the run's own plan {saved}; drop --plan {cfg.plan}")
+        if cfg.budget is not None and parse_budget(cfg.budget) != plan.budget_bytes:
+            log.warning("--budget %s differs from the %d bytes the run was planned for; resuming under its plan "
+                        "(start a new run to plan for the new budget)", cfg.budget, plan.budget_bytes)
         log.info("resuming under the run's plan %s (not planning again)", saved)
         return plan
     if cfg.resume and (cfg.budget is not None or cfg.plan is not None):
@@ -541,7 +547,9 @@ def check_host_memory(cfg: Config, model_cfg: ModelConfig) -> None:
     states = 16 * n_params
     tokens = cfg.data.batch_size * cfg.data.seq_len
     d, ffn, layers = model_cfg.dim, model_cfg.ffn_dim, model_cfg.n_layers
-    kept = d if cfg.activations.checkpoint != "none" else 4 * d + 2 * ffn  # a recomputed block keeps its input
+    # a recomputed block keeps its input; a planned run may recompute every block
+    recompute = cfg.activations.checkpoint != "none" or cfg.budget is not None or cfg.plan is not None
+    kept = d if recompute else 4 * d + 2 * ffn
     acts = 4 * tokens * (layers * kept + 4 * d + 2 * ffn + 2 * model_cfg.vocab_size)
     if states + acts <= available:
         return
@@ -831,7 +839,7 @@ def _train(cfg: Config) -> TrainResult:
                     out.mkdir(parents=True, exist_ok=True)
                     _atomic_write_text(out / "config.toml", to_toml(cfg))
                     if plan is not None:
-                        _atomic_write_text(out / "plan.toml", plan.to_toml())
+                        _atomic_write_text(out / PLAN_FILE, plan.to_toml())
                         _atomic_write_text(out / "plan.json", plan.to_json() + "\n")
                     started = True
 
