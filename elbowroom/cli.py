@@ -29,9 +29,13 @@ commands:
 
 TRAIN_USAGE = """usage: elbowroom train [--config FILE.toml] [--section.key VALUE ...]
 
-Train a reference decoder LM. Values come from the defaults, then the TOML file, then the command line.
+Train a reference decoder LM (or a local Hugging Face causal LM: --model.hf DIR). Values come from the
+defaults, then the TOML file, then the command line.
 Shortcuts: --out DIR, --steps N, --resume, --log-every N, --seed N, --device DEV.
-Writes OUT/metrics.jsonl (one JSON object per logged step), OUT/checkpoints/ and OUT/config.toml.
+Memory: --budget 24GiB plans recompute, offload, optimizer placement and precision before step 1 (or --plan FILE
+applies a saved plan); --profile.steps 3-4 records those steps for `elbowroom report OUT`.
+Writes OUT/metrics.jsonl (one JSON object per logged step), OUT/checkpoints/, OUT/config.toml, and with a plan
+OUT/plan.toml and OUT/plan.json (a --resume re-applies OUT/plan.toml).
 """
 
 EXIT_BAD_INPUT = 2

@@ -22,6 +22,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 # composes them, so each setting has one schema and --help shows the mechanism's own words.
 from elbowroom.activations.policy import ActivationConfig
 from elbowroom.optim.config import CPUOffloadConfig
+from elbowroom.report.config import RecordConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,6 +54,8 @@ class ModelSection:
     """Dropout probability on embeddings, attention and MLP outputs."""
     fused_qkv: bool = True
     """Compute q, k and v with one matmul."""
+    hf: str | None = None
+    """A local Hugging Face causal-LM directory (config.json, weights if present) to train instead of the preset."""
 
     def __post_init__(self) -> None:
         from elbowroom.models import PRESETS
@@ -65,6 +68,11 @@ class ModelSection:
                 raise ConfigError(f"model.{name} must be positive, got {v}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.hf is not None:
+            shaped = [f"--model.{f.name}" for f in fields(self)
+                      if f.name != "hf" and getattr(self, f.name) != f.default]
+            if shaped:
+                raise ConfigError(f"model.hf takes the model from {self.hf}/config.json; drop {', '.join(shaped)}")
 
 
 @dataclass
@@ -252,6 +260,12 @@ class Config:
     """Run directory for metrics.jsonl, checkpoints/ and config.toml (unset: a new runs/YYYYmmdd-HHMMSS)."""
     resume: bool = False
     """Continue from the newest valid checkpoint in OUT/checkpoints."""
+    budget: str | None = None
+    """Device memory for one training step ("24GiB", "512MiB"): the planner chooses recompute, offload, optimizer
+    placement and precision with elbowroom.plan.fit before step 1 (writes OUT/plan.toml and OUT/plan.json)."""
+    plan: str | None = None
+    """A saved plan (.toml or .json, from `elbowroom plan --out` or a run's OUT/plan.toml) to apply instead of
+    planning."""
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -261,10 +275,28 @@ class Config:
     activations: ActivationConfig = field(default_factory=ActivationConfig)
     offload: CPUOffloadConfig = field(default_factory=CPUOffloadConfig)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    profile: RecordConfig = field(default_factory=RecordConfig)
 
     def __post_init__(self) -> None:
         if self.resume and not self.out:
             raise ConfigError("--resume needs the run to continue: pass --out DIR of that run")
+        if self.model.hf is not None and self.train.fused_loss:
+            raise ConfigError("train.fused_loss needs elbowroom's own models (it reads their head); drop "
+                              "--train.fused_loss with --model.hf")
+        if self.budget is not None and self.plan is not None:
+            raise ConfigError("--budget plans the run and --plan applies a saved plan: drop one of them")
+        if self.budget is not None:
+            from elbowroom.plan.fit import parse_budget
+
+            try:
+                parse_budget(self.budget)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.budget is not None or self.plan is not None:
+            planned = memory_overrides(self)
+            if planned:
+                flag = "--budget" if self.budget is not None else "--plan"
+                raise ConfigError(f"{flag} plans these; drop {', '.join(planned)}")
         # [offload] is the CPU-offloaded optimizer's own config; the trainer sets its placement and precision
         # from [optimizer] (one schema per setting), so only the engine's knobs are read from this section
         default = CPUOffloadConfig()
@@ -275,6 +307,22 @@ class Config:
                     f"offload.{name} is set by the trainer from {where}; set that instead (the [offload] section "
                     "holds the optimizer engine's knobs: bucket_bytes, num_staging_slots, cpu_threads, ...)"
                 )
+
+
+def memory_overrides(cfg: Config) -> list[str]:
+    """The explicit memory settings a plan decides instead (as flags, e.g. ``--activations.checkpoint``)."""
+    flags = []
+    default_acts = ActivationConfig()
+    for f in fields(ActivationConfig):
+        if getattr(cfg.activations, f.name) != getattr(default_acts, f.name):
+            flags.append(f"--activations.{f.name}")
+    default_opt = OptimizerSection()
+    for name in ("offload_fraction", "offload_gradients", "offload_late", "offload_param_dtype"):
+        if getattr(cfg.optimizer, name) != getattr(default_opt, name):
+            flags.append(f"--optimizer.{name}")
+    if cfg.train.fused_loss:
+        flags.append("--train.fused_loss")
+    return flags
 
 
 # CPUOffloadConfig fields the trainer derives from [optimizer] -> where the user sets them
@@ -294,7 +342,6 @@ ALIASES = {
     "log_every": "logging.log_every",
     "seed": "train.seed",
     "device": "train.device",
-    "budget": None,  # reserved for the planner; rejected with a message until it lands
 }
 
 
@@ -464,11 +511,20 @@ def build_config(raw: dict[str, Any]) -> Config:
             except ConfigError:
                 raise
             except (ValueError, TypeError) as e:  # validation that lives in a mechanism's own dataclass
-                message = str(e)
-                raise ConfigError(message if f"{name}." in message else f"[{name}] {message}") from None
+                raise ConfigError(_section_message(name, tp, list(kwargs), str(e))) from None
         else:
             top[name] = convert(name, value, tp)
     return Config(**top)
+
+
+def _section_message(section: str, tp: type, given: list[str], message: str) -> str:
+    """A mechanism's own validation message, made to name the key: ``[offload] bucket_bytes must ...``, or
+    ``profile.steps: ...`` when the message does not start with a field name and one key was given."""
+    if f"{section}." in message:
+        return message
+    if message.split(" ", 1)[0] in {f.name for f in fields(tp)} or len(given) != 1:
+        return f"[{section}] {message}"
+    return f"{section}.{given[0]}: {message}"
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -507,8 +563,6 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             raise ConfigError(f"unexpected argument {tok!r}; options look like --section.key VALUE")
         name, eq, value = tok[2:].partition("=")
         if name in ALIASES:
-            if ALIASES[name] is None:
-                raise ConfigError(f"--{name} is not available yet: the planner that honours it has not landed")
             name = ALIASES[name]
         name = name.replace("-", "_") if name not in hints else name
         if name not in hints:

@@ -10,11 +10,18 @@ the run directory appears only with the first finished step, so a failed start l
 resumed run keeps its checkpoint's LR schedule length unless ``--scheduler.decay_steps`` says otherwise. On
 SIGTERM/SIGINT the step finishes, a checkpoint is saved (no validation pass first) and the result carries the
 signal, which the CLI turns into exit code 128 + N.
+
+With ``--budget`` the memory layout is planned, not configured: the model is built, its first training
+micro-batch is profiled and :func:`elbowroom.plan.fit` chooses recompute, offload, optimizer placement and
+precision; the loop then follows the plan (its fused loss, its weight dtype, its optimizer). ``--plan FILE``
+applies a saved plan instead, and ``--resume`` re-applies the run's own ``OUT/plan.toml``, so a resumed run
+has the layout, and the loss curve, of the run it continues.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -23,22 +30,30 @@ import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from elbowroom.activations.policy import ActivationConfig, apply_activation_policy
-from elbowroom.config import Config, ConfigError, to_dict, to_toml
+from elbowroom.config import Config, ConfigError, memory_overrides, to_dict, to_toml
 from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
 from elbowroom.ops.linear_cross_entropy import linear_cross_entropy
 from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
+from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
 from elbowroom.train.metrics import MetricsLogger, check_tensorboard, peak_flops, peak_memory
 from elbowroom.train.schedule import build_scheduler, sync_lr
 
+if TYPE_CHECKING:
+    from elbowroom.plan import Plan
+
 log = logging.getLogger("elbowroom.train")
+
+PLAN_FILE = "plan.toml"
+"""The plan a planned run writes to OUT with its first step and re-applies on --resume (plan.json beside it is the
+report's copy)."""
 
 
 @dataclass
@@ -99,13 +114,31 @@ def resolve_model_config(cfg: Config, data_vocab: int) -> ModelConfig:
         raise ConfigError(str(e)) from None
 
 
+def _check_hf_model(cfg: Config, hf_config: Any, data_vocab: int) -> None:
+    """A Hugging Face model must look up every token id of the data and hold --data.seq_len positions."""
+    if hf_config.vocab_size < data_vocab:
+        raise ConfigError(
+            f"the data has vocab_size {data_vocab} but the model in {cfg.model.hf} has vocab_size "
+            f"{hf_config.vocab_size}; train it on data tokenized for it (`elbowroom prepare --tokenizer`) or use a "
+            f"model whose vocabulary holds at least {data_vocab} tokens"
+        )
+    positions = hf_max_positions(hf_config)
+    if positions is not None and positions < cfg.data.seq_len:
+        raise ConfigError(
+            f"the model in {cfg.model.hf} holds {positions} positions, fewer than --data.seq_len {cfg.data.seq_len}; "
+            f"pass --data.seq_len {positions} or less"
+        )
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay on matmul weights; none on norms, biases and embeddings."""
+    """AdamW groups: decay on matmul weights; none on norms, biases and embeddings (any ``nn.Embedding``'s, so a
+    Hugging Face model's too)."""
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.dim() < 2 or name.startswith(("tok_emb.", "pos_emb.")):
+        if p.dim() < 2 or id(p) in embeddings:
             no_decay.append(p)
         else:
             decay.append(p)
@@ -146,6 +179,133 @@ def apply_activations(model: DecoderLM, cfg: Config) -> None:
     if cfg.activations == ActivationConfig():
         return
     apply_activation_policy(model, cfg.activations)
+
+
+def _adamw_kwargs(cfg: Config) -> dict[str, Any]:
+    o = cfg.optimizer
+    return {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay, "fused": o.fused or None}
+
+
+def load_plan(path: str | Path) -> Plan:
+    """A saved plan (TOML or JSON); ConfigError naming the file and the fix."""
+    from elbowroom.plan import Plan
+
+    try:
+        return Plan.load(path)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"plan file {path} does not exist; pass a plan saved by `elbowroom plan --out FILE.toml` or a run's "
+            "OUT/plan.toml"
+        ) from None
+    except (ValueError, TypeError, OSError) as e:  # Plan.load's messages name the file and the field
+        raise ConfigError(f"{e}; fix the plan file or plan again with `elbowroom plan`") from None
+
+
+def plan_to_follow(cfg: Config, out: Path) -> Plan | None:
+    """The saved plan this run applies: on ``--resume`` the run's own ``OUT/plan.toml`` (the layout its checkpoint
+    was trained with), else ``--plan FILE``; None when there is none (a ``--budget`` run plans once it has a model).
+    """
+    from elbowroom.plan import parse_budget
+
+    saved = out / PLAN_FILE
+    if cfg.resume and saved.is_file():
+        plan = load_plan(saved)
+        overrides = memory_overrides(cfg)
+        if overrides:
+            raise ConfigError(f"{out} was trained under its plan {saved}, which decides these; drop "
+                              f"{', '.join(overrides)} to resume it")
+        if cfg.plan is not None and load_plan(cfg.plan) != plan:
+            raise ConfigError(f"--resume continues under the run's own plan {saved}; drop --plan {cfg.plan}")
+        if cfg.budget is not None and parse_budget(cfg.budget) != plan.budget_bytes:
+            log.warning("--budget %s differs from the %d bytes the run was planned for; resuming under its plan "
+                        "(start a new run to plan for the new budget)", cfg.budget, plan.budget_bytes)
+        log.info("resuming under the run's plan %s (not planning again)", saved)
+        return plan
+    if cfg.resume and (cfg.budget is not None or cfg.plan is not None):
+        flag = "--budget" if cfg.budget is not None else "--plan"
+        raise ConfigError(f"--resume: {out} was trained without a plan (no {saved.name}); drop {flag} to continue "
+                          "it as it was trained")
+    return load_plan(cfg.plan) if cfg.plan is not None else None
+
+
+def check_plan(plan: Plan, cfg: Config, amp_dtype: torch.dtype) -> None:
+    """A saved plan must match this run: its micro-batch, and bf16 offloaded weights need bf16 autocast."""
+    bsz, seq_len, planned_seq = cfg.data.batch_size, cfg.data.seq_len, plan.profile.seq_len
+    if plan.micro_batch != bsz or (planned_seq and not cfg.data.variable_length and planned_seq != seq_len):
+        raise ConfigError(
+            f"the plan was made for micro-batches of {plan.micro_batch} x {planned_seq or '?'} tokens and this run's "
+            f"are {bsz} x {seq_len}: pass --data.batch_size {plan.micro_batch}"
+            + (f" --data.seq_len {planned_seq}" if planned_seq else "")
+            + " (--train.gradient_accumulation_steps sets the global batch), or plan again for this batch"
+        )
+    bf16_offloaded = plan.weight_dtype == "float32" and plan.offload_param_dtype == "bfloat16"
+    if bf16_offloaded and plan.offloads_optimizer and amp_dtype != torch.bfloat16:
+        raise ConfigError(
+            "the plan keeps offloaded weights in bf16 on the device, which needs bf16 autocast: set --train.dtype "
+            f"bf16 (it resolves to {str(amp_dtype).removeprefix('torch.')} here)"
+        )
+
+
+def plan_for_budget(
+    model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool, amp_dtype: torch.dtype
+) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
+    """Profile ``model`` on ``sample`` (a training micro-batch), plan it into ``--budget`` and apply the plan.
+
+    The budget too small for any plan is a ConfigError whose one line names the minimum.
+    """
+    from elbowroom.plan import BudgetError, fit
+
+    # fit profiles in bf16 on CUDA and in the weights' dtype elsewhere; it takes no compute dtype to follow ours
+    profiled = torch.bfloat16 if sample["input_ids"].device.type == "cuda" else torch.float32
+    if amp_dtype != profiled:
+        log.warning("the planner profiles this step in %s but it runs in %s: the plan's memory predictions are "
+                    "those of %s", str(profiled).removeprefix("torch."), str(amp_dtype).removeprefix("torch."),
+                    str(profiled).removeprefix("torch."))
+
+    # measuring the machine draws random matrices from the global RNG (the profile itself restores it): the
+    # run's dropout stream must be the one an unplanned run with this seed draws
+    rng = torch.get_rng_state()
+    try:
+        return fit(
+            model,
+            (sample["input_ids"], sample["targets"]),
+            budget=cfg.budget,
+            optimizer=torch.optim.AdamW,
+            precision="bf16" if cfg.optimizer.param_dtype == "bfloat16" else "fp32",
+            fused_loss=fused_loss,
+            grad_clipping=bool(cfg.train.max_grad_norm),
+            offload_config=cfg.offload,
+            **_adamw_kwargs(cfg),
+        )
+    except BudgetError as e:  # its message names the minimum in GiB; a small model's needs finer units
+        raise ConfigError(
+            f"{' '.join(str(e).split())}; the minimum is {e.minimum_bytes:,} bytes: pass --budget "
+            f"{_size_at_least(e.minimum_bytes)} or more"
+        ) from None
+    except ValueError as e:  # a model the planner cannot read
+        raise ConfigError(" ".join(str(e).split())) from None
+    finally:
+        torch.set_rng_state(rng)
+
+
+def _size_at_least(n: int) -> str:
+    """``n`` bytes rounded up to two decimals of the largest binary unit it fills, as --budget reads it."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{math.ceil(n * 100 / size) / 100:g}{unit}"
+    return f"{n}B"
+
+
+def apply_plan(model: nn.Module, plan: Plan, cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Make ``model`` follow a saved plan and build its optimizer (the plan's table is logged)."""
+    from elbowroom.plan import apply
+
+    try:
+        model, optimizer = apply(model, plan, torch.optim.AdamW, offload_config=cfg.offload, **_adamw_kwargs(cfg))
+    except ValueError as e:  # a plan for another model: its block count differs
+        raise ConfigError(str(e)) from None
+    log.info("%s", plan.table())
+    return model, optimizer
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -387,7 +547,9 @@ def check_host_memory(cfg: Config, model_cfg: ModelConfig) -> None:
     states = 16 * n_params
     tokens = cfg.data.batch_size * cfg.data.seq_len
     d, ffn, layers = model_cfg.dim, model_cfg.ffn_dim, model_cfg.n_layers
-    kept = d if cfg.activations.checkpoint != "none" else 4 * d + 2 * ffn  # a recomputed block keeps its input
+    # a recomputed block keeps its input; a planned run may recompute every block
+    recompute = cfg.activations.checkpoint != "none" or cfg.budget is not None or cfg.plan is not None
+    kept = d if recompute else 4 * d + 2 * ffn
     acts = 4 * tokens * (layers * kept + 4 * d + 2 * ffn + 2 * model_cfg.vocab_size)
     if states + acts <= available:
         return
@@ -494,31 +656,83 @@ def _train(cfg: Config) -> TrainResult:
                 f"one batch of {bsz}; use more data, a smaller --data.seq_len or --data.batch_size"
             )
 
-    # --- the model's shape, checked against the data, the checkpoint and (on CPU) the machine's RAM
-    model_cfg = resolve_model_config(cfg, tokens.vocab_size)
-    D.check_vocab(tokens.vocab_size, model_cfg.vocab_size)
-    if loaded is not None and loaded.meta.get("model") != model_cfg.to_dict():
+    # --- the model's shape (elbowroom's reference models, or a Hugging Face directory's config.json), checked
+    # against the data, the checkpoint and (on CPU) the machine's RAM
+    model_cfg: ModelConfig | None = None
+    if cfg.model.hf is not None:
+        hf_config = load_hf_config(cfg.model.hf)
+        model_meta = hf_config_meta(hf_config)
+        _check_hf_model(cfg, hf_config, tokens.vocab_size)
+    else:
+        model_cfg = resolve_model_config(cfg, tokens.vocab_size)
+        model_meta = model_cfg.to_dict()
+        D.check_vocab(tokens.vocab_size, model_cfg.vocab_size)
+    if loaded is not None and loaded.meta.get("model") != model_meta:
         saved_model = loaded.meta.get("model") or {}
-        diff = {k: (saved_model.get(k), v) for k, v in model_cfg.to_dict().items() if saved_model.get(k) != v}
+        diff = {k: (saved_model.get(k), v) for k, v in model_meta.items() if saved_model.get(k) != v}
         raise CheckpointError(
             f"checkpoint {loaded.path} was written for another model (checkpoint vs now: {diff}); "
             "resume with the same --model settings, or start a new run with another --out"
         )
-    if device.type == "cpu":
+    if device.type == "cpu" and model_cfg is not None:
         check_host_memory(cfg, model_cfg)
     schedule_steps = schedule_length(cfg, loaded)
     cfg = replace(cfg, scheduler=replace(cfg.scheduler, decay_steps=schedule_steps))  # recorded in config.toml
+    # the memory layout to follow when it is saved (--plan, or the resumed run's own); --budget plans below
+    plan = plan_to_follow(cfg, out)
+    if plan is not None:
+        check_plan(plan, cfg, amp_dtype)
 
-    # --- model, optimizer, schedule: seeded so that every run with this config starts identically
+    # --- the model, seeded so that every run with this config starts identically
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
-    model = build_model(model_cfg, device=device)
-    if bf16_params:
-        model.to(torch.bfloat16)  # the optimizer keeps fp32 masters of these values
-    apply_activations(model, cfg)
-    optimizer = build_optimizer(model, cfg, device)
+    if model_cfg is not None:
+        model: nn.Module = build_model(model_cfg, device=device)
+    else:  # called as ids -> logits; checkpoints hold the Hugging Face model's own state_dict
+        model = build_hf_model(cfg.model.hf, hf_config, device)
+
+    # --- loaders: the sampler starts at the data position, so a resumed run sees the same samples
+    samples_seen = loaded.state["samples_seen"] if loaded is not None else 0
+    pin = cfg.data.pin_memory and device.type == "cuda"
+    loader = D.build_dataloader(
+        train_ds,
+        batch_size=bsz,
+        seed=cfg.train.seed,
+        start_sample=samples_seen,
+        num_workers=cfg.data.num_workers,
+        pin_memory=pin,
+        persistent_workers=cfg.data.num_workers > 0,
+        collate_fn=collate,
+    )
+    batches: Any = iter(D.DevicePrefetcher(loader, device))
+    eval_loader = (
+        D.build_eval_loader(val_ds, batch_size=bsz, num_batches=cfg.train.eval_batches, collate_fn=collate)
+        if cfg.train.eval_batches
+        else None
+    )
+
+    # --- the memory layout and the optimizer: planned for --budget, a saved plan, or the [activations] and
+    # [optimizer] switches
+    if cfg.budget is not None and plan is None:
+        first = next(batches)  # the plan is made for the run's own micro-batch, which step 1 then trains on
+        batches = itertools.chain([first], batches)
+        # the fused head + loss needs our own models' head, and runs outside torch.compile
+        fused_ok = model_cfg is not None and not cfg.train.compile
+        model, optimizer, plan = plan_for_budget(model, first, cfg, fused_loss=fused_ok, amp_dtype=amp_dtype)
+    elif plan is not None:
+        model, optimizer = apply_plan(model, plan, cfg)
+    else:
+        if bf16_params:
+            model.to(torch.bfloat16)  # the optimizer keeps fp32 masters of these values
+        apply_activations(model, cfg)
+        optimizer = build_optimizer(model, cfg, device)
+    if plan is not None:  # the plan decides the weights' dtype and the loss, whatever [optimizer] and [train] say
+        bf16_params = plan.weight_dtype == "bfloat16"
+        fused_loss = plan.fused_loss
+    else:
+        fused_loss = cfg.train.fused_loss
     metrics = MetricsLogger(out, resume_step=loaded.step if loaded else None, tensorboard=cfg.logging.tensorboard)
-    progress = None
+    progress = recorder = None
     try:  # from here on the optimizer (its host threads, pinned memory) is closed however the run ends
         scheduler = build_scheduler(
             optimizer,
@@ -530,8 +744,8 @@ def _train(cfg: Config) -> TrainResult:
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
         fwd_model: nn.Module = torch.compile(model) if cfg.train.compile else model
 
-        # --- resume: model, optimizer, schedule, scaler, RNG and data position
-        step, samples_seen = 0, 0
+        # --- resume: model, optimizer, schedule, scaler, RNG (the data position is the loader's)
+        step = 0
         if loaded is not None:
             model.load_state_dict(loaded.state["model"])
             optimizer.load_state_dict(loaded.state["optimizer"])
@@ -541,36 +755,19 @@ def _train(cfg: Config) -> TrainResult:
             if scaler is not None and loaded.state.get("scaler"):
                 scaler.load_state_dict(loaded.state["scaler"])
             set_rng_state(loaded.state["rng"], device)
-            step, samples_seen = loaded.step, loaded.state["samples_seen"]
+            step = loaded.step
             log.info("resumed from %s at step %d", loaded.path, step)
             loaded = replace(loaded, state={})  # the tensors now live in the model and optimizer
 
-        # --- loaders: the sampler starts at the data position, so a resumed run sees the same samples
-        pin = cfg.data.pin_memory and device.type == "cuda"
-        loader = D.build_dataloader(
-            train_ds,
-            batch_size=bsz,
-            seed=cfg.train.seed,
-            start_sample=samples_seen,
-            num_workers=cfg.data.num_workers,
-            pin_memory=pin,
-            persistent_workers=cfg.data.num_workers > 0,
-            collate_fn=collate,
-        )
-        batches = iter(D.DevicePrefetcher(loader, device))
-        eval_loader = (
-            D.build_eval_loader(val_ds, batch_size=bsz, num_batches=cfg.train.eval_batches, collate_fn=collate)
-            if cfg.train.eval_batches
-            else None
-        )
-
         n_params = count_params(model)
-        flops_tok = flops_per_token(model_cfg, seq_len)
+        # a Hugging Face model: 6 FLOPs per parameter and token, the attention scores left out
+        flops_tok = flops_per_token(model_cfg, seq_len) if model_cfg is not None else 6 * n_params
         peak = peak_flops(device) if amp_dtype != torch.float32 else None
         log.info("run directory %s", out)
         log.info(
             "model %s/%s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d steps of %d x %d x %d tokens",
-            model_cfg.arch, cfg.model.preset, n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
+            *((model_cfg.arch, cfg.model.preset) if model_cfg is not None else (hf_config.model_type, cfg.model.hf)),
+            n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
             cfg.train.steps, accum, bsz, seq_len,
         )
         autocast = (
@@ -581,6 +778,10 @@ def _train(cfg: Config) -> TrainResult:
         params = [p for p in model.parameters() if p.requires_grad]
         result = TrainResult(step=step, losses={}, val_losses={}, out=out)
         progress = _progress_bar(cfg, step)
+        if cfg.profile.enabled:  # --profile.steps: memory, trace and timeline of those steps, into OUT/profile/
+            from elbowroom.report import Recorder
+
+            recorder = Recorder(out, cfg.profile, model=model, optimizer=optimizer, start_step=step + 1, device=device)
 
         def save(at: int) -> None:
             if hasattr(optimizer, "wait_for_weights"):
@@ -593,7 +794,7 @@ def _train(cfg: Config) -> TrainResult:
                 "rng": rng_state(device),
                 "samples_seen": samples_seen,
             }
-            meta = {"model": model_cfg.to_dict(), "config": to_dict(cfg), "schedule_steps": schedule_steps}
+            meta = {"model": model_meta, "config": to_dict(cfg), "schedule_steps": schedule_steps}
             path = ckpts.save(at, state, meta)
             log.info("saved checkpoint %s", path)
 
@@ -603,11 +804,11 @@ def _train(cfg: Config) -> TrainResult:
         started = False
         with _StopSignal() as stop:
             while step < cfg.train.steps:
+                if recorder is not None:
+                    recorder.step_begin(step + 1)  # numbered as metrics.jsonl numbers it
                 model.train()
                 micro = [next(batches) for _ in range(accum)]
-                loss_acc += accumulate_gradients(
-                    fwd_model, micro, autocast, scaler, optimizer, fused_loss=cfg.train.fused_loss
-                )
+                loss_acc += accumulate_gradients(fwd_model, micro, autocast, scaler, optimizer, fused_loss=fused_loss)
                 samples_seen += accum * bsz
                 tokens_since_log += sum(b["input_ids"].numel() for b in micro)
 
@@ -630,11 +831,16 @@ def _train(cfg: Config) -> TrainResult:
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 step += 1
+                if recorder is not None:
+                    recorder.step_end(step)
                 if progress is not None:
                     progress.update(1)
                 if not started:  # the run directory appears with the first finished step, not before
                     out.mkdir(parents=True, exist_ok=True)
                     _atomic_write_text(out / "config.toml", to_toml(cfg))
+                    if plan is not None:
+                        _atomic_write_text(out / PLAN_FILE, plan.to_toml())
+                        _atomic_write_text(out / "plan.json", plan.to_json() + "\n")
                     started = True
 
                 # one reading of the flag decides evaluation, the save and the exit: a signal that lands
@@ -687,7 +893,15 @@ def _train(cfg: Config) -> TrainResult:
                     result.signal = stop.received
                     log.warning("stopped by signal at step %d; continue with --resume", step)
                     break
+    except torch.OutOfMemoryError as e:  # leave what was live, against the plan's prediction, then fail as before
+        from elbowroom.report import write_oom_report
+
+        report = write_oom_report(out, model, optimizer, plan=plan.to_dict() if plan is not None else None, error=e)
+        log.error("out of memory: %s", report)
+        raise
     finally:
+        if recorder is not None:
+            recorder.close()  # its hooks and files, also when the run failed
         metrics.close()
         if progress is not None:
             progress.close()

@@ -1,0 +1,262 @@
+"""The trainer under a plan, on CPU: ``--budget`` plans before step 1, ``--plan`` applies a saved plan, ``--resume``
+re-applies the run's own plan, ``--profile.steps`` records steps for ``elbowroom report``.
+
+Budgets for the tiny model are found the way ``elbowroom plan`` finds them: a measured CPU profile of the same
+model on a micro-batch of the same shape, the minimum from :class:`BudgetError`, the plain peak from the plan that
+keeps every activation. On a CPU nothing is offloaded (no host link); recompute can still be chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from elbowroom.cli import main
+from elbowroom.config import resolve
+from elbowroom.models import build_model
+from elbowroom.plan import BudgetError, Plan, plan_for, profile
+from elbowroom.train.checkpoint import CheckpointManager
+from elbowroom.train.trainer import resolve_model_config
+
+RUN = [
+    "--data.seq_len", "32", "--data.batch_size", "4", "--data.num_workers", "0",
+    "--train.eval_every", "0", "--train.eval_batches", "1", "--logging.progress", "false", "--log-every", "1",
+    "--scheduler.warmup_steps", "2",
+]
+SMALL = ["--model.dim", "32", "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.n_layers", "2", *RUN]
+BYTES = 256  # the built-in corpus is bytes
+
+
+def run(out: Path, *args: str) -> int:
+    return main(["train", "--out", str(out), *SMALL, *args])
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def budgets() -> tuple[int, int]:
+    """(the minimum, the plain peak) of the SMALL model's training step, in bytes."""
+    cfg = resolve(None, SMALL)
+    model = build_model(resolve_model_config(cfg, BYTES))
+    ids = torch.randint(0, BYTES, (cfg.data.batch_size, cfg.data.seq_len))
+    prof = profile(model, (ids, ids), source="measured")
+    with pytest.raises(BudgetError) as e:
+        plan_for(prof, 1, fused_loss_allowed=True)
+    keep_all = plan_for(prof, 1 << 40, fused_loss_allowed=True)
+    assert all(b.checkpoint == "none" for b in keep_all.blocks)
+    plain = sum(v for k, v in keep_all.memory.items() if k != "allocator margin")
+    assert e.value.minimum_bytes < plain
+    return e.value.minimum_bytes, plain
+
+
+def between(budgets: tuple[int, int]) -> int:
+    low, plain = budgets
+    return (low + plain) // 2
+
+
+# ---------------------------------------------------------------- --budget
+def test_budget_plans_then_trains(tmp_path: Path, budgets: tuple[int, int], caplog: pytest.LogCaptureFixture) -> None:
+    """A budget between the minimum and the plain peak: the plan recomputes, is logged and saved, and the run learns
+    as the unplanned run does (recompute and the fused loss change memory, not the math). Without weight decay:
+    ``plan.apply`` builds one parameter group, so norms and embeddings decay too (the unplanned run exempts them)."""
+    budget = between(budgets)
+    out = tmp_path / "planned"
+    no_decay = ("--optimizer.weight_decay", "0")
+    with caplog.at_level("INFO"):
+        assert run(out, "--steps", "8", "--budget", str(budget), *no_decay) == 0
+    assert "elbowroom plan: 2 blocks on cpu" in caplog.text  # the plan's table, before step 1
+    assert caplog.text.index("elbowroom plan:") < caplog.text.index("step      1")
+    saved = json.loads((out / "plan.json").read_text())
+    assert saved["budget_bytes"] == budget and saved["predicted_peak_bytes"] <= budget
+    assert {"predicted_step_seconds", "blocks"} <= saved.keys()
+    plan = Plan.load(out / "plan.toml")
+    assert plan == Plan.from_dict(saved)
+    assert any(b.checkpoint != "none" for b in plan.blocks)  # below the plain peak: something is recomputed
+    assert not plan.offloads_optimizer  # a CPU has no host to offload to
+
+    losses = train_losses(out)
+    assert losses[8] < losses[1] - 0.1, losses
+    assert run(tmp_path / "plain", "--steps", "8", *no_decay) == 0
+    want = train_losses(tmp_path / "plain")
+    assert losses == pytest.approx(want, rel=1e-5)
+
+
+def test_budget_below_the_minimum_names_it_and_writes_nothing(
+    tmp_path: Path, budgets: tuple[int, int], capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "tiny-budget"
+    assert run(out, "--steps", "2", "--budget", str(budgets[0] // 2)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "below the minimum" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "24GiB", "--activations.checkpoint", "full"],
+         "--budget plans these; drop --activations.checkpoint"),
+        (["--budget", "24GiB", "--optimizer.offload_fraction", "0.5"], "drop --optimizer.offload_fraction"),
+        (["--budget", "24GiB", "--train.fused_loss"], "drop --train.fused_loss"),
+        (["--budget", "lots"], "cannot read budget 'lots'; accepted: a number with GiB"),
+        (["--budget", "24GiB", "--plan", "p.toml"], "drop one of them"),
+        (["--plan", "p.toml", "--activations.checkpoint", "full"], "--plan plans these; drop --activations.checkpoint"),
+    ],
+)
+def test_settings_a_plan_decides_are_refused(
+    tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "refused"
+    assert run(out, "--steps", "2", *args) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- --plan and --resume
+def test_resume_reapplies_the_runs_plan_and_continues_the_loss_curve(
+    tmp_path: Path, budgets: tuple[int, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Interrupted at step 4 and resumed with --budget: the resumed run follows OUT/plan.toml (no new planning) and
+    its losses are the uninterrupted run's. Two plannings may choose differently where only time decides (which
+    block to recompute), so the interrupted run follows the reference's plan with --plan."""
+    budget = str(between(budgets))
+    ref = tmp_path / "ref"
+    assert run(ref, "--steps", "8", "--budget", budget) == 0
+    out = tmp_path / "resumed"
+    assert run(out, "--steps", "4", "--scheduler.decay_steps", "8", "--plan", str(ref / "plan.json")) == 0
+    assert Plan.load(out / "plan.toml") == Plan.load(ref / "plan.toml")
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert run(out, "--resume", "--steps", "8", "--budget", budget) == 0
+    assert "resuming under the run's plan" in caplog.text
+    assert "activation policy" in caplog.text and "measured profile" in caplog.text  # applied, logged
+    got, want = train_losses(out), train_losses(ref)
+    assert sorted(got) == list(range(1, 9))
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-6)
+
+
+def test_plan_for_another_model_is_refused(tmp_path: Path, budgets: tuple[int, int], capsys) -> None:
+    ref = tmp_path / "ref"
+    assert run(ref, "--steps", "1", "--budget", str(between(budgets))) == 0
+    capsys.readouterr()
+    out = tmp_path / "deeper"
+    assert run(out, "--steps", "1", "--model.n_layers", "3", "--plan", str(ref / "plan.toml")) == 2
+    assert "the plan has 2 blocks but the model has 3" in capsys.readouterr().err
+    assert not out.exists()
+    assert run(out, "--steps", "1", "--plan", str(tmp_path / "missing.toml")) == 2
+    assert "missing.toml does not exist" in capsys.readouterr().err
+    assert run(out, "--steps", "1", "--data.batch_size", "2", "--plan", str(ref / "plan.toml")) == 2
+    assert "pass --data.batch_size 4" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_resume_with_budget_of_an_unplanned_run_is_refused(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plain"
+    assert run(out, "--steps", "1") == 0
+    assert run(out, "--resume", "--steps", "2", "--budget", "24GiB") == 2
+    assert "trained without a plan" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- --profile.steps
+def test_profile_steps_record_for_the_report(tmp_path: Path, budgets: tuple[int, int]) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "profiled"
+    assert run(out, "--steps", "4", "--profile.steps", "2-3", "--budget", str(between(budgets))) == 0
+    rows = [json.loads(line) for line in (out / "profile" / "memory.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in rows if r["kind"] == "step") == [2, 3]
+    assert main(["report", str(out)]) == 0
+    assert (out / "report" / "report.html").is_file()
+
+
+def test_profile_steps_are_validated() -> None:
+    from elbowroom.config import ConfigError
+
+    with pytest.raises(ConfigError, match="profile.steps: profile steps must look like"):
+        resolve(None, ["--profile.steps", "3-x"])
+    assert resolve(None, ["--profile.steps", "3-4"]).profile.step_set == {3, 4}
+
+
+# ---------------------------------------------------------------- --model.hf
+def hf_dir(tmp_path: Path, arch: str, weights: bool, vocab: int = BYTES) -> Path:
+    """A tiny Hugging Face model directory: config.json only, or with the weights of a seeded model."""
+    transformers = pytest.importorskip("transformers")
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+        cls = transformers.GPT2LMHeadModel
+    d = tmp_path / f"hf-{arch}-{'weights' if weights else 'config'}-{vocab}"
+    if weights:
+        torch.manual_seed(0)
+        cls(cfg).save_pretrained(d)
+    else:
+        cfg.save_pretrained(d)
+    return d
+
+
+def run_hf(out: Path, model_dir: Path, *args: str) -> int:
+    return main(["train", "--out", str(out), *RUN, "--model.hf", str(model_dir), "--optimizer.lr", "1e-2", *args])
+
+
+@pytest.mark.parametrize("arch, weights", [("llama", False), ("llama", True), ("gpt2", False)])
+def test_hf_model_trains(tmp_path: Path, arch: str, weights: bool) -> None:
+    d = hf_dir(tmp_path, arch, weights)
+    out = tmp_path / "run"
+    assert run_hf(out, d, "--steps", "3") == 0
+    losses = train_losses(out)
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    assert losses[3] < losses[1], losses
+    # the checkpoint holds the Hugging Face model's own keys, and the config it was trained with
+    loaded = CheckpointManager(out / "checkpoints").load_latest(map_location="cpu")
+    assert any(k.startswith(("model.layers.", "transformer.h.")) for k in loaded.state["model"])
+    assert loaded.meta["model"]["source"] == "hf" and loaded.meta["model"]["model_type"] == arch
+
+
+def test_hf_model_under_a_budget(tmp_path: Path) -> None:
+    from elbowroom.train.hf import build_hf_model, load_hf_config
+
+    d = hf_dir(tmp_path, "llama", True)
+    model = build_hf_model(str(d), load_hf_config(str(d)), torch.device("cpu"))
+    ids = torch.randint(0, BYTES, (4, 32))
+    prof = profile(model, (ids, ids), source="measured")
+    with pytest.raises(BudgetError) as e:
+        plan_for(prof, 1)
+    keep_all = plan_for(prof, 1 << 40)
+    plain = sum(v for k, v in keep_all.memory.items() if k != "allocator margin")
+    budget = (e.value.minimum_bytes + plain) // 2
+    out = tmp_path / "run"
+    assert run_hf(out, d, "--steps", "3", "--budget", str(budget)) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["predicted_peak_bytes"] <= budget and len(plan["blocks"]) == 2 and not plan["fused_loss"]
+    losses = train_losses(out)
+    assert losses[3] < losses[1], losses
+
+
+def test_hf_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+
+    def fails(model_dir: Path, *args: str) -> str:
+        assert run_hf(out, model_dir, "--steps", "1", *args) == 2
+        assert not out.exists()
+        return capsys.readouterr().err
+
+    assert "is not a directory" in fails(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in fails(tmp_path / "empty")
+    small = hf_dir(tmp_path, "gpt2", False, vocab=128)
+    err = fails(small)
+    assert "vocab_size 256" in err and "vocab_size 128" in err
+    assert "drop --model.dim" in fails(small, "--model.dim", "64")
+    assert "drop --train.fused_loss" in fails(small, "--train.fused_loss")
+    assert "fewer than --data.seq_len 100" in fails(hf_dir(tmp_path, "gpt2", False), "--data.seq_len", "100")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    assert "pip install transformers" in fails(small)
