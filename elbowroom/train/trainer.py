@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import random
-import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,23 +36,28 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elbowroom.activations.policy import ActivationConfig, apply_activation_policy
-from elbowroom.config import Config, ConfigError, memory_overrides, to_dict, to_toml
+from elbowroom.config import Config, ConfigError, to_dict, to_toml
 from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
 from elbowroom.ops.linear_cross_entropy import linear_cross_entropy
 from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
 from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
 from elbowroom.train.metrics import MetricsLogger, check_tensorboard, peak_flops, peak_memory
+from elbowroom.train.planning import (
+    PLAN_FILE,
+    apply_plan,
+    check_plan,
+    plan_for_budget,
+    plan_to_follow,
+)
 from elbowroom.train.schedule import build_scheduler, sync_lr
+from elbowroom.train.state import _restored_global_state, _StopSignal, rng_state, set_rng_state
 
 if TYPE_CHECKING:
-    from elbowroom.plan import Plan
+    pass
 
 log = logging.getLogger("elbowroom.train")
 
-PLAN_FILE = "plan.toml"
-"""The plan a planned run writes to OUT with its first step and re-applies on --resume (plan.json beside it is the
-report's copy)."""
 
 
 @dataclass
@@ -181,133 +185,6 @@ def apply_activations(model: DecoderLM, cfg: Config) -> None:
     apply_activation_policy(model, cfg.activations)
 
 
-def _adamw_kwargs(cfg: Config) -> dict[str, Any]:
-    o = cfg.optimizer
-    return {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay, "fused": o.fused or None}
-
-
-def load_plan(path: str | Path) -> Plan:
-    """A saved plan (TOML or JSON); ConfigError naming the file and the fix."""
-    from elbowroom.plan import Plan
-
-    try:
-        return Plan.load(path)
-    except FileNotFoundError:
-        raise ConfigError(
-            f"plan file {path} does not exist; pass a plan saved by `elbowroom plan --out FILE.toml` or a run's "
-            "OUT/plan.toml"
-        ) from None
-    except (ValueError, TypeError, OSError) as e:  # Plan.load's messages name the file and the field
-        raise ConfigError(f"{e}; fix the plan file or plan again with `elbowroom plan`") from None
-
-
-def plan_to_follow(cfg: Config, out: Path) -> Plan | None:
-    """The saved plan this run applies: on ``--resume`` the run's own ``OUT/plan.toml`` (the layout its checkpoint
-    was trained with), else ``--plan FILE``; None when there is none (a ``--budget`` run plans once it has a model).
-    """
-    from elbowroom.plan import parse_budget
-
-    saved = out / PLAN_FILE
-    if cfg.resume and saved.is_file():
-        plan = load_plan(saved)
-        overrides = memory_overrides(cfg)
-        if overrides:
-            raise ConfigError(f"{out} was trained under its plan {saved}, which decides these; drop "
-                              f"{', '.join(overrides)} to resume it")
-        if cfg.plan is not None and load_plan(cfg.plan) != plan:
-            raise ConfigError(f"--resume continues under the run's own plan {saved}; drop --plan {cfg.plan}")
-        if cfg.budget is not None and parse_budget(cfg.budget) != plan.budget_bytes:
-            log.warning("--budget %s differs from the %d bytes the run was planned for; resuming under its plan "
-                        "(start a new run to plan for the new budget)", cfg.budget, plan.budget_bytes)
-        log.info("resuming under the run's plan %s (not planning again)", saved)
-        return plan
-    if cfg.resume and (cfg.budget is not None or cfg.plan is not None):
-        flag = "--budget" if cfg.budget is not None else "--plan"
-        raise ConfigError(f"--resume: {out} was trained without a plan (no {saved.name}); drop {flag} to continue "
-                          "it as it was trained")
-    return load_plan(cfg.plan) if cfg.plan is not None else None
-
-
-def check_plan(plan: Plan, cfg: Config, amp_dtype: torch.dtype) -> None:
-    """A saved plan must match this run: its micro-batch, and bf16 offloaded weights need bf16 autocast."""
-    bsz, seq_len, planned_seq = cfg.data.batch_size, cfg.data.seq_len, plan.profile.seq_len
-    if plan.micro_batch != bsz or (planned_seq and not cfg.data.variable_length and planned_seq != seq_len):
-        raise ConfigError(
-            f"the plan was made for micro-batches of {plan.micro_batch} x {planned_seq or '?'} tokens and this run's "
-            f"are {bsz} x {seq_len}: pass --data.batch_size {plan.micro_batch}"
-            + (f" --data.seq_len {planned_seq}" if planned_seq else "")
-            + " (--train.gradient_accumulation_steps sets the global batch), or plan again for this batch"
-        )
-    bf16_offloaded = plan.weight_dtype == "float32" and plan.offload_param_dtype == "bfloat16"
-    if bf16_offloaded and plan.offloads_optimizer and amp_dtype != torch.bfloat16:
-        raise ConfigError(
-            "the plan keeps offloaded weights in bf16 on the device, which needs bf16 autocast: set --train.dtype "
-            f"bf16 (it resolves to {str(amp_dtype).removeprefix('torch.')} here)"
-        )
-
-
-def plan_for_budget(
-    model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool, amp_dtype: torch.dtype
-) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
-    """Profile ``model`` on ``sample`` (a training micro-batch), plan it into ``--budget`` and apply the plan.
-
-    The budget too small for any plan is a ConfigError whose one line names the minimum.
-    """
-    from elbowroom.plan import BudgetError, fit
-
-    # fit profiles in bf16 on CUDA and in the weights' dtype elsewhere; it takes no compute dtype to follow ours
-    profiled = torch.bfloat16 if sample["input_ids"].device.type == "cuda" else torch.float32
-    if amp_dtype != profiled:
-        log.warning("the planner profiles this step in %s but it runs in %s: the plan's memory predictions are "
-                    "those of %s", str(profiled).removeprefix("torch."), str(amp_dtype).removeprefix("torch."),
-                    str(profiled).removeprefix("torch."))
-
-    # measuring the machine draws random matrices from the global RNG (the profile itself restores it): the
-    # run's dropout stream must be the one an unplanned run with this seed draws
-    rng = torch.get_rng_state()
-    try:
-        return fit(
-            model,
-            (sample["input_ids"], sample["targets"]),
-            budget=cfg.budget,
-            optimizer=torch.optim.AdamW,
-            precision="bf16" if cfg.optimizer.param_dtype == "bfloat16" else "fp32",
-            fused_loss=fused_loss,
-            grad_clipping=bool(cfg.train.max_grad_norm),
-            offload_config=cfg.offload,
-            **_adamw_kwargs(cfg),
-        )
-    except BudgetError as e:  # its message names the minimum in GiB; a small model's needs finer units
-        raise ConfigError(
-            f"{' '.join(str(e).split())}; the minimum is {e.minimum_bytes:,} bytes: pass --budget "
-            f"{_size_at_least(e.minimum_bytes)} or more"
-        ) from None
-    except ValueError as e:  # a model the planner cannot read
-        raise ConfigError(" ".join(str(e).split())) from None
-    finally:
-        torch.set_rng_state(rng)
-
-
-def _size_at_least(n: int) -> str:
-    """``n`` bytes rounded up to two decimals of the largest binary unit it fills, as --budget reads it."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{math.ceil(n * 100 / size) / 100:g}{unit}"
-    return f"{n}B"
-
-
-def apply_plan(model: nn.Module, plan: Plan, cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Make ``model`` follow a saved plan and build its optimizer (the plan's table is logged)."""
-    from elbowroom.plan import apply
-
-    try:
-        model, optimizer = apply(model, plan, torch.optim.AdamW, offload_config=cfg.offload, **_adamw_kwargs(cfg))
-    except ValueError as e:  # a plan for another model: its block count differs
-        raise ConfigError(str(e)) from None
-    log.info("%s", plan.table())
-    return model, optimizer
-
-
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over target tokens (-100 = padding, ignored); the caller divides."""
     return F.cross_entropy(
@@ -372,81 +249,6 @@ def gradient_norm(params: list[torch.Tensor], optimizer: Any) -> torch.Tensor | 
         return None
     # per-tensor norms in fp32 (bf16 and fp32 gradients may mix); a Python loop, on logged steps only
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-@contextlib.contextmanager
-def _restored_global_state() -> Any:
-    """Give back what train() changes process-wide: deterministic-algorithm flags and the RNG states."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch_rng, python_rng = torch.get_rng_state(), random.getstate()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-        torch.set_rng_state(torch_rng)
-        random.setstate(python_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-
-class _StopSignal:
-    """Turns SIGTERM/SIGINT into a flag the loop checks after each step.
-
-    A second SIGINT aborts at once (KeyboardInterrupt; the previous checkpoint stands), except during a
-    save: there it is noted and ignored, so that the checkpoint the first signal asked for is completed.
-    """
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._saving = False
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignal:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: no signal handling there
-                pass
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.received is not None:
-            if self._saving:
-                log.warning("received %s while saving the checkpoint: finishing the save first", name)
-            elif signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            return
-        self.received = signum
-        log.warning("received %s: finishing this step, saving a checkpoint, then exiting", name)
-
-    @contextlib.contextmanager
-    def saving(self) -> Any:
-        self._saving = True
-        try:
-            yield
-        finally:
-            self._saving = False
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
 
 
 def _check_out_dir(out: Path, resume: bool) -> None:
@@ -632,7 +434,7 @@ def _train(cfg: Config) -> TrainResult:
     loaded = _load_resume_checkpoint(out, ckpts) if cfg.resume else None
 
     # --- data (validated before anything is written to OUT)
-    cache_dir = cfg.data.cache_dir or os.environ.get("ELBOWROOM_CACHE")
+    cache_dir = cfg.data.cache_dir  # the CLI fills it from $ELBOWROOM_CACHE
     tokens = D.load_tokens(cfg.data.path, cache_dir=cache_dir, require_sidecar=True)
     seq_len, bsz, accum = cfg.data.seq_len, cfg.data.batch_size, cfg.train.gradient_accumulation_steps
     if not cfg.data.variable_length:
@@ -929,7 +731,7 @@ def evaluate(model: nn.Module, loader: Any, device: torch.device, autocast: Any)
 def _progress_bar(cfg: Config, step: int) -> Any:
     import sys
 
-    if not cfg.logging.progress or not sys.stderr.isatty() or os.environ.get("CI"):
+    if not cfg.logging.progress or not sys.stderr.isatty():  # the CLI turns it off under $CI
         return None
     from tqdm import tqdm
 

@@ -1,0 +1,153 @@
+"""The trainer's planned runs: plan under ``--budget``, load ``--plan FILE``, follow the run's own plan on resume.
+
+The planner itself is ``elbowroom.plan``; this module decides which plan a run follows and applies it to the
+trainer's model and optimizer settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from elbowroom.config import Config, ConfigError, memory_overrides
+
+if TYPE_CHECKING:
+    from elbowroom.plan import Plan
+
+log = logging.getLogger("elbowroom.train")
+
+PLAN_FILE = "plan.toml"
+"""The plan a planned run writes to OUT with its first step and re-applies on --resume (plan.json beside it is the
+report's copy)."""
+
+
+def _adamw_kwargs(cfg: Config) -> dict[str, Any]:
+    o = cfg.optimizer
+    return {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay, "fused": o.fused or None}
+
+
+def load_plan(path: str | Path) -> Plan:
+    """A saved plan (TOML or JSON); ConfigError naming the file and the fix."""
+    from elbowroom.plan import Plan
+
+    try:
+        return Plan.load(path)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"plan file {path} does not exist; pass a plan saved by `elbowroom plan --out FILE.toml` or a run's "
+            "OUT/plan.toml"
+        ) from None
+    except (ValueError, TypeError, OSError) as e:  # Plan.load's messages name the file and the field
+        raise ConfigError(f"{e}; fix the plan file or plan again with `elbowroom plan`") from None
+
+
+def plan_to_follow(cfg: Config, out: Path) -> Plan | None:
+    """The saved plan this run applies: on ``--resume`` the run's own ``OUT/plan.toml`` (the layout its checkpoint
+    was trained with), else ``--plan FILE``; None when there is none (a ``--budget`` run plans once it has a model).
+    """
+    from elbowroom.plan import parse_budget
+
+    saved = out / PLAN_FILE
+    if cfg.resume and saved.is_file():
+        plan = load_plan(saved)
+        overrides = memory_overrides(cfg)
+        if overrides:
+            raise ConfigError(f"{out} was trained under its plan {saved}, which decides these; drop "
+                              f"{', '.join(overrides)} to resume it")
+        if cfg.plan is not None and load_plan(cfg.plan) != plan:
+            raise ConfigError(f"--resume continues under the run's own plan {saved}; drop --plan {cfg.plan}")
+        if cfg.budget is not None and parse_budget(cfg.budget) != plan.budget_bytes:
+            log.warning("--budget %s differs from the %d bytes the run was planned for; resuming under its plan "
+                        "(start a new run to plan for the new budget)", cfg.budget, plan.budget_bytes)
+        log.info("resuming under the run's plan %s (not planning again)", saved)
+        return plan
+    if cfg.resume and (cfg.budget is not None or cfg.plan is not None):
+        flag = "--budget" if cfg.budget is not None else "--plan"
+        raise ConfigError(f"--resume: {out} was trained without a plan (no {saved.name}); drop {flag} to continue "
+                          "it as it was trained")
+    return load_plan(cfg.plan) if cfg.plan is not None else None
+
+
+def check_plan(plan: Plan, cfg: Config, amp_dtype: torch.dtype) -> None:
+    """A saved plan must match this run: its micro-batch, and bf16 offloaded weights need bf16 autocast."""
+    bsz, seq_len, planned_seq = cfg.data.batch_size, cfg.data.seq_len, plan.profile.seq_len
+    if plan.micro_batch != bsz or (planned_seq and not cfg.data.variable_length and planned_seq != seq_len):
+        raise ConfigError(
+            f"the plan was made for micro-batches of {plan.micro_batch} x {planned_seq or '?'} tokens and this run's "
+            f"are {bsz} x {seq_len}: pass --data.batch_size {plan.micro_batch}"
+            + (f" --data.seq_len {planned_seq}" if planned_seq else "")
+            + " (--train.gradient_accumulation_steps sets the global batch), or plan again for this batch"
+        )
+    bf16_offloaded = plan.weight_dtype == "float32" and plan.offload_param_dtype == "bfloat16"
+    if bf16_offloaded and plan.offloads_optimizer and amp_dtype != torch.bfloat16:
+        raise ConfigError(
+            "the plan keeps offloaded weights in bf16 on the device, which needs bf16 autocast: set --train.dtype "
+            f"bf16 (it resolves to {str(amp_dtype).removeprefix('torch.')} here)"
+        )
+
+
+def plan_for_budget(
+    model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool, amp_dtype: torch.dtype
+) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
+    """Profile ``model`` on ``sample`` (a training micro-batch), plan it into ``--budget`` and apply the plan.
+
+    The budget too small for any plan is a ConfigError whose one line names the minimum.
+    """
+    from elbowroom.plan import BudgetError, fit
+
+    # fit profiles in bf16 on CUDA and in the weights' dtype elsewhere; it takes no compute dtype to follow ours
+    profiled = torch.bfloat16 if sample["input_ids"].device.type == "cuda" else torch.float32
+    if amp_dtype != profiled:
+        log.warning("the planner profiles this step in %s but it runs in %s: the plan's memory predictions are "
+                    "those of %s", str(profiled).removeprefix("torch."), str(amp_dtype).removeprefix("torch."),
+                    str(profiled).removeprefix("torch."))
+
+    # measuring the machine draws random matrices from the global RNG (the profile itself restores it): the
+    # run's dropout stream must be the one an unplanned run with this seed draws
+    rng = torch.get_rng_state()
+    try:
+        return fit(
+            model,
+            (sample["input_ids"], sample["targets"]),
+            budget=cfg.budget,
+            optimizer=torch.optim.AdamW,
+            precision="bf16" if cfg.optimizer.param_dtype == "bfloat16" else "fp32",
+            fused_loss=fused_loss,
+            grad_clipping=bool(cfg.train.max_grad_norm),
+            offload_config=cfg.offload,
+            **_adamw_kwargs(cfg),
+        )
+    except BudgetError as e:  # its message names the minimum in GiB; a small model's needs finer units
+        raise ConfigError(
+            f"{' '.join(str(e).split())}; the minimum is {e.minimum_bytes:,} bytes: pass --budget "
+            f"{_size_at_least(e.minimum_bytes)} or more"
+        ) from None
+    except ValueError as e:  # a model the planner cannot read
+        raise ConfigError(" ".join(str(e).split())) from None
+    finally:
+        torch.set_rng_state(rng)
+
+
+def _size_at_least(n: int) -> str:
+    """``n`` bytes rounded up to two decimals of the largest binary unit it fills, as --budget reads it."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{math.ceil(n * 100 / size) / 100:g}{unit}"
+    return f"{n}B"
+
+
+def apply_plan(model: nn.Module, plan: Plan, cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Make ``model`` follow a saved plan and build its optimizer (the plan's table is logged)."""
+    from elbowroom.plan import apply
+
+    try:
+        model, optimizer = apply(model, plan, torch.optim.AdamW, offload_config=cfg.offload, **_adamw_kwargs(cfg))
+    except ValueError as e:  # a plan for another model: its block count differs
+        raise ConfigError(str(e)) from None
+    log.info("%s", plan.table())
+    return model, optimizer
