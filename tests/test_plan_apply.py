@@ -210,3 +210,20 @@ def test_hugging_face_models_train_like_plain(arch: str) -> None:
     assert got == pytest.approx(want, rel=1e-6)
     opt.wait_for_weights()
     assert_params_close(model, ref, 1e-6)
+
+
+def test_apply_builds_the_callers_parameter_groups() -> None:
+    # the trainer's AdamW groups (no decay on norms and embeddings) survive a plan, offloaded or not
+    from elbowroom.train.trainer import param_groups
+
+    on_device = Plan(blocks=tuple(BlockPlan(index=i) for i in range(4)), budget_bytes=1 << 30,
+                     predicted_peak_bytes=0, predicted_step_seconds=1.0, predicted_tokens_per_s=1.0)
+    for plan in (hand_plan(4), on_device):
+        model = tiny()
+        _, opt = apply(model, plan, torch.optim.AdamW, offload_config=KNOBS, lr=1e-2, weight_decay=0.1,
+                       param_groups=lambda m: param_groups(m, 0.1))
+        decays = sorted(g["weight_decay"] for g in opt.param_groups)
+        assert decays == [0.0, 0.1], decays
+        assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+        if isinstance(opt, CPUOffloadOptimizer):
+            opt.close()

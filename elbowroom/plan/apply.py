@@ -94,6 +94,7 @@ def apply(
     *,
     blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
     offload_config: Any = None,
+    param_groups: Any = None,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Make ``model`` follow ``plan`` and build its optimizer.
@@ -103,6 +104,8 @@ def apply(
         plan: the plan (from :func:`~elbowroom.plan.plan_for`, or :meth:`Plan.load`).
         optimizer_class: a torch optimizer class (AdamW by default); offloaded parameters step with its CPU kernel.
         blocks: the model's repeated blocks when they cannot be found (a dotted path or the modules).
+        param_groups: ``param_groups(model) -> list of groups`` for the optimizer (e.g. no weight decay on norms and
+            embeddings), called after the plan's casts; None: one group of every trainable parameter.
         offload_config: the CPU-offloaded optimizer's engine settings (``elbowroom.optim.CPUOffloadConfig``: bucket
             size, staging slots, threads); the plan sets placement and precision over it.
         **opt_kwargs: passed to the optimizer (``lr``, ``weight_decay``, ``betas``...).
@@ -161,14 +164,15 @@ def apply(
         if plan.offload_other_params:
             offload += [p for p in params if id(p) not in in_blocks and id(p) not in seen]
     masters = plan.weight_dtype == "bfloat16"
+    groups: Any = param_groups(model) if param_groups is not None else params
     if not offload and not masters:
-        opt: torch.optim.Optimizer = optimizer_class(params, **opt_kwargs)
+        opt: torch.optim.Optimizer = optimizer_class(groups, **opt_kwargs)
     else:
         from elbowroom.optim import CPUOffloadOptimizer
 
         param_dtype = torch.bfloat16 if (plan.offload_param_dtype == "bfloat16" and not masters and offload) else None
         opt = CPUOffloadOptimizer(
-            params,
+            groups,
             optimizer_class,
             offload_params=offload,
             param_dtype=param_dtype,

@@ -31,6 +31,17 @@ def _adamw_kwargs(cfg: Config) -> dict[str, Any]:
     return {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay, "fused": o.fused or None}
 
 
+def _groups(cfg: Config) -> Any:
+    """The trainer's AdamW groups (no decay on norms, biases and embeddings), built after the plan's casts."""
+
+    def groups(model: nn.Module) -> list[dict[str, Any]]:
+        from elbowroom.train.trainer import param_groups  # the trainer imports this module
+
+        return param_groups(model, cfg.optimizer.weight_decay)
+
+    return groups
+
+
 def load_plan(path: str | Path) -> Plan:
     """A saved plan (TOML or JSON); ConfigError naming the file and the fix."""
     from elbowroom.plan import Plan
@@ -120,6 +131,7 @@ def plan_for_budget(
             fused_loss=fused_loss,
             grad_clipping=bool(cfg.train.max_grad_norm),
             offload_config=cfg.offload,
+            param_groups=_groups(cfg),
             **_adamw_kwargs(cfg),
         )
     except BudgetError as e:  # its message names the minimum in GiB; a small model's needs finer units
@@ -146,7 +158,8 @@ def apply_plan(model: nn.Module, plan: Plan, cfg: Config) -> tuple[nn.Module, to
     from elbowroom.plan import apply
 
     try:
-        model, optimizer = apply(model, plan, torch.optim.AdamW, offload_config=cfg.offload, **_adamw_kwargs(cfg))
+        model, optimizer = apply(model, plan, torch.optim.AdamW, offload_config=cfg.offload, param_groups=_groups(cfg),
+                                 **_adamw_kwargs(cfg))
     except ValueError as e:  # a plan for another model: its block count differs
         raise ConfigError(str(e)) from None
     log.info("%s", plan.table())
