@@ -521,6 +521,9 @@ def _train(cfg: Config) -> TrainResult:
         # the fused head + loss needs our own models' head, and runs outside torch.compile
         fused_ok = model_cfg is not None and not cfg.train.compile
         model, optimizer, plan = plan_for_budget(model, first, cfg, fused_loss=fused_ok, amp_dtype=amp_dtype)
+        if device.type == "cuda":  # the logged peak is the training steps', not the profile's (an unplanned step)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
     elif plan is not None:
         model, optimizer = apply_plan(model, plan, cfg)
     else:
