@@ -322,13 +322,11 @@ def schedule_length(cfg: Config, loaded: Loaded | None) -> int:
 
 def available_host_memory() -> int | None:
     """Bytes of RAM available to a new allocation (MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from elbowroom.optim.placement import available_host_bytes  # the optimizer's own reading of /proc/meminfo
+
+    available = available_host_bytes()
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
