@@ -101,39 +101,41 @@ def _gather(state: CompressionState, tensor: torch.Tensor) -> torch.futures.Futu
     return work.get_future().then(lambda _: out)
 
 
-def topk_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP hook: top-k sparsification with error feedback (see the module docstring)."""
+def _error_fed(
+    state: CompressionState,
+    bucket: dist.GradBucket,
+    compress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    dense_sum: Callable[[list[torch.Tensor], list[torch.Tensor], int], torch.Tensor],
+) -> torch.futures.Future[torch.Tensor]:
+    """The shape of both compressing hooks: add the carried residual, compress into two tensors (keeping the new
+    residual), all-gather both, and write the average of every rank's decompressed bucket into the bucket."""
     buf = bucket.buffer()
     x = buf + state.residuals[bucket.index()] if bucket.index() in state.residuals else buf.clone()
-    values, indices, state.residuals[bucket.index()] = topk_compress(x, state.ratio)
-    gathered_values = _gather(state, values)
-    gathered_indices = _gather(state, indices)
+    a, b, state.residuals[bucket.index()] = compress(x)
+    gathered_a, gathered_b = _gather(state, a), _gather(state, b)
     world = _world(state)
 
     def decompress(_: Any) -> torch.Tensor:
-        vals, idxs = gathered_values.value(), gathered_indices.value()
-        dense = topk_decompress(torch.cat(vals), torch.cat(idxs), buf.numel())
-        buf.copy_(dense.div_(world))
+        buf.copy_(dense_sum(gathered_a.value(), gathered_b.value(), buf.numel()).div_(world))
         return buf
 
-    return torch.futures.collect_all([gathered_values, gathered_indices]).then(decompress)
+    return torch.futures.collect_all([gathered_a, gathered_b]).then(decompress)
+
+
+def topk_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: top-k sparsification with error feedback (see the module docstring)."""
+    return _error_fed(
+        state, bucket, lambda x: topk_compress(x, state.ratio),
+        lambda values, indices, numel: topk_decompress(torch.cat(values), torch.cat(indices), numel),
+    )
 
 
 def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: int8 quantisation with stochastic rounding and error feedback (see the module docstring)."""
-    buf = bucket.buffer()
-    x = buf + state.residuals[bucket.index()] if bucket.index() in state.residuals else buf.clone()
-    q, scale, state.residuals[bucket.index()] = int8_compress(x, state.generator)
-    gathered_q = _gather(state, q)
-    gathered_scale = _gather(state, scale)
-    world = _world(state)
-
-    def decompress(_: Any) -> torch.Tensor:
-        total = sum(int8_decompress(qi, si) for qi, si in zip(gathered_q.value(), gathered_scale.value()))
-        buf.copy_(total.div_(world))
-        return buf
-
-    return torch.futures.collect_all([gathered_q, gathered_scale]).then(decompress)
+    return _error_fed(
+        state, bucket, lambda x: int8_compress(x, state.generator),
+        lambda qs, scales, numel: sum(int8_decompress(q, s) for q, s in zip(qs, scales)),
+    )
 
 
 class _Counting:
