@@ -191,3 +191,24 @@ def test_monotone_on_random_models_and_machines(seed: int) -> None:
         if prev is not None:
             assert plan.predicted_step_seconds <= prev
         prev = plan.predicted_step_seconds
+
+
+def test_bf16_layouts_are_priced_with_their_own_bytes() -> None:
+    # a profile under autocast saves fp32 norm and residual outputs; a bf16 model saves them in bf16. Given the
+    # bf16 bytes, only bf16-weight layouts use them: the same bytes change nothing, fewer bytes never cost more
+    from elbowroom.plan.search import with_bytes_of
+
+    p = make_profile()
+    fewer = dataclasses.replace(p, blocks=tuple(
+        dataclasses.replace(b, saved_bytes={k: v // 2 for k, v in b.saved_bytes.items()},
+                            selective_saved_bytes=b.selective_saved_bytes // 2) for b in p.blocks))
+    assert with_bytes_of(p, fewer).blocks[0].forward_s == p.blocks[0].forward_s  # times stay the profile's
+    for budget in (18 * GiB, 24 * GiB, 32 * GiB):
+        base = plan_for(p, budget, precision="bf16", fused_loss_allowed=True)
+        same = plan_for(p, budget, precision="bf16", fused_loss_allowed=True, bf16_bytes=p)
+        assert same.predicted_step_seconds == base.predicted_step_seconds
+        cheaper = plan_for(p, budget, precision="bf16", fused_loss_allowed=True, bf16_bytes=fewer)
+        assert cheaper.predicted_step_seconds <= base.predicted_step_seconds
+        assert cheaper.predicted_peak_bytes <= budget
+        fp32 = plan_for(p, budget, precision="fp32", fused_loss_allowed=True, bf16_bytes=fewer)
+        assert fp32 == plan_for(p, budget, precision="fp32", fused_loss_allowed=True)  # fp32 weights: untouched

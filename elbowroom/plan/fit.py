@@ -139,6 +139,17 @@ def fit(
     if loss_fn is not None:
         prof_kwargs["loss_fn"] = loss_fn
     prof = take_profile(model, sample_batch, **prof_kwargs)
+    bf16_bytes = None
+    if precision == "bf16" and prof.param_dtype != "bfloat16" and prof.compute_dtype == "bfloat16":
+        # what the model saves once its weights are bf16 (norm and residual outputs in bf16, not autocast's
+        # fp32): traced on a meta copy in a second or two, its bytes price the bf16-weight layouts
+        from elbowroom.plan.profiler import meta_copy
+
+        bf16_bytes = take_profile(
+            meta_copy(model).to(torch.bfloat16), sample_batch, source="analytic", machine=prof.machine,
+            dtype=torch.bfloat16, blocks=prof.block_path or None,
+            **({"loss_fn": loss_fn} if loss_fn is not None else {}),
+        )
     plan = plan_for(
         prof,
         budget_bytes,
@@ -148,6 +159,7 @@ def fit(
         grad_clipping=grad_clipping,
         selective_allowed=selective,
         offload_config=opt_kwargs.get("offload_config"),
+        bf16_bytes=bf16_bytes,
     )
     model, opt = apply(model, plan, optimizer, blocks=blocks, **opt_kwargs)
     logger.info("%s", plan.table())

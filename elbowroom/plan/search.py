@@ -225,6 +225,8 @@ def plan_for(
     prefetch_window_bytes: int | None = None,
     selective_allowed: bool = True,
     offload_config: Any = None,
+    bf16_bytes: Profile | None = None,
+    _layouts: list[str] | None = None,
 ) -> Plan:
     """The plan with the shortest predicted step whose predicted peak fits ``budget_bytes``.
 
@@ -241,6 +243,9 @@ def plan_for(
         allocator_allowed: the plan may set CUDA allocator options (``expandable_segments:True``).
         prefetch_window_bytes: the activation offload engine's prefetch window (its default when None).
         offload_config: the ``CPUOffloadConfig`` the optimizer will be built with (its staging slots are priced).
+        bf16_bytes: a profile of the same model with bf16 weights (analytic is enough: only its bytes are read).
+            A profile taken under autocast saves fp32 norm and residual outputs that a bf16 model saves in bf16;
+            with this, bf16-weight layouts are priced with their own bytes (times stay the profile's).
         selective_allowed: blocks may use selective recompute (:func:`~elbowroom.plan.fit` turns it off for
             blocks that are not elbowroom's reference blocks, see there).
 
@@ -272,6 +277,26 @@ def plan_for(
         notes.append(f"{m.name} has no host link in the profile: nothing is offloaded")
     layouts, layout_notes = cost.layouts_for(profile, precision)
     notes += layout_notes
+    if bf16_bytes is not None and "bf16" in layouts and _layouts is None:
+        # the bf16 layout on its own bytes, the others on the profile's: the faster of the two searches (each
+        # exact, so a tighter budget still never predicts a faster step)
+        kw = dict(global_batch=global_batch, precision=precision, fused_loss_allowed=fused_loss_allowed,
+                  offload_allowed=offload_allowed, grad_clipping=grad_clipping, allocator_allowed=allocator_allowed,
+                  prefetch_window_bytes=prefetch_window_bytes, selective_allowed=selective_allowed,
+                  offload_config=offload_config)
+        found: list[Plan] = []
+        errors: list[BudgetError] = []
+        for prof, only in ((with_bytes_of(profile, bf16_bytes), ["bf16"]),
+                           (profile, [x for x in layouts if x != "bf16"])):
+            try:
+                found.append(plan_for(prof, budget_bytes, _layouts=only, **kw))
+            except BudgetError as e:
+                errors.append(e)
+        if not found:
+            raise min(errors, key=lambda e: e.minimum_bytes)
+        return min(found, key=lambda pl: pl.predicted_step_seconds)
+    if _layouts is not None:
+        layouts = [x for x in layouts if x in _layouts]
     cuda_like = allocator_allowed and m.name.lower() != "cpu"
     budget = budget_bytes
     if m.device_memory_bytes > 0 and budget > m.device_memory_bytes:
@@ -506,3 +531,19 @@ def _snap(o: Option) -> Option:
     if not same:
         same = [c for c in OPTIONS if c.checkpoint == o.checkpoint]
     return min(same, key=lambda c: abs(c.offload_ratio - o.offload_ratio))
+
+
+def with_bytes_of(profile: Profile, other: Profile) -> Profile:
+    """``profile`` with the saved bytes of ``other`` (the same model traced in another precision); its times,
+    machine and model states stay."""
+    if len(other.blocks) != len(profile.blocks):
+        raise ValueError(f"the two profiles have {len(profile.blocks)} and {len(other.blocks)} blocks")
+    blocks = tuple(
+        replace(b, saved_bytes=dict(o.saved_bytes), selective_saved_bytes=o.selective_saved_bytes,
+                input_bytes=o.input_bytes, largest_saved_bytes=o.largest_saved_bytes)
+        for b, o in zip(profile.blocks, other.blocks)
+    )
+    head = replace(profile.head, saved_bytes=other.head.saved_bytes,
+                   logits_transient_bytes=other.head.logits_transient_bytes,
+                   fused_transient_bytes=other.head.fused_transient_bytes)
+    return replace(profile, blocks=blocks, head=head)
