@@ -575,6 +575,21 @@ class CPUOffloadOptimizer(Optimizer):
         """
         return [hp.param for hp in self._placement.hps]
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The optimizer's own tensors in device memory, by what they are (for memory reports).
+
+        Returns:
+            ``{"optimizer_state": [...], "master_weights": [...]}``: the device part's optimizer state (Adam's
+            moments, its ``step``) and the fp32 masters of low-precision parameters kept on the device. What lives
+            on the host (offloaded parameters' masters and state) is counted by ``stats()["host_bytes"]``.
+        """
+        pl = self._placement
+        state: list[torch.Tensor] = []
+        if pl.dev_opt is not None:
+            for st in list(pl.dev_opt.state.values()):  # the training thread steps the device part: no race here
+                state += [v for v in list(st.values()) if isinstance(v, torch.Tensor)]
+        return {"optimizer_state": state, "master_weights": list(pl.dev_masters.values())}
+
     def stats(self) -> dict[str, Any]:
         """Numbers for benchmarks and logs: settings in use, placement, host memory, the last step's CPU timing.
 

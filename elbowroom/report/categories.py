@@ -107,10 +107,8 @@ def optimizer_tensors(optimizer: Any) -> dict[str, list[torch.Tensor]]:
     """The optimizer's own tensors, by category (``optimizer_state``, ``master_weights``).
 
     An optimizer with a ``memory_tensors()`` method returning ``{"optimizer_state": [...], "master_weights":
-    [...]}`` is asked directly (the hook ``CPUOffloadOptimizer`` is to grow, so that device masters are told apart
-    from state). Otherwise the state is what ``optimizer.state`` holds, which for a ``CPUOffloadOptimizer`` are
-    the inner optimizers' state dicts once a step has linked them, host and device alike; its device masters
-    are then not visible and land in "activations kept" or "other" (an under-count of ``master_weights``).
+    [...]}`` (``CPUOffloadOptimizer`` has one: its device state and device fp32 masters) is asked directly.
+    Otherwise the state is what ``optimizer.state`` holds (torch's optimizers).
 
     Args:
         optimizer: a torch optimizer (or None).
