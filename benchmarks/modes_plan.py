@@ -104,8 +104,7 @@ def _analytic(model: torch.nn.Module, plan: Any, idx: torch.Tensor) -> dict[str,
         meta = build_model(cfg, device="meta")
         name = "h200" if "H200" in torch.cuda.get_device_name() else "h100-80gb"
         prof = profile(meta, torch.zeros_like(idx, device="meta"), source="analytic",
-                       machine=get_device(name, host_memory=plan.profile.host_memory_bytes
-                                          if hasattr(plan.profile, "host_memory_bytes") else None))
+                       machine=get_device(name))  # this host's memory
         again = plan.repredicted(prof)
         return {"analytic_peak_GiB": round(again.predicted_peak_bytes / 2**30, 2),
                 "analytic_step_s": round(again.predicted_step_seconds, 4)}

@@ -59,14 +59,22 @@ def _reference(steps: int = STEPS, accum: int = 1) -> list[float]:
     return _train(model, opt, steps, accum)
 
 
+def _rank_loop(topo) -> dict:
+    """The data-parallel arguments of :func:`_train` for this rank: gradient sync off but at the last micro-batch,
+    the loss scaled for the ranks' gradient average, its slice of each global batch, the loss summed over ranks."""
+    from elbowroom.distributed.data_parallel import all_reduce_sum, gradient_sync, loss_scale
+
+    local = GLOBAL_BATCH // topo.dp_size
+    return dict(sync=gradient_sync, scale=loss_scale(topo),
+                rank_slice=slice(topo.dp_rank * local, (topo.dp_rank + 1) * local),
+                reduce=lambda v: all_reduce_sum(v, topo, torch.device("cpu")))
+
+
 def _ranks_train(rank: int, world: int) -> dict:
     """On each rank: every data-parallel mode, with and without accumulation; losses and hook counts."""
     from elbowroom.distributed.data_parallel import (
-        all_reduce_sum,
         apply_data_parallel,
-        gradient_sync,
         init_distributed,
-        loss_scale,
     )
 
     out = {}
@@ -93,12 +101,7 @@ def _ranks_train(rank: int, world: int) -> dict:
 
                 comm.hook = counting
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            local = GLOBAL_BATCH // topo.dp_size
-            losses = _train(
-                model, opt, STEPS, accum, sync=gradient_sync, scale=loss_scale(topo),
-                reduce=lambda v, topo=topo: all_reduce_sum(v, topo, torch.device("cpu")),
-                rank_slice=slice(topo.dp_rank * local, (topo.dp_rank + 1) * local),
-            )
+            losses = _train(model, opt, STEPS, accum, **_rank_loop(topo))
             full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                     for n, p in model.named_parameters()}
             out[(name, accum)] = {"losses": losses, "calls": len(calls), "params": full}
@@ -183,11 +186,8 @@ def _ranks_compose(rank: int, world: int) -> dict:
     """DDP with each compression hook, with recompute, with the CPU-offloaded optimizer."""
     from elbowroom.activations import apply_activation_policy
     from elbowroom.distributed.data_parallel import (
-        all_reduce_sum,
         apply_data_parallel,
-        gradient_sync,
         init_distributed,
-        loss_scale,
     )
     from elbowroom.optim import CPUOffloadOptimizer
 
@@ -215,12 +215,7 @@ def _ranks_compose(rank: int, world: int) -> dict:
             opt = CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-2, offload_fraction=0.5)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        local = GLOBAL_BATCH // topo.dp_size
-        losses = _train(
-            model, opt, steps, 1, sync=gradient_sync, scale=loss_scale(topo),
-            reduce=lambda v, topo=topo: all_reduce_sum(v, topo, torch.device("cpu")),
-            rank_slice=slice(topo.dp_rank * local, (topo.dp_rank + 1) * local),
-        )
+        losses = _train(model, opt, steps, 1, **_rank_loop(topo))
         if offload:
             opt.close()
         out[name] = {"losses": losses, "bytes": comm.take_bytes() if comm is not None else None}
@@ -254,18 +249,13 @@ def _ranks_checkpoint(rank: int, world: int, ckpt_dir: str) -> dict:
 
     from elbowroom.distributed import checkpoint as C
     from elbowroom.distributed.data_parallel import (
-        all_reduce_sum,
         apply_data_parallel,
-        gradient_sync,
         init_distributed,
-        loss_scale,
     )
 
     topo = init_distributed(ParallelConfig(dp_shard=2), rank=rank, world_size=world, local_rank=rank,
                             device=torch.device("cpu"))
-    local = GLOBAL_BATCH // topo.dp_size
-    kw = dict(sync=gradient_sync, scale=loss_scale(topo), rank_slice=slice(rank * local, (rank + 1) * local),
-              reduce=lambda v: all_reduce_sum(v, topo, torch.device("cpu")))
+    kw = _rank_loop(topo)
 
     def fresh():
         torch.manual_seed(0)

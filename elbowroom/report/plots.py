@@ -377,22 +377,10 @@ def draw_link(tl: LinkTimeline, plan: dict[str, Any] | None, path: Path) -> Path
             h2d / 1e9, ls="--", color="black", lw=1, label=f"link limit each way alone (plan): {h2d / 1e9:.0f} GB/s"
         )
     else:
-        if rate(h2d):
-            ax.axhline(
-                h2d / 1e9,
-                ls="--",
-                color="#1f77b4",
-                lw=1,
-                label=f"link limit, host to device (plan): {h2d / 1e9:.0f} GB/s",
-            )
-        if rate(d2h):
-            ax.axhline(
-                d2h / 1e9,
-                ls="--",
-                color="#d62728",
-                lw=1,
-                label=f"link limit, device to host (plan): {d2h / 1e9:.0f} GB/s",
-            )
+        for value, color, way in ((h2d, "#1f77b4", "host to device"), (d2h, "#d62728", "device to host")):
+            if rate(value):
+                ax.axhline(value / 1e9, ls="--", color=color, lw=1,
+                           label=f"link limit, {way} (plan): {value / 1e9:.0f} GB/s")
     if rate(duplex):
         ax.axhline(
             duplex / 1e9, ls=":", color="black", lw=1, label=f"each way, both at once (plan): {duplex / 1e9:.0f} GB/s"
