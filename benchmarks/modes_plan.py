@@ -68,7 +68,8 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
 
     def stats() -> dict[str, Any]:
         out = {
-            "pred_peak_GiB": round(plan.predicted_peak_bytes / 2**30, 2),
+            "pred_peak_GiB": round(plan.predicted_peak_bytes / 2**30, 2),  # reserved: allocated + allocator margin
+            "pred_alloc_GiB": round((plan.predicted_peak_bytes - plan.memory.get("allocator margin", 0)) / 2**30, 2),
             "pred_step_s": round(plan.predicted_step_seconds, 4),
             "budget_GiB": round(plan.budget_bytes / 2**30, 2),
             "plan": _summary(plan),
