@@ -190,3 +190,15 @@ def test_peak_bytes_is_predicts_peak() -> None:
                       offload_blocks=tuple(bool(x) for x in rng.integers(0, 2, n)))
         assert cost.peak_bytes(p, d, idx, 30 * GiB, 1 << 28) == cost.predict(
             p, d, 30 * GiB, prefetch_window_bytes=1 << 28).peak_bytes
+
+
+def test_each_allocator_setting_has_its_own_measured_margin() -> None:
+    p = dataclasses.replace(make_profile(n_layers=2), allocator_overhead_bytes=3 * GiB,
+                            allocator_overhead_expandable_bytes=256 << 20)
+    n = len(p.blocks)
+    assert cost.predict(p, decisions(n), 80 * GiB).memory["allocator margin"] == 3 * GiB
+    assert cost.predict(p, decisions(n, expandable_segments=True), 80 * GiB).memory["allocator margin"] == 256 << 20
+    # not measured for that setting: the argued fraction of the budget
+    q = dataclasses.replace(p, allocator_overhead_expandable_bytes=0)
+    got = cost.predict(q, decisions(n, expandable_segments=True), 80 * GiB).memory["allocator margin"]
+    assert got == int(cost.ALLOCATOR_MARGIN["expandable_segments"] * 80 * GiB)

@@ -186,7 +186,8 @@ def apply(
     if plan.allocator_settings and any(p.device.type == "cuda" for p in params):
         setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
         if setter is not None:
-            setter(plan.allocator_settings)  # applies to the allocations that follow
+            setter(plan.allocator_settings)  # applies to the segments made from now on
+            torch.cuda.empty_cache()  # so that the cached segments of the old setting are not reused
         else:
             logger.warning("this torch cannot change allocator settings at run time; set PYTORCH_CUDA_ALLOC_CONF=%s",
                            plan.allocator_settings)

@@ -182,8 +182,9 @@ ALLOCATOR_MARGIN = {"default": 0.08, "expandable_segments": 0.03}
 """Reserved beyond allocated, as a fraction of the budget, when the profile did not measure it. The caching
 allocator rounds large blocks to 2 MiB and cannot reuse a freed segment for a bigger tensor; plans that mix kept,
 recomputed and offloaded blocks free and allocate many sizes. ``expandable_segments:True`` maps more memory into
-one segment instead, which leaves little of it unusable. (Values argued, not measured on our workloads: the
-benchmarks report peak allocated bytes.)"""
+one segment instead, which leaves little of it unusable. (Values argued. A measured profile measures both
+settings on a plain step instead: on the H100, W1's plain step held 3.4 GiB beyond its 52.2 GiB allocated with the
+default allocator, and planned W1 steps 1.6-2.4 GiB; GPT-2-XL's about 4.2 GiB, plain or planned, ``BENCHMARKS.md``.)"""
 
 PINNED_ACTIVATION_SHARE = 1.0
 """Host bytes the activation pool needs per offloaded byte of one micro-batch (the pool holds a whole micro-batch
@@ -611,10 +612,18 @@ def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: fl
     return accumulation * (g.compute_s + scale * block_cost_sum) + g.device_step_s + g.host_exposed_s
 
 
+def measured_margin(profile: Profile, expandable_segments: bool) -> int:
+    """The allocator overhead the profile measured for this setting (0: not measured)."""
+    if expandable_segments:
+        return int(profile.allocator_overhead_expandable_bytes)
+    return int(profile.allocator_overhead_bytes)
+
+
 def margin_bytes(profile: Profile, budget_bytes: int, expandable_segments: bool) -> int:
-    """The allocator's margin: measured when the profile has it, else a fraction of the budget."""
-    if profile.allocator_overhead_bytes > 0:
-        return int(profile.allocator_overhead_bytes)
+    """The allocator's margin: measured when the profile has it (for this setting), else a fraction of the budget."""
+    got = measured_margin(profile, expandable_segments)
+    if got > 0:
+        return got
     frac = ALLOCATOR_MARGIN["expandable_segments" if expandable_segments else "default"]
     return int(frac * budget_bytes)
 

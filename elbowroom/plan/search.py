@@ -459,8 +459,9 @@ def _refine(profile: Profile, best: tuple, admitted: list, budget: int, decision
 
 def _min_budget(profile: Profile, need: float, expandable: bool) -> int:
     """The smallest budget whose usable part (after the allocator's margin) holds ``need`` bytes."""
-    if profile.allocator_overhead_bytes > 0:
-        return int(math.ceil(need + profile.allocator_overhead_bytes))
+    got = cost.measured_margin(profile, expandable)
+    if got > 0:
+        return int(math.ceil(need + got))
     frac = cost.ALLOCATOR_MARGIN["expandable_segments" if expandable else "default"]
     b = int(math.ceil(need / (1.0 - frac)))
     while b - int(frac * b) < need:
