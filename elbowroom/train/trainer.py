@@ -635,7 +635,9 @@ def _train(cfg: Config) -> TrainResult:
                 scheduler.step()
                 step += 1
                 if recorder is not None:
+                    written = recorder.writing_seconds
                     recorder.step_end(step)
+                    t_log += recorder.writing_seconds - written  # writing the recording is not training time
                 if progress is not None:
                     progress.update(1)
                 if not started:  # the run directory appears with the first finished step, not before
