@@ -483,7 +483,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"| {r['workload']} | {r['mode']} | {r['tok_per_s']:,} | {pct:.1f} | {r['tflops']} | {mfu} | "
             f"{r['peak_GiB']} | {r.get('reserved_peak_GiB', '')} | "
-            f"{' / '.join(str(r[k]) for k in ('pred_alloc_GiB', 'pred_peak_GiB') if k in r)} | {r.get('pred_step_s', '')} | "
+            f"{' / '.join(str(r[k]) for k in ('pred_alloc_GiB', 'pred_peak_GiB') if k in r)} | "
+            f"{r.get('pred_step_s', '')} | "
             f"{r.get('step_vs_pred', '')} | {plan_s} |"
         )
 

@@ -663,9 +663,11 @@ class _Phases:
             return "forward end", dict(self.end)
         if at <= 2 * n:
             i = at - n - 1
-            return f"backward block {i}", {"gradients": int(self.grads[i]), "activations kept": int(self.before[i]),
-                                           "block rematerialised": int(self.saved[i]),
-                                           "prefetch": int(self.fetch[i]), "backward working set": int(self.work_bwd[i])}
+            return f"backward block {i}", {
+                "gradients": int(self.grads[i]), "activations kept": int(self.before[i]),
+                "block rematerialised": int(self.saved[i]), "prefetch": int(self.fetch[i]),
+                "backward working set": int(self.work_bwd[i]),
+            }
         return "optimizer step", {"gradients": self.transient_grads}
 
 

@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_map
 from elbowroom.activations import _wrap
 from elbowroom.activations.recompute import checkpoint, find_blocks, uncheckpoint
 from elbowroom.plan._trace import HEAD, KINDS, Clock, MetaEmulation, OpRecorder, Tracer, skey
-from elbowroom.plan.devices import get_device
+from elbowroom.plan.devices import allocator_settings_setter, get_device
 from elbowroom.plan.machine import measure_machine
 from elbowroom.plan.types import BlockProfile, HeadProfile, MachineProfile, Profile
 
@@ -448,7 +448,7 @@ class _Runner:
         A plan may choose the setting; the overhead of the default allocator says little of it (one mapping grows
         instead of many segments that do not fit a larger tensor). 0 when this torch cannot switch at run time.
         """
-        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        setter = allocator_settings_setter()
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
         if "expandable_segments:true" in conf.replace(" ", "").lower():
             return self.allocator_overhead  # the run already uses it: the plain measurement is this one
