@@ -9,8 +9,8 @@ keeps every activation. On a CPU nothing is offloaded (no host link); recompute 
 from __future__ import annotations
 
 import json
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest

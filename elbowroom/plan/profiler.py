@@ -461,7 +461,8 @@ class _Runner:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._run(Tracer(self.blocks, set(), self.clock, record_ops=False), record=False)
             torch.cuda.synchronize(self.device)
-            return max(1, int(torch.cuda.max_memory_reserved(self.device) - torch.cuda.max_memory_allocated(self.device)))
+            held = torch.cuda.max_memory_reserved(self.device) - torch.cuda.max_memory_allocated(self.device)
+            return max(1, int(held))
         finally:
             setter("expandable_segments:False")
             torch.cuda.empty_cache()
