@@ -114,15 +114,26 @@ def measure_machine(
     path = _cache_path(cache_dir, name) if cache_dir is not None else None
     if path is not None and path.exists() and not refresh:
         try:
-            return MachineProfile(**json.loads(path.read_text()))
+            prof = MachineProfile(**json.loads(path.read_text()))
+            logger.info("machine %s (cached in %s)", describe(prof), path)
+            return prof
         except (ValueError, TypeError) as e:  # a cache from another version of the type: measure again
             logger.info("ignoring machine cache %s: %s", path, e)
     prof = _measure_cuda(dev, name, matmul_size or 8192, copy_bytes, adam_numel, repeats) if dev.type == "cuda" \
         else _measure_cpu(matmul_size or 1024, copy_bytes, min(adam_numel, 8_000_000), repeats)
+    logger.info("machine %s (measured)", describe(prof))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(prof), indent=1))
     return prof
+
+
+def describe(m: MachineProfile) -> str:
+    """One line of what the planner prices with: matmul rate, link each way and both at once, host AdamW rate."""
+    return (f"{m.name}: matmul {m.matmul_flops / 1e12:.1f} TFLOP/s, memory {m.memory_bandwidth / 1e9:.0f} GB/s, "
+            f"link {m.h2d_bandwidth / 1e9:.1f} GB/s to the device, {m.d2h_bandwidth / 1e9:.1f} from it, "
+            f"{m.duplex_bandwidth / 1e9:.1f} each way at once; "
+            f"host AdamW {m.host_adam_params_per_s / 1e9:.2f} G params/s (now {torch.get_num_threads()} threads)")
 
 
 def _measure_cpu(n: int, copy_bytes: int, adam_numel: int, repeats: int) -> MachineProfile:
