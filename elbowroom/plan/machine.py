@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from elbowroom.optim.config import default_step_threads
 from elbowroom.plan.devices import host_memory_bytes
 from elbowroom.plan.types import MachineProfile
 
@@ -65,14 +66,19 @@ def _host_adam_rate(numel: int, repeats: int, busy_link: Callable[[], None] | No
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full((numel,), 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    opt.step()  # warm-up: state allocated
-    times = []
-    for _ in range(repeats):
-        if busy_link is not None:
-            busy_link()  # enqueues copies that run (on the copy engines) while the step below runs on the host
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(default_step_threads())  # as many as the optimizer's step thread runs on
+    try:
+        opt.step()  # warm-up: state allocated
+        times = []
+        for _ in range(repeats):
+            if busy_link is not None:
+                busy_link()  # enqueues copies that run (on the copy engines) while the step below runs on the host
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
     return numel / statistics.median(times)
 
 
@@ -133,7 +139,7 @@ def describe(m: MachineProfile) -> str:
     return (f"{m.name}: matmul {m.matmul_flops / 1e12:.1f} TFLOP/s, memory {m.memory_bandwidth / 1e9:.0f} GB/s, "
             f"link {m.h2d_bandwidth / 1e9:.1f} GB/s to the device, {m.d2h_bandwidth / 1e9:.1f} from it, "
             f"{m.duplex_bandwidth / 1e9:.1f} each way at once; "
-            f"host AdamW {m.host_adam_params_per_s / 1e9:.2f} G params/s (now {torch.get_num_threads()} threads)")
+            f"host AdamW {m.host_adam_params_per_s / 1e9:.2f} G params/s on {default_step_threads()} threads")
 
 
 def _measure_cpu(n: int, copy_bytes: int, adam_numel: int, repeats: int) -> MachineProfile:
