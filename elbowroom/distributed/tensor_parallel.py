@@ -229,7 +229,7 @@ def _as_chunks(t: DTensor) -> Any:
     coords = mesh.get_coordinate()
     per_dim: list[list[tuple[Any, int, int]]] = [[] for _ in range(t.ndim)]
     for mesh_dim, placement in enumerate(t.placements):
-        if isinstance(placement, Shard):  # _StridedShard is a Shard too
+        if isinstance(placement, (Shard, _StridedShard)):
             per_dim[placement.dim % t.ndim].append((placement, coords[mesh_dim], mesh.size(mesh_dim)))
     local = t.to_local()
     runs = [_runs(_owned(t.shape[d], per_dim[d])) for d in range(t.ndim)]
