@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from elbowroom.config import ConfigError
 from elbowroom.distributed.config import ParallelConfig
-from elbowroom.models import ModelConfig, build_model
+from elbowroom.models import ModelConfig, build_model, count_params
 from tests.distributed_utils import run_ranks
 
 LLAMA = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=16)
@@ -60,17 +60,26 @@ def _plain(model):
     return step
 
 
-def _parallel(mp):
-    """One step of a model-parallel model: through the pipeline, or forward and backward in the loss context."""
+def _parallel(mp, topo):
+    """One step of a model-parallel model on this rank's slice of the batch: through the pipeline, or forward and
+    backward in the loss context. Losses are scaled for data parallel's gradient average and summed back."""
+    from elbowroom.distributed.data_parallel import all_reduce_sum, loss_scale
     from elbowroom.distributed.pipeline import pipeline_step
 
+    n = BATCH // topo.dp_size
+    rows = slice(topo.dp_rank * n, (topo.dp_rank + 1) * n)
+    scale = loss_scale(topo)
+
     def step(x, y):
+        x, y = x[rows], y[rows]
         if mp.pipeline is not None:
-            return pipeline_step(mp.pipeline, x, y).item()
-        with mp.loss_context():
-            loss = _loss_fn(mp.modules[0](x), y)
-            loss.backward()
-        return _value(loss)
+            loss = pipeline_step(mp.pipeline, x, y).item()
+        else:
+            with mp.loss_context():
+                out = _loss_fn(mp.modules[0](x), y) * scale
+                out.backward()
+            loss = _value(out)
+        return all_reduce_sum(loss / scale, topo, torch.device("cpu"))
 
     return step
 
@@ -87,16 +96,18 @@ def _reference(cfg: ModelConfig) -> list[float]:
 
 
 def _build(rank: int, world: int, cfg: ModelConfig, parallel: ParallelConfig, recompute: str | None = None):
+    """The model split for ``parallel`` on this rank, its optimizer, and its step function."""
     from elbowroom.activations import ActivationConfig
-    from elbowroom.distributed.data_parallel import init_distributed
+    from elbowroom.distributed.data_parallel import init_distributed, loss_scale
     from elbowroom.distributed.model_parallel import apply_model_parallel
 
     topo = init_distributed(parallel, rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     torch.manual_seed(0)
-    mp = apply_model_parallel(build_model(cfg), topo, device=torch.device("cpu"), loss_fn=_loss_fn,
+    mp = apply_model_parallel(build_model(cfg), topo, device=torch.device("cpu"),
+                              loss_fn=lambda logits, y: _loss_fn(logits, y) * loss_scale(topo),
                               activations=ActivationConfig(checkpoint=recompute) if recompute else None,
-                              seq_len=SEQ, batch_size=BATCH)
-    return mp, torch.optim.AdamW(mp.parameters(), lr=1e-2)
+                              seq_len=SEQ, batch_size=BATCH // parallel.dp_size)
+    return mp, torch.optim.AdamW(mp.parameters(), lr=1e-2), _parallel(mp, topo)
 
 
 def _ranks_train(rank: int, world: int, cases: dict, ckpt_dir: str) -> dict:
@@ -106,20 +117,22 @@ def _ranks_train(rank: int, world: int, cases: dict, ckpt_dir: str) -> dict:
 
     out = {}
     for name, (cfg, parallel, recompute) in cases.items():
-        mp, opt = _build(rank, world, cfg, parallel, recompute)
-        out[name] = _train(_parallel(mp), opt, STEPS)
+        mp, opt, step = _build(rank, world, cfg, parallel, recompute)
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in mp.parameters())
+        out[name] = _train(step, opt, STEPS)
+        out[name, "share"] = local / count_params(build_model(cfg))
     cfg, parallel, _ = next(iter(cases.values()))
-    mp, opt = _build(rank, world, cfg, parallel)
+    mp, opt, step = _build(rank, world, cfg, parallel)
     extra = C.load(Path(ckpt_dir, "single"), mp.checkpoint_module, opt)
-    out["resumed"] = _train(_parallel(mp), opt, 5, first=extra["step"])
-    mp, opt = _build(rank, world, cfg, parallel)
-    _train(_parallel(mp), opt, 5)
+    out["resumed"] = _train(step, opt, 5, first=extra["step"])
+    mp, opt, step = _build(rank, world, cfg, parallel)
+    _train(step, opt, 5)
     C.save(Path(ckpt_dir, "parallel"), mp.checkpoint_module, opt, extra={"step": 5})
     return out
 
 
-def _check(cases: dict, tmp_path: Path) -> None:
-    """Run ``cases`` on 2 ranks against single-process references, and the checkpoint round trips."""
+def _check(cases: dict, tmp_path: Path, world: int = 2) -> None:
+    """Run ``cases`` on ``world`` ranks against single-process references, and the checkpoint round trips."""
     from elbowroom.distributed import checkpoint as C
 
     cfg = next(iter(cases.values()))[0]
@@ -127,12 +140,13 @@ def _check(cases: dict, tmp_path: Path) -> None:
     _train(_plain(model), opt, 5)
     C.save(tmp_path / "single", model, opt, extra={"step": 5})
     refs: dict = {}
-    r0, r1 = run_ranks(_ranks_train, cases, str(tmp_path))
+    r0, r1, *_ = run_ranks(_ranks_train, cases, str(tmp_path), world=world)
     for name, (case_cfg, _, _) in cases.items():  # with recompute too: it changes no number
         if case_cfg not in refs:
             refs[case_cfg] = _reference(case_cfg)
         assert r0[name] == pytest.approx(refs[case_cfg], rel=1e-5), name
         assert r1[name] == r0[name], name  # every rank reports the same loss
+        assert r0[name, "share"] < 0.6 and r1[name, "share"] < 0.6, name  # and holds about half the weights
     ref = refs[cfg]
     assert r0["resumed"] == pytest.approx(ref[5:], rel=1e-5)  # single process -> 2 ranks
     model, opt = _fresh(cfg)
@@ -172,6 +186,16 @@ def test_pipeline_parallel_equals_single_process(tmp_path) -> None:
                        None),
     }
     _check(cases, tmp_path)
+
+
+@pytest.mark.slow
+def test_two_dimensional_meshes_on_four_ranks(tmp_path) -> None:
+    """FSDP2 x TP on a 2 x 2 mesh (checkpoints to and from one process), and PP x TP."""
+    cases = {
+        "fsdp_tp": (LLAMA, ParallelConfig(dp_shard=2, tp=2), None),
+        "pp_tp": (GPT2, ParallelConfig(pp=2, tp=2, pp_microbatches=2), None),
+    }
+    _check(cases, tmp_path, world=4)
 
 
 # ---------------------------------------------------------------- bad layouts
