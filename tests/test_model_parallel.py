@@ -92,7 +92,10 @@ def _fresh(cfg: ModelConfig):
 
 def _reference(cfg: ModelConfig) -> list[float]:
     model, opt = _fresh(cfg)
-    return _train(_plain(model), opt, STEPS)
+    _plain(model)(*_batch(0))
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    opt.zero_grad(set_to_none=True)
+    return [norm, *_train(_plain(model), opt, STEPS)]
 
 
 def _build(rank: int, world: int, cfg: ModelConfig, parallel: ParallelConfig, recompute: str | None = None):
@@ -119,6 +122,8 @@ def _ranks_train(rank: int, world: int, cases: dict, ckpt_dir: str) -> dict:
     for name, (cfg, parallel, recompute) in cases.items():
         mp, opt, step = _build(rank, world, cfg, parallel, recompute)
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in mp.parameters())
+        out[name, "norm"] = (step(*_batch(0)), mp.clip_grad_norm_(float("inf")).item())  # measured, not applied
+        opt.zero_grad(set_to_none=True)
         out[name] = _train(step, opt, STEPS)
         out[name, "share"] = local / count_params(build_model(cfg))
     cfg, parallel, _ = next(iter(cases.values()))
@@ -144,10 +149,12 @@ def _check(cases: dict, tmp_path: Path, world: int = 2) -> None:
     for name, (case_cfg, _, _) in cases.items():  # with recompute too: it changes no number
         if case_cfg not in refs:
             refs[case_cfg] = _reference(case_cfg)
-        assert r0[name] == pytest.approx(refs[case_cfg], rel=1e-5), name
+        norm, *losses = refs[case_cfg]
+        assert r0[name] == pytest.approx(losses, rel=1e-5), name
+        assert r0[name, "norm"][1] == pytest.approx(norm, rel=1e-5) == r1[name, "norm"][1], name  # the global norm
         assert r1[name] == r0[name], name  # every rank reports the same loss
         assert r0[name, "share"] < 0.6 and r1[name, "share"] < 0.6, name  # and holds about half the weights
-    ref = refs[cfg]
+    ref = refs[cfg][1:]
     assert r0["resumed"] == pytest.approx(ref[5:], rel=1e-5)  # single process -> 2 ranks
     model, opt = _fresh(cfg)
     assert C.load(tmp_path / "parallel", model, opt) == {"step": 5}

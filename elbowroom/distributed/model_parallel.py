@@ -119,6 +119,27 @@ class ModelParallel:
                     seen.add(id(p))
                     yield p
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale this rank's gradients so that the norm over the *whole* model is at most ``max_norm``.
+
+        Tensor-parallel and FSDP2 gradients are DTensors, whose norm is reduced over their mesh; the stages of
+        the other pipeline ranks add theirs with one all-reduce of the squared norm. Returns the total norm
+        (before clipping) on every rank; ``max_norm = inf`` only measures it.
+        """
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(total, DTensor):
+            total = total.full_tensor()  # the sum over the shards: a collective
+        if self.pipeline is not None:
+            squared = total.float() ** 2
+            dist.all_reduce(squared, group=self.pipeline.group)
+            total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
     def loss_context(self) -> contextlib.AbstractContextManager:
         """torch's ``loss_parallel()`` when the logits are sharded, else nothing."""
         return loss_context(self.loss_parallel)
