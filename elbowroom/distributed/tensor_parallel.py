@@ -151,7 +151,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool
     if getattr(model, "norm", None) is not None:
         plan["norm"] = SequenceParallel()
     if getattr(model, "output", None) is not None:
-        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        logits = Shard(-1) if loss_parallel else Replicate()
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=logits,
                                          use_local_output=not loss_parallel)
     parallelize_module(model, tp_mesh, plan)
     return model
