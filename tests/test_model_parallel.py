@@ -181,12 +181,12 @@ def test_tensor_parallel_equals_single_process(tmp_path) -> None:
 @pytest.mark.slow
 def test_pipeline_parallel_equals_single_process(tmp_path) -> None:
     """PP 2 with GPipe and 1F1B, interleaved 1F1B and zero-bubble with 4 stages over 2 ranks, with recompute and
-    FSDP2; checkpoints move between PP 2 and PP 1 both ways."""
+    FSDP2; checkpoints move between 4 stages on 2 ranks and one process both ways."""
     cases = {
+        "interleaved_1f1b": (LLAMA, ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_microbatches=4), None),
         "1f1b": (LLAMA, ParallelConfig(pp=2, pp_schedule="1f1b", pp_microbatches=2), None),
         "gpipe": (LLAMA, ParallelConfig(pp=2, pp_schedule="gpipe", pp_microbatches=4), None),
         "gpt2_1f1b": (GPT2, ParallelConfig(pp=2, pp_schedule="1f1b", pp_microbatches=2), None),
-        "interleaved_1f1b": (LLAMA, ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_microbatches=4), None),
         "zero_bubble": (LLAMA, ParallelConfig(pp=2, pp_schedule="zero_bubble", pp_microbatches=4), None),
         "1f1b_recompute": (LLAMA, ParallelConfig(pp=2, pp_microbatches=2), "full"),
         "gpipe_fsdp": (LLAMA, ParallelConfig(pp=2, pp_schedule="gpipe", pp_microbatches=2, data_parallel="fsdp"),

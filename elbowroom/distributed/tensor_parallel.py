@@ -218,6 +218,19 @@ def _runs(idx: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _chunks(t: DTensor, coords: list[int]) -> list[tuple[list[int], list[int], list[int]]]:
+    """The contiguous blocks of ``t`` held at mesh coordinates ``coords``: (local start, global offset, size)."""
+    import itertools
+
+    mesh = t.device_mesh
+    per_dim: list[list[tuple[Any, int, int]]] = [[] for _ in range(t.ndim)]
+    for mesh_dim, placement in enumerate(t.placements):
+        if isinstance(placement, (Shard, _StridedShard)):
+            per_dim[placement.dim % t.ndim].append((placement, coords[mesh_dim], mesh.size(mesh_dim)))
+    runs = [_runs(_owned(t.shape[d], per_dim[d])) for d in range(t.ndim)]
+    return [([r[0] for r in combo], [r[1] for r in combo], [r[2] for r in combo]) for combo in itertools.product(*runs)]
+
+
 def _as_chunks(t: DTensor) -> Any:
     """A ``ShardedTensor`` whose shards are views of ``t``'s local data, one per contiguous block it holds."""
     import itertools
@@ -225,26 +238,27 @@ def _as_chunks(t: DTensor) -> Any:
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard as LocalShard
     from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-    mesh = t.device_mesh
-    coords = mesh.get_coordinate()
-    per_dim: list[list[tuple[Any, int, int]]] = [[] for _ in range(t.ndim)]
-    for mesh_dim, placement in enumerate(t.placements):
-        if isinstance(placement, (Shard, _StridedShard)):
-            per_dim[placement.dim % t.ndim].append((placement, coords[mesh_dim], mesh.size(mesh_dim)))
-    local = t.to_local()
-    runs = [_runs(_owned(t.shape[d], per_dim[d])) for d in range(t.ndim)]
+    mesh, local = t.device_mesh, t.to_local()
     rank = torch.distributed.get_rank()
     shards = []
-    for combo in itertools.product(*runs):
+    for starts, offsets, sizes in _chunks(t, mesh.get_coordinate()):
         view = local
-        for d, (start, _, length) in enumerate(combo):
-            view = view.narrow(d, start, length)
-        shards.append(LocalShard(view, ShardMetadata([g for _, g, _ in combo], [n for _, _, n in combo],
-                                                     f"rank:{rank}/{local.device}")))
+        for d, (start, size) in enumerate(zip(starts, sizes)):
+            view = view.narrow(d, start, size)
+        shards.append(LocalShard(view, ShardMetadata(offsets, sizes, f"rank:{rank}/{local.device}")))
+    # every rank's blocks, worked out here rather than gathered: ranks of different pipeline stages hold different
+    # tensors, so a collective per tensor could pair the wrong ones
+    everyone = []
+    for coords in itertools.product(*(range(n) for n in mesh.shape)):
+        owner = int(mesh.mesh[coords].item())
+        everyone += [ShardMetadata(offsets, sizes, f"rank:{owner}/{local.device}")
+                     for _, offsets, sizes in _chunks(t, list(coords))]
+    metadata = ShardedTensorMetadata(everyone, t.shape, TensorProperties.create_from_tensor(local))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's deprecation: DTensor cannot say this
-        return ShardedTensor._init_from_local_shards(shards, list(t.shape))
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)
 
 
 def checkpoint_view(state: Any) -> Any:
