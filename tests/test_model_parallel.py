@@ -265,3 +265,13 @@ def test_bubble_and_tensor_parallel_traffic_arithmetic() -> None:
     assert tp_bytes_per_block(tokens=2, dim=4, tp=2, sequence_parallel=False) == 64  # the same bytes
     assert tp_bytes_per_block(tokens=2, dim=4, tp=2, recompute=True) == 96
     assert tp_bytes_per_block(tokens=2, dim=4, tp=1) == 0
+
+
+def test_chunked_loss_falls_back_under_tensor_parallel(caplog) -> None:
+    """linear_cross_entropy needs whole vocabulary rows: under TP it is turned off with a warning."""
+    from elbowroom.distributed.tensor_parallel import fused_loss_applies
+
+    with caplog.at_level("WARNING"):
+        assert fused_loss_applies(2, True) is False
+    assert "loss_parallel cross-entropy on the shards instead" in caplog.text
+    assert fused_loss_applies(1, True) is True and fused_loss_applies(2, False) is False
