@@ -205,6 +205,10 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     # the head and loss chunk by chunk (linear_cross_entropy): the suffix asks, a plan decides for itself
     fused_loss = setup.fused_loss if setup.fused_loss is not None else name.endswith(FUSED_LOSS)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    # a plan may split the batch into micro-batches that accumulate: the same samples per step
+    mb = setup.micro_batch or bsz
+    split = mb != bsz
+    micro = [(idx[i:i + mb], tgt[i:i + mb]) for _ in range(accum) for i in range(0, bsz, mb)]
     times, losses = [], []
     # ELBOWROOM_BENCH_EVENTS=1: CUDA events between micro-batches: the GPU time of each in the last step
     # (the first one includes any wait of its forward for the optimizer), and of step() + zero_grad()
@@ -216,18 +220,23 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         if events:
             marks = [torch.cuda.Event(enable_timing=True)]
             marks[0].record()
-        for _ in range(accum):
+        for j, (x, y) in enumerate(micro):
             with amp, setup.context():
                 if fused_loss:
-                    h = model.hidden_states(idx)
+                    h = model.hidden_states(x)
                     if hasattr(setup.optimizer, "wait_for"):  # the head weight is read outside the head's forward
                         setup.optimizer.wait_for(model.output.weight)
-                    loss = linear_cross_entropy(h, model.output.weight, tgt)
+                    loss = linear_cross_entropy(h, model.output.weight, y)
                 else:
-                    logits = model(idx)
-                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+            if split:
+                loss = loss / len(micro)
             if setup.backward is not None:
                 setup.backward(loss)
+            elif split and hasattr(setup.optimizer, "accumulating"):
+                with setup.optimizer.accumulating(j < len(micro) - 1):
+                    loss.backward()
             else:
                 loss.backward()
             if events:
