@@ -26,11 +26,6 @@ log = logging.getLogger("elbowroom.train")
 __all__ = ["resolve_qat", "apply_qat"]
 
 
-def saved_scheme(meta: dict) -> str | None:
-    """The QAT scheme a checkpoint was trained with (None: none), from the run config in its metadata."""
-    return ((meta.get("config") or {}).get("train") or {}).get("qat")
-
-
 def resolve_qat(cfg: Config, loaded: Loaded | None) -> Config:
     """The run's config with the QAT scheme it trains with: a resumed run keeps its checkpoint's.
 
@@ -38,7 +33,9 @@ def resolve_qat(cfg: Config, loaded: Loaded | None) -> Config:
         ConfigError: ``--train.qat`` differs from the resumed checkpoint's scheme, or torchao is missing.
     """
     if loaded is not None:
-        saved = saved_scheme(loaded.meta)
+        from elbowroom.export.qat import run_scheme
+
+        saved = run_scheme(loaded.meta)
         if cfg.train.qat is None and saved is not None:
             log.info("resuming a QAT run: the model is prepared with its scheme, %s", saved)
             cfg = replace(cfg, train=replace(cfg.train, qat=saved))  # Config's own checks run again
