@@ -14,7 +14,8 @@ consumes no random numbers, so a run at ratio 0 follows the plain run's loss cur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from elbowroom.export.distill import Teacher
 
 __all__ = ["Distillation", "load_distillation", "micro_batch_loss", "token_loss_sum"]
+
+log = logging.getLogger("elbowroom.train")
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -77,14 +80,21 @@ def micro_batch_loss(model: nn.Module, batch: dict[str, Any], optimizer: Any = N
                              reduction="sum")
 
 
-def load_distillation(cfg: DistillSection, *, vocab_size: int, seq_len: int,
-                      device: torch.device) -> Distillation | None:
+def load_distillation(cfg: DistillSection, *, vocab_size: int, seq_len: int, device: torch.device,
+                      resumed: dict[str, Any] | None = None) -> Distillation | None:
     """The run's frozen teacher on ``device``, checked against the student; None without ``--distill.teacher``.
+
+    The teacher is not in the checkpoint: a resumed run distils only when ``[distill]`` is given again, and a
+    warning says so when it differs from the checkpoint's (``resumed``: the checkpoint's metadata).
 
     Raises:
         ConfigError: no teacher at the path, one that does not load (or needs a missing extra), a vocabulary that
             is not the student's, or fewer positions than ``--data.seq_len``.
     """
+    saved = ((resumed or {}).get("config") or {}).get("distill") or asdict(DistillSection())  # older runs: none
+    if resumed is not None and saved != asdict(cfg):
+        log.warning("the checkpoint was trained with [distill] %s and this run continues with %s; the loss curve "
+                    "changes (pass the checkpoint's --distill.* settings to continue it)", saved, asdict(cfg))
     if cfg.teacher is None:
         return None
     path = Path(cfg.teacher)

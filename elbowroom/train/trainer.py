@@ -475,7 +475,8 @@ def _train(cfg: Config) -> TrainResult:
 
     # the frozen teacher of --distill.teacher, loaded before the seed: the student starts as a plain run would
     student_vocab = model_cfg.vocab_size if model_cfg is not None else tokens.vocab_size  # (no --model.hf student)
-    distill = load_distillation(cfg.distill, vocab_size=student_vocab, seq_len=seq_len, device=device)
+    distill = load_distillation(cfg.distill, vocab_size=student_vocab, seq_len=seq_len, device=device,
+                                resumed=loaded.meta if loaded is not None else None)
 
     # --- the model, seeded so that every run with this config starts identically
     torch.manual_seed(cfg.train.seed)
