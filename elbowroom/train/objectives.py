@@ -9,7 +9,10 @@ Distillation (``--distill.teacher PATH``) mixes the two terms of :func:`elbowroo
 exist whole) and the teacher's head chunk by chunk too. The teacher is frozen: it runs in eval mode under
 ``torch.no_grad``, is no attribute of the student (so it is in neither the optimizer nor the checkpoint) and
 consumes no random numbers, so a run at ratio 0 follows the plain run's loss curve exactly. The memory engines
-([activations], [optimizer]) apply to the student only. Validation stays plain cross-entropy.
+([activations], [optimizer], a saved ``--plan``) apply to the student only; the teacher's weights (halved by
+``--distill.dtype bfloat16``) and one micro-batch of its hidden states come on top, which is why ``--budget``
+(whose planner does not price them) is refused. The logged training loss is the mixed objective; validation
+stays plain cross-entropy.
 """
 
 from __future__ import annotations
