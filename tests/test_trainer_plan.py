@@ -9,6 +9,7 @@ keeps every activation. On a CPU nothing is offloaded (no host link); recompute 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,10 @@ def test_budget_plans_then_trains(tmp_path: Path, budgets: tuple[int, int], capl
         assert run(out, "--steps", "8", "--budget", str(budget), *no_decay) == 0
     assert "elbowroom plan: 2 blocks on cpu" in caplog.text  # the plan's table, before step 1
     assert caplog.text.index("elbowroom plan:") < caplog.text.index("step      1")
+    # the machine's numbers are logged, and cached beside the corpus: the next planned run reads them
+    assert "host AdamW" in caplog.text
+    cached = list(Path(os.environ["ELBOWROOM_CACHE"]).glob("machine-v2-cpu-*.json"))
+    assert len(cached) == 1, cached
     saved = json.loads((out / "plan.json").read_text())
     assert saved["budget_bytes"] == budget and saved["predicted_peak_bytes"] <= budget
     assert {"predicted_step_seconds", "blocks"} <= saved.keys()

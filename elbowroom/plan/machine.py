@@ -50,9 +50,14 @@ def _best_time(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -
     return best
 
 
+_CACHE_VERSION = 2
+"""Bumped when a measurement changes meaning: 2 measures host AdamW on the optimizer's own thread count (1 took
+torch's count, which a DataLoader's pinning thread may have set to 1)."""
+
+
 def _cache_path(cache_dir: str | Path, name: str) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-torch{torch.__version__}")
-    return Path(cache_dir) / f"machine-{safe}.json"
+    return Path(cache_dir) / f"machine-v{_CACHE_VERSION}-{safe}.json"
 
 
 def _host_adam_rate(numel: int, repeats: int, busy_link: Callable[[], None] | None = None) -> float:
