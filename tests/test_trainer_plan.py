@@ -179,6 +179,17 @@ def test_profile_steps_record_for_the_report(tmp_path: Path, budgets: tuple[int,
     assert sorted(r["step"] for r in rows if r["kind"] == "step") == [2, 3]
     assert main(["report", str(out)]) == 0
     assert (out / "report" / "report.html").is_file()
+    # the report reads the planner's own plan.json: each block's policy and predicted seconds, the step's tokens/s
+    from elbowroom.report.html import summary
+    from elbowroom.report.rundir import load_run
+
+    plan = Plan.load(out / "plan.toml")
+    data = load_run(out)
+    assert [b["policy"] for b in data.plan["blocks"]] == [b.policy_label for b in plan.blocks]
+    assert [b["predicted_s"] for b in data.plan["blocks"]] == [b.seconds for b in plan.blocks]
+    assert summary(data)["predicted_tokens_per_s"] == pytest.approx(plan.predicted_tokens_per_s, rel=1e-3)
+    page = (out / "report" / "report.html").read_text()
+    assert all(b.policy_label in page for b in plan.blocks)
 
 
 def test_writing_the_recording_is_not_counted_as_training_time(tmp_path: Path,

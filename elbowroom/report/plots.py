@@ -302,11 +302,17 @@ def draw_plan(data: RunData, path: Path) -> Path | None:
     axb.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     axb.grid(axis="y", alpha=0.3)
 
-    pred = [float(r.get("forward_s", 0) or 0) + float(r.get("backward_s", 0) or 0) for r in rows]
-    extra = [float(r.get("extra_s", 0) or 0) for r in rows]
+    # the planner's Plan predicts one total per block (its predicted_s); other plans may split it
+    whole = any("predicted_s" in r for r in rows)
+    pred = [float(r.get("predicted_s", 0) or 0) if whole else
+            float(r.get("forward_s", 0) or 0) + float(r.get("backward_s", 0) or 0) for r in rows]
+    extra = [0.0 if whole else float(r.get("extra_s", 0) or 0) for r in rows]
     have_pred = any(pred) or any(extra)
     if have_pred:
-        axt.bar(left, [p * 1e3 for p in pred], width, color="#4c72b0", label="forward + backward (predicted)")
+        axt.bar(left, [p * 1e3 for p in pred], width, color="#4c72b0",
+                label="forward + backward, recompute and exposed copies included (predicted)" if whole
+                else "forward + backward (predicted)")
+    if any(extra):
         axt.bar(
             left,
             [e * 1e3 for e in extra],

@@ -77,6 +77,36 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _as_report_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """The planner's own ``Plan.to_json()`` in the terms read here (a copy; other plans pass as they are).
+
+    A :class:`~elbowroom.plan.Plan` names a block's policy by its fields (``checkpoint``, ``offload_ratio``,
+    ``offload_input``) and predicts one ``seconds`` per block (forward, backward, recompute and exposed copies
+    of one micro-batch), and the step's ``predicted_tokens_per_s``: here they become ``policy``,
+    ``predicted_s`` and ``tokens_per_step``.
+    """
+    out = dict(plan)
+    blocks = []
+    for b in plan.get("blocks", []):
+        b = dict(b)
+        if "policy" not in b and "checkpoint" in b:
+            from elbowroom.plan.cost import Option  # numpy only
+
+            try:
+                b["policy"] = Option(str(b["checkpoint"]), float(b.get("offload_ratio", 0.0)),
+                                     bool(b.get("offload_input", False))).label
+            except (TypeError, ValueError):
+                pass
+        if "seconds" in b and _number(b["seconds"]) and "predicted_s" not in b:
+            b["predicted_s"] = b["seconds"]
+        blocks.append(b)
+    out["blocks"] = blocks
+    tps, step = plan.get("predicted_tokens_per_s"), plan.get("predicted_step_seconds")
+    if "tokens_per_step" not in plan and _number(tps) and _number(step) and math.isfinite(tps):
+        out["tokens_per_step"] = round(tps * step)
+    return out
+
+
 def load_run(run_dir: str | Path) -> RunData:
     """Parse a run directory.
 
@@ -118,7 +148,7 @@ def load_run(run_dir: str | Path) -> RunData:
         blocks = plan.get("blocks", [])
         if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
             raise RunDirError(f"{ppath}: blocks must be a list of objects, one per block")
-        data.plan = plan
+        data.plan = _as_report_plan(plan)
 
     prof = run / "profile"
     mem = prof / "memory.jsonl"
