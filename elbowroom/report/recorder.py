@@ -199,13 +199,16 @@ class Recorder:
                 # the allocator's peak since the run began: not reset here, because the trainer's
                 # peak_memory_bytes reads the same counter as "peak so far"
                 peak = torch.cuda.max_memory_allocated(self.device)
+                reserved = torch.cuda.max_memory_reserved(self.device)
             else:
                 peak = self._peak_rss
+                reserved = None
             row = {
                 "kind": "step",
                 "step": step,
                 "seconds": seconds,
                 "peak_bytes": peak,
+                "reserved_peak_bytes": reserved,
                 "sampled_peak_bytes": self._step_peak,
                 "device": self.device.type,
             }
