@@ -8,6 +8,11 @@
   reduce_dtype=fp32)``. Measured elsewhere on W1: 42% of plain at 34.8 GiB, 39% at 7.8 GiB with checkpoint.
 - ``fsdp2_cpu_offload+ckpt``: the same with torch's per-block non-reentrant checkpoint.
 - ``fsdp2``: ``fully_shard`` without offload (the wrapper's own cost at world size 1).
+- ``fsdp2+ours_selective`` / ``fsdp2+ours_ckpt``: FSDP2 at world size 1 with our activation policy on every
+  block (selective, or full recompute), beside ``ours_selective`` / ``ours_ckpt`` on the bare model.
+- ``fsdp2_ours_offload+ours_ckpt_inputs``: FSDP2 with our ``CPUOffloadOptimizer`` stepping every shard on the host
+  (``offload_fraction=1.0``, bf16 device copies) and full recompute with the block inputs offloaded: our offload
+  under FSDP2, against ``fsdp2_cpu_offload+ckpt`` (torch's ``CPUOffloadPolicy``).
 
 The process group is made here when none exists (one rank; NCCL on CUDA, gloo elsewhere). The fused loss
 (``+fl``) does not apply: it reads the head's weight outside the head's forward, where FSDP2 keeps it sharded.
@@ -61,7 +66,34 @@ def _fsdp2(model: torch.nn.Module, args: Any, *, offload: bool, ckpt: bool) -> S
     return Setup(opt, notes={"fsdp2": {"cpu_offload": offload, "checkpoint": ckpt, "world_size": 1}})
 
 
+def _fsdp2_ours(model: torch.nn.Module, args: Any, *, policy: dict[str, Any], offload_optimizer: bool) -> Setup:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from elbowroom.activations import apply_activation_policy
+
+    _one_rank_group()
+    apply_activation_policy(model, **policy)  # our wrappers inside each block; FSDP2's hooks outside
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for blk in model.blocks:
+        fully_shard(blk, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if offload_optimizer:
+        from elbowroom.optim import CPUOffloadOptimizer
+
+        opt: Any = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, offload_fraction=1.0)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    stats = (lambda: {"host_GiB": round(opt.stats()["host_bytes"] / 2**30, 2)}) if offload_optimizer else None
+    return Setup(opt, stats=stats, notes={"fsdp2": {"ours": policy, "optimizer_offload": offload_optimizer,
+                                                    "world_size": 1}})
+
+
 MODES: dict[str, Callable[..., Setup]] = {
+    "fsdp2+ours_selective": lambda m, a: _fsdp2_ours(m, a, policy={"checkpoint": "selective"},
+                                                     offload_optimizer=False),
+    "fsdp2+ours_ckpt": lambda m, a: _fsdp2_ours(m, a, policy={"checkpoint": "full"}, offload_optimizer=False),
+    "fsdp2_ours_offload+ours_ckpt_inputs": lambda m, a: _fsdp2_ours(
+        m, a, policy={"checkpoint": "full", "offload_checkpoint_inputs": True}, offload_optimizer=True),
     "fsdp2": lambda m, a: _fsdp2(m, a, offload=False, ckpt=False),
     "fsdp2_cpu_offload": lambda m, a: _fsdp2(m, a, offload=True, ckpt=False),
     "fsdp2_cpu_offload+ckpt": lambda m, a: _fsdp2(m, a, offload=True, ckpt=True),
