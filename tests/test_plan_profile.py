@@ -470,3 +470,40 @@ def test_measured_profile_leaves_no_activations_alive() -> None:
     before = live_bytes()
     profile(model, ids, source="measured", machine=CPU, warmup=0, iters=1)
     assert live_bytes() - before <= 0
+
+
+def test_a_model_whose_plain_step_does_not_fit_is_profiled_recomputed(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # the unplanned step runs out of memory: bytes come from a meta trace, times from steps with every block
+    # recomputed (what a 7B model on an 80 GB device needs)
+    from elbowroom.plan import profiler
+
+    cfg = _cfg("llama")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ids = _ids(cfg.vocab_size)
+    trace, time_modes = profiler._Runner.trace, profiler._Runner.time_modes
+    timed: list[tuple] = []
+
+    def oom_trace(self, mode):
+        if self.device.type != "meta" and mode is None:
+            raise torch.OutOfMemoryError("simulated: the plain step does not fit")
+        return trace(self, mode)
+
+    def record_modes(self, warmup, iters, modes=(None, "full", "selective")):
+        timed.append(modes)
+        return time_modes(self, warmup, iters, modes)
+
+    monkeypatch.setattr(profiler._Runner, "trace", oom_trace)
+    monkeypatch.setattr(profiler._Runner, "time_modes", record_modes)
+    with caplog.at_level("WARNING"):
+        got = _quick(model, ids)
+    assert "does not fit" in caplog.text and timed == [("full",)]
+    assert got.source == "measured" and got.allocator_overhead_bytes == 0
+    monkeypatch.undo()
+    _assert_same_bytes(got, profile(build_model(cfg, device="meta"), ids.to("meta"), machine=CPU))
+    for b in got.blocks:
+        assert b.forward_s > 0 and b.backward_s >= 0 and b.recompute_s == pytest.approx(b.forward_s)
+        assert b.selective_recompute_s > 0  # priced from its pointwise bytes
+    assert got.head.forward_s >= 0 and got.head.backward_s >= 0
+    assert all(p.grad is None for p in model.parameters())

@@ -295,15 +295,62 @@ def profile(
     step = _Step(model, batch, loss_fn)
     runner = _Runner(model, block_list, step, device, autocast_dtype, target)
 
+    too_big = False
     with runner.preserved():
-        plain = runner.trace(mode=None)
-        selective = runner.trace(mode="selective")
-        timings = runner.time_modes(warmup, iters) if source == "measured" else None
+        try:
+            plain = runner.trace(mode=None)
+            selective = runner.trace(mode="selective")
+            timings = runner.time_modes(warmup, iters) if source == "measured" else None
+        except torch.OutOfMemoryError:
+            if source != "measured":
+                raise
+            too_big = True  # handled below, once the exception (and the step's tensors it holds) is gone
+    if too_big:
+        return _profile_recomputed(model, block_list, block_path, batch, loss_fn, runner, machine, micro_batch,
+                                   seq_len, dtype, param_dtype, warmup, iters)
 
     return _assemble(
         model, block_list, block_path, plain, selective, timings, step.vocab, machine, source, micro_batch, seq_len,
         dtype, param_dtype, runner.allocator_overhead, runner.allocator_overhead_expandable,
     )
+
+
+def _profile_recomputed(model: nn.Module, block_list: list[nn.Module], block_path: str, batch: Any,
+                        loss_fn: LossFn | None, runner: _Runner, machine: MachineProfile, micro_batch: int,
+                        seq_len: int, dtype: torch.dtype, param_dtype: torch.dtype, warmup: int,
+                        iters: int) -> Profile:
+    """The profile of a model whose unplanned step does not fit its device (the 7B shape on 80 GB).
+
+    What each block saves is traced on a meta copy (the analytic profile's bytes, equal to a measured trace:
+    ``tests/test_plan_profile.py``); the times are measured with every block fully recomputed, which needs only
+    the blocks' inputs: forward as measured, backward as measured less one forward (the recompute), and the
+    selective recompute priced from the trace's pointwise bytes as the analytic profile prices it. The allocator's
+    overhead is not measured (the plan takes its margin as a fraction of the budget).
+    """
+    import gc
+
+    gc.collect()
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
+    logger.warning("the unplanned step does not fit %s: what the blocks save is traced on a meta copy, and the "
+                   "times are measured with every block recomputed", machine.name)
+    meta = meta_copy(model)
+    meta_blocks, _ = _resolve_blocks(meta, block_path or None)
+    meta_batch = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
+    meta_step = _Step(meta, meta_batch, loss_fn)
+    meta_runner = _Runner(meta, meta_blocks, meta_step, torch.device("meta"), runner.autocast_dtype, runner.target)
+    with meta_runner.preserved():
+        plain = meta_runner.trace(mode=None)
+        selective = meta_runner.trace(mode="selective")
+    with runner.preserved():
+        full = runner.time_modes(warmup, iters, modes=("full",))["full"]
+    timings = {
+        None: {"fwd": full["fwd"], "bwd": [max(0.0, b - f) for f, b in zip(full["fwd"], full["bwd"])],
+               "total_fwd": full["total_fwd"], "total_bwd": max(0.0, full["total_bwd"] - sum(full["fwd"]))},
+        "full": full,
+    }
+    return _assemble(model, block_list, block_path, plain, selective, timings, meta_step.vocab, machine, "measured",
+                     micro_batch, seq_len, dtype, param_dtype, 0, 0)
 
 
 class _Runner:
@@ -406,11 +453,12 @@ class _Runner:
             self._apply(None)
         return tracer
 
-    def time_modes(self, warmup: int, iters: int) -> dict[str | None, dict[str, Any]]:
+    def time_modes(self, warmup: int, iters: int,
+                   modes: tuple[str | None, ...] = (None, "full", "selective")) -> dict[str | None, dict[str, Any]]:
         """Median per-block forward/backward seconds and step totals, plain, full and selective."""
         out: dict[str | None, dict[str, Any]] = {}
         cuda = self.device.type == "cuda"
-        for mode in (None, "full", "selective"):
+        for mode in modes:
             self._apply(mode)
             try:
                 if cuda and mode is None:
@@ -438,7 +486,7 @@ class _Runner:
                 self._apply(None)
             out[mode] = {"fwd": [_median(x) for x in fwd], "bwd": [_median(x) for x in bwd],
                          "total_fwd": _median(tot_f), "total_bwd": _median(tot_b)}
-        if cuda:
+        if cuda and None in modes:
             self.allocator_overhead_expandable = self._expandable_overhead()
         return out
 
@@ -499,7 +547,10 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
         if timings is not None:
             fwd_s, bwd_s = timings[None]["fwd"][i], timings[None]["bwd"][i]
             rec_s = max(0.0, timings["full"]["bwd"][i] - bwd_s)
-            sel_s = max(0.0, timings["selective"]["bwd"][i] - bwd_s)
+            if "selective" in timings:
+                sel_s = max(0.0, timings["selective"]["bwd"][i] - bwd_s)
+            else:  # not measured (a model whose plain step does not fit): its pointwise ops at memory speed
+                sel_s = _POINTWISE_TRAFFIC * saved["pointwise"] / bw
         else:
             mem = _POINTWISE_TRAFFIC * saved["pointwise"] / bw
             fwd_s = r.fwd_flops / rate + mem
