@@ -195,6 +195,7 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     idx = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
     tgt = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
     args.sample, args.fused_loss = (idx, tgt), name.endswith(FUSED_LOSS)  # what a planner mode profiles with
+    args.step_accum = accum  # micro-batches of the workload's step (a planner mode plans for the whole step)
     setup = mode_setup(name)(model, args)
     if device.type == "cuda":
         # the peak of the training steps, not of the set-up (a planner mode profiles the model first)
@@ -207,8 +208,10 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     # a plan may split the batch into micro-batches that accumulate: the same samples per step
     mb = setup.micro_batch or bsz
-    split = mb != bsz
-    micro = [(idx[i:i + mb], tgt[i:i + mb]) for _ in range(accum) for i in range(0, bsz, mb)]
+    step_idx, step_tgt = torch.cat([idx] * accum), torch.cat([tgt] * accum)  # the step's samples, in order
+    micro = [(step_idx[i:i + mb], step_tgt[i:i + mb]) for i in range(0, bsz * accum, mb)]
+    # a mode that names its micro-batch leaves accumulation to this loop: mean loss, all but the last marked
+    split = setup.micro_batch is not None and len(micro) > 1
     times, losses = [], []
     # ELBOWROOM_BENCH_EVENTS=1: CUDA events between micro-batches: the GPU time of each in the last step
     # (the first one includes any wait of its forward for the optimizer), and of step() + zero_grad()

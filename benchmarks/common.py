@@ -23,5 +23,6 @@ class Setup:
     fused_loss: bool | None = None
     """The mode's own choice of the fused head and loss (a plan's); None: the ``+fl`` suffix decides."""
     micro_batch: int | None = None
-    """Samples per forward when the mode splits the workload's batch (a plan's micro-batch); None: the whole batch.
-    The micro-batches of one step accumulate (the optimizer is told which backward passes are not the last)."""
+    """Samples per forward (a plan's micro-batch; the workload's batch may be split). When set, the loop runs the
+    step's micro-batches with accumulation itself (the optimizer is told which backward passes are not the last);
+    None: the whole batch, and the mode handles any accumulation."""

@@ -67,7 +67,9 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
         # as soon as the late blocks' gradients are final)
         model, opt, plan = fit(model, (idx, tgt), budget=budget, precision=precision, fused_loss=fused,
                                source="measured", grad_clipping=clip, lr=1e-4, fused=True,
-                               global_batch=idx.shape[0] if split else None,
+                               # the workload's step as the global batch: with +gb, or when it accumulates
+                               global_batch=idx.shape[0] * getattr(args, "step_accum", 1)
+                               if split or getattr(args, "step_accum", 1) > 1 else None,
                                offload_config=CPUOffloadConfig(offload_gradients=offload_gradients))
         if clip:
             def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
@@ -101,7 +103,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
         return out
 
     return Setup(opt, context=context, stats=stats, notes=notes, fused_loss=plan.fused_loss,
-                 micro_batch=plan.micro_batch if plan.micro_batch != idx.shape[0] else None)
+                 micro_batch=plan.micro_batch)
 
 
 def _summary(plan: Any) -> dict[str, Any]:
