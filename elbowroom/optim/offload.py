@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from elbowroom.optim import clipping, masters
+from elbowroom.optim import clipping, masters, shards
 from elbowroom.optim import state_dict as sd_mapping
 from elbowroom.optim.buffers import HostMemory, Streams
 from elbowroom.optim.clipping import ClipRequest
@@ -208,6 +208,8 @@ class CPUOffloadOptimizer(Optimizer):
             cfg, optimizer_class, self.device, cpu_kwargs, dev_kwargs, dict(optimizer_kwargs), self._host
         )
         self._hooks: list[Any] = []
+        # FSDP2: the ranks whose shards make up the global gradient norm (None: unsharded parameters)
+        self._norm_group = shards.norm_group(all_params)
         self._clip: ClipRequest | None = None
         self._learning: dict[str, bool] = {}
         self._stats = StepStats()
@@ -252,8 +254,8 @@ class CPUOffloadOptimizer(Optimizer):
         base = sum(len(g["params"]) for g in self.param_groups[:gi])
         new = self._placement.place(gi, base, params, offloaded, self._hyper_of(gi))
         for hp in sorted((hp for b in new for hp in b.params), key=lambda h: h.index):
-            if hp.param.requires_grad and self.config.overlap:
-                self._hooks.append(hp.param.register_post_accumulate_grad_hook(grad_hook(self, hp)))
+            if hp.owner.requires_grad and self.config.overlap:
+                self._hooks.append(hp.owner.register_post_accumulate_grad_hook(grad_hook(self, hp)))
         return new
 
     def close(self) -> None:
@@ -345,6 +347,7 @@ class CPUOffloadOptimizer(Optimizer):
             norm_type=norm_type,
             error_if_nonfinite=error_if_nonfinite,
             skip_if_nonfinite=skip_if_nonfinite,
+            group=self._norm_group,
         )
         return self._clip.total_norm
 
@@ -380,7 +383,8 @@ class CPUOffloadOptimizer(Optimizer):
             grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
             for p in pl.dev_params:
                 if p.grad is not None:
-                    grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+                    g = shards.local(p.grad)  # FSDP2: scale the shard in place (its DTensor wraps it)
+                    grads.setdefault((g.device, g.dtype), []).append(g)
             for m in dev_mults:
                 for gs in grads.values():
                     torch._foreach_mul_(gs, m.to(gs[0].device))
@@ -543,6 +547,7 @@ class CPUOffloadOptimizer(Optimizer):
         sd = super().state_dict()
         if self.config.uses_master_weights:
             sd_mapping.add_master_weights(sd, self.param_groups, self._placement)
+        sd_mapping.shard_host_state(sd, self._placement)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -573,7 +578,7 @@ class CPUOffloadOptimizer(Optimizer):
         Returns:
             The offloaded parameters (the others step on the device).
         """
-        return [hp.param for hp in self._placement.hps]
+        return [hp.owner for hp in self._placement.hps]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The optimizer's own tensors in device memory, by what they are (for memory reports).
