@@ -111,6 +111,7 @@ def apply_data_parallel(
     reduce_dtype: torch.dtype | None = torch.float32,
     bucket_cap_mb: float = 25.0,
     seed: int = 0,
+    after_reduction: Any = None,
 ) -> tuple[nn.Module, Any]:
     """Wrap ``model`` for the topology's data-parallel mode.
 
@@ -123,6 +124,8 @@ def apply_data_parallel(
         reduce_dtype: FSDP2's gradient reduction dtype.
         bucket_cap_mb: DDP's bucket size.
         seed: seeds the compression hooks' randomness.
+        after_reduction: DDP: called with each bucket's parameters once their gradients are all-reduced (the
+            CPU-offloaded optimizer's :meth:`~elbowroom.optim.CPUOffloadOptimizer.after_reduction`).
 
     Returns:
         ``(model, comm_state)``: the model to call (a ``DistributedDataParallel`` under DDP, the same module
@@ -145,7 +148,7 @@ def apply_data_parallel(
         )
         p = topo.parallel
         state = register_comm_hook(ddp, p.comm_hook, process_group=group, powersgd_rank=p.powersgd_rank,
-                                   topk_ratio=p.topk_ratio, seed=seed)
+                                   topk_ratio=p.topk_ratio, seed=seed, then=after_reduction)
         return ddp, state
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

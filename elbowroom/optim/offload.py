@@ -208,6 +208,8 @@ class CPUOffloadOptimizer(Optimizer):
             cfg, optimizer_class, self.device, cpu_kwargs, dev_kwargs, dict(optimizer_kwargs), self._host
         )
         self._hooks: list[Any] = []
+        self._grad_hooks: list[Any] = []  # the post-accumulate-grad hooks (DDP replaces them: after_reduction)
+        self._after_reduction = False
         # FSDP2: the ranks whose shards make up the global gradient norm (None: unsharded parameters)
         self._norm_group = shards.norm_group(all_params)
         self._clip: ClipRequest | None = None
@@ -254,8 +256,9 @@ class CPUOffloadOptimizer(Optimizer):
         base = sum(len(g["params"]) for g in self.param_groups[:gi])
         new = self._placement.place(gi, base, params, offloaded, self._hyper_of(gi))
         for hp in sorted((hp for b in new for hp in b.params), key=lambda h: h.index):
-            if hp.owner.requires_grad and self.config.overlap:
-                self._hooks.append(hp.owner.register_post_accumulate_grad_hook(grad_hook(self, hp)))
+            if hp.owner.requires_grad and self.config.overlap and not self._after_reduction:
+                self._grad_hooks.append(hp.owner.register_post_accumulate_grad_hook(grad_hook(self, hp)))
+                self._hooks.append(self._grad_hooks[-1])
         return new
 
     def close(self) -> None:
@@ -453,6 +456,50 @@ class CPUOffloadOptimizer(Optimizer):
             ValueError: an offloaded parameter is not owned by any module of ``model``.
         """
         self._hooks.extend(self._handover.hook_forward(model, self))  # lazy from here
+
+    def after_reduction(self) -> Callable[[list[torch.Tensor]], None]:
+        """Take gradients once a data-parallel all-reduce finished, not as backward produces them (DDP).
+
+        Under DDP the post-accumulate-grad hooks fire before the gradient's bucket is all-reduced, so they would
+        copy this rank's own gradient to the host. This removes them and returns the callback a DDP comm hook
+        calls with a bucket's parameters once their ``.grad`` holds the reduced values
+        (``elbowroom.distributed.comm_hooks.register_comm_hook(..., then=...)``). Callbacks may run on the
+        collectives' threads while backward goes on: they hand over under a lock (nothing else touches the
+        hand-over during backward). Gradients no callback handed over are collected by ``step()`` as before.
+        FSDP2 needs none of this: it runs the post-accumulate-grad hooks of its sharded parameters itself,
+        after the reduce-scatter.
+
+        Returns:
+            The callback (it holds the optimizer weakly).
+
+        Raises:
+            ValueError: with ``offload_gradients`` (DDP keeps every gradient in its own device buckets, so freeing
+                them there frees nothing).
+        """
+        if self.config.offload_gradients and self._placement.hps:
+            raise ValueError(
+                "offload_gradients frees device gradients, but DDP keeps them in its own buckets; use it with FSDP2 "
+                "or a single process, or drop it"
+            )
+        import threading
+
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks.clear()
+        self._after_reduction = True
+        ref, lock = weakref.ref(self), threading.Lock()
+
+        def reduced(params: list[torch.Tensor]) -> None:
+            o = ref()
+            if o is None or not o.sync_gradients:
+                return
+            with lock:  # buckets may finish on several threads of the collectives' backend at once
+                for p in params:
+                    hp = o._placement.hp_of.get(p)
+                    if hp is not None and p.grad is not None and not hp.final:
+                        o._handover.on_grad(hp, "final", p.grad, early=True)
+
+        return reduced
 
     def reload_weights(self) -> None:
         """Re-read the offloaded master weights from the device parameters.
