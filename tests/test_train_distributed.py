@@ -52,7 +52,10 @@ def _train(out: Path, *args: str) -> dict:
 
 
 def _ranks(rank: int, world: int, tmp: str) -> dict:
-    """Each case on 2 ranks (torchrun's environment, as run_ranks sets it); then the resume halves."""
+    """Each case on 2 ranks, inside one process group (``train(cfg)`` joins it); then the resume halves."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     tmp_path = Path(tmp)
     res = {name: _train(tmp_path / name, *args) for name, args in CASES.items()}  # one run directory for all ranks
     # ws2 -> ws1: the first half under FSDP2 with the optimizer half on the host; the parent continues it
@@ -62,9 +65,9 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     return res
 
 
-def _close(a: dict[int, float], b: dict[int, float], rel: float) -> None:
-    assert a.keys() == b.keys()
-    assert list(a.values()) == pytest.approx(list(b.values()), rel=rel)
+def _close(a: dict[int, float], b: dict[int, float], rel: float, what: str = "") -> None:
+    assert a.keys() == b.keys(), what
+    assert list(a.values()) == pytest.approx(list(b.values()), rel=rel), what
 
 
 @pytest.mark.slow
@@ -79,11 +82,15 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path) -> None:
 
     r0, r1 = run_ranks(_ranks, str(tmp_path))
 
+    if os.environ.get("DEBUG_DP"):
+        for name, args in CASES.items():
+            want = ref["accum" if ACCUM[0] in args else "plain"]["losses"]
+            print(name, max(abs(a / b - 1) for a, b in zip(r0[name]["losses"].values(), want.values())))
     for name, args in CASES.items():
         want = ref["accum" if ACCUM[0] in args else "plain"]
         got = r0[name]
-        _close(got["losses"], want["losses"], 1e-5)  # the global loss, logged by rank 0
-        _close(got["val"], want["val"], 1e-5)  # validation all-reduced: the single process's
+        _close(got["losses"], want["losses"], 1e-5, name)  # the global loss, logged by rank 0
+        _close(got["val"], want["val"], 1e-5, name)  # validation all-reduced: the single process's
         assert r1[name]["losses"] == got["losses"], name  # every rank agrees on the loss it reports
     # rank 0 alone writes the metrics: one row per step and evaluation, not two
     assert len((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()) == 6 + 2

@@ -535,6 +535,9 @@ class CPUOffloadOptimizer(Optimizer):
         t0 = time.perf_counter()
         self._handover.settle()
         self._handover.lazy_wait_s += time.perf_counter() - t0
+        # idle now: ``state`` shows the inner state again (torch utilities such as torch.distributed.checkpoint read
+        # it directly, and take an empty one for an optimizer that never stepped)
+        sd_mapping.link_state(self.state, self._placement)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the device parameters and the host accumulators.
