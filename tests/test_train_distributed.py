@@ -8,11 +8,13 @@ the uninterrupted curve within 1e-6.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from elbowroom import config as C
 from elbowroom.cli import main
@@ -27,6 +29,7 @@ BASE = [
     "--checkpoint.every", "3",
 ]
 DDP, FSDP = ["--parallel.dp_replicate", "2"], ["--parallel.dp_shard", "2"]
+HSDP = ["--parallel.data_parallel", "hsdp"]  # FSDP2 on the 2-D mesh, whichever dimension is 2
 ACCUM = ["--train.gradient_accumulation_steps", "2"]
 RECOMPUTE = ["--activations.checkpoint", "full"]
 OFFLOAD = ["--optimizer.offload_fraction", "0.5"]
@@ -36,6 +39,7 @@ CASES = {
     "ddp": DDP, "fsdp": FSDP, "ddp_accum": DDP + ACCUM, "fsdp_accum": FSDP + ACCUM,
     "ddp_recompute": DDP + RECOMPUTE, "fsdp_recompute": FSDP + RECOMPUTE + ACCUM,
     "ddp_offload": DDP + OFFLOAD + ACCUM, "fsdp_offload": FSDP + OFFLOAD,
+    "hsdp_2x1": DDP + HSDP, "hsdp_1x2_offload": FSDP + HSDP + OFFLOAD,
 }
 
 
@@ -51,6 +55,34 @@ def _train(out: Path, *args: str) -> dict:
     return {"losses": r.losses, "val": r.val_losses, "step": r.step}
 
 
+def _offload_after_reduction(rank: int) -> dict:
+    """DDP + CPUOffloadOptimizer by hand: gradients reach the host once, from the comm hook after the all-reduce."""
+    import torch.nn.functional as F
+
+    from elbowroom.distributed.config import ParallelConfig
+    from elbowroom.distributed.data_parallel import apply_data_parallel, init_distributed
+    from elbowroom.models import ModelConfig, build_model
+    from elbowroom.optim import CPUOffloadOptimizer
+
+    topo = init_distributed(ParallelConfig(dp_replicate=2), rank=rank, world_size=2, local_rank=rank,
+                            device=torch.device("cpu"))
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16))
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, offload_fraction=1.0)
+    ddp, _ = apply_data_parallel(model, topo, after_reduction=opt.after_reduction())
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randint(0, 64, (2, 17), generator=g)
+        F.cross_entropy(ddp(x[:, :-1]).reshape(-1, 64), x[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {"step_in_backward": opt.step_in_backward, "d2h": opt.stats()["d2h_bytes"],
+           "grad_bytes": 4 * sum(p.numel() for p in model.parameters()),
+           "params": [p.detach().clone() for p in model.parameters()]}
+    opt.close()
+    return out
+
+
 def _ranks(rank: int, world: int, tmp: str) -> dict:
     """Each case on 2 ranks, inside one process group (``train(cfg)`` joins it); then the resume halves."""
     import torch.distributed as dist
@@ -58,6 +90,8 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tmp_path = Path(tmp)
     res = {name: _train(tmp_path / name, *args) for name, args in CASES.items()}  # one run directory for all ranks
+    res["ddp_fp16"] = _train(tmp_path / "ddp_fp16", *DDP, "--parallel.comm_hook", "fp16")
+    res["after_reduction"] = _offload_after_reduction(rank)
     # ws2 -> ws1: the first half under FSDP2 with the optimizer half on the host; the parent continues it
     res["half"] = _train(tmp_path / "ws2", *FSDP, *OFFLOAD, *FIRST_HALF)
     # ws1 -> ws2: the parent's single-process first half, continued here under FSDP2
@@ -92,6 +126,22 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path) -> None:
         _close(got["losses"], want["losses"], 1e-5, name)  # the global loss, logged by rank 0
         _close(got["val"], want["val"], 1e-5, name)  # validation all-reduced: the single process's
         assert r1[name]["losses"] == got["losses"], name  # every rank agrees on the loss it reports
+    # a comm hook's bytes on the wire per step: fp16, 2 bytes per gradient element
+    from elbowroom.models import build_model
+    from elbowroom.train.trainer import resolve_model_config
+
+    n_params = sum(p.numel() for p in build_model(resolve_model_config(_config(tmp_path / "x"), 256)).parameters())
+    fp16_rows = [json.loads(line) for line in (tmp_path / "ddp_fp16" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["comm_bytes_per_step"] for r in fp16_rows if "loss" in r] == [2 * n_params] * 6
+    _close(r0["ddp_fp16"]["losses"], ref["plain"]["losses"], 1e-3, "fp16")
+    # DDP + CPUOffloadOptimizer: each step copies the reduced gradients once (no re-copy of gradients the all-reduce
+    # changed after a post-accumulate hook took them), so the CPU steps may start during backward
+    for r in (r0, r1):
+        assert r["after_reduction"]["step_in_backward"] is True
+        assert r["after_reduction"]["d2h"] == r["after_reduction"]["grad_bytes"]
+    for a, b in zip(r0["after_reduction"]["params"], r1["after_reduction"]["params"]):
+        assert torch.equal(a, b)  # the ranks stepped on the same (reduced) gradients
+
     # rank 0 alone writes the metrics: one row per step and evaluation, not two
     assert len((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()) == 6 + 2
 
@@ -108,8 +158,6 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path) -> None:
 
 def test_sharded_checkpoint_verification_finds_a_flipped_byte(tmp_path: Path) -> None:
     """A sharded checkpoint is verified file by file, as a single file is: a flipped byte is found."""
-    import torch
-
     from elbowroom.train.sharded_checkpoint import save_sharded
 
     model = torch.nn.Linear(4, 3)
@@ -159,3 +207,26 @@ def test_bad_setups_exit_2(tmp_path: Path, monkeypatch, capsys, world: str | Non
     assert message in err, err
     assert "Traceback" not in err
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- --budget under FSDP2: the per-rank seam
+def test_per_rank_plan_counts_shards() -> None:
+    """A rank of FSDP2 over 4 holds a quarter of the model states: the per-rank profile's model-state bytes (and
+    only they) shrink by the shard factor, whatever the layout the planner picks."""
+    import dataclasses
+
+    from test_plan_support import make_profile
+
+    from elbowroom.plan import cost
+    from elbowroom.train.planning import per_rank_profile
+
+    p = make_profile(n_layers=4, dim=256, ffn=512, vocab=1024, seq_len=128)
+    n = len(p.blocks)
+    whole = cost.Decisions(micro_batch=4, options=(cost.Option(),) * n, offload_blocks=(False,) * n)
+    rank = per_rank_profile(p, 4)
+    assert cost.state_bytes(rank, whole) * 4 == cost.state_bytes(p, whole)
+    assert rank.num_params * 4 == p.num_params
+    assert [b.saved_bytes for b in rank.blocks] == [b.saved_bytes for b in p.blocks]  # the rank's own activations
+    assert per_rank_profile(p, 1) is p
+    half = dataclasses.replace(whole, layout="bf16")
+    assert cost.state_bytes(rank, half) < cost.state_bytes(p, half) / 3
