@@ -105,7 +105,7 @@ def _close(a: dict[int, float], b: dict[int, float], rel: float, what: str = "")
 
 
 @pytest.mark.slow
-def test_trainer_data_parallel_equals_one_process(tmp_path: Path) -> None:
+def test_trainer_data_parallel_equals_one_process(tmp_path: Path, capsys) -> None:
     ref = {
         "plain": _train(tmp_path / "ref", ),
         "accum": _train(tmp_path / "ref-accum", *ACCUM),
@@ -148,6 +148,11 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path) -> None:
     # ws2 -> ws1: continue the FSDP2 + offload checkpoint of step 3 in one process
     sharded = tmp_path / "ws2" / "checkpoints" / "step_00000003"
     assert (sharded / ".metadata").is_file() and CheckpointManager(sharded.parent).validate(sharded)["format"] == 2
+    before = sorted(p.name for p in (tmp_path / "ws2").rglob("*"))
+    # its data position is a count of samples of global batches of 4: at another dp size only with that batch
+    assert main(["train", *BASE, "--out", str(tmp_path / "ws2"), *OFFLOAD, "--resume", "--data.batch_size", "8"]) == 2
+    assert "resume with --data.batch_size 4" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "ws2").rglob("*")) == before
     resumed = _train(tmp_path / "ws2", *OFFLOAD, "--resume")
     _close({s: v for s, v in resumed["losses"].items() if s > 3},
            {s: v for s, v in ref["offload"]["losses"].items() if s > 3}, 1e-6)

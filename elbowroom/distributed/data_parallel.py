@@ -158,7 +158,9 @@ def apply_data_parallel(
     kw: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        "offload_policy": CPUOffloadPolicy(pin_memory=True) if topo.parallel.fsdp_cpu_offload else OffloadPolicy(),
+        # pinned host copies only where there is a device to copy to (pinning needs CUDA)
+        "offload_policy": (CPUOffloadPolicy(pin_memory=next(model.parameters()).device.type == "cuda")
+                           if topo.parallel.fsdp_cpu_offload else OffloadPolicy()),
     }
     for blk in blocks if blocks is not None else find_blocks(model):
         fully_shard(blk, **kw)

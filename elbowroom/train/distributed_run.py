@@ -45,7 +45,6 @@ from elbowroom.distributed.data_parallel import (
     init_distributed,
     loss_scale,
     shutdown,
-    unwrap,
 )
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
 

@@ -586,7 +586,7 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
         params = [p for p in model.parameters() if p.requires_grad]
         result = TrainResult(step=step, losses={}, val_losses={}, out=out)
         progress = _progress_bar(cfg, step) if run.is_main else None
-        if cfg.profile.enabled and run.is_main:  # --profile.steps: memory, trace and timeline of those steps, into OUT/profile/
+        if cfg.profile.enabled and run.is_main:  # --profile.steps: memory, trace and timeline into OUT/profile/
             from elbowroom.report import Recorder
 
             recorder = Recorder(out, cfg.profile, model=model, optimizer=optimizer, start_step=step + 1, device=device)
