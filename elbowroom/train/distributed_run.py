@@ -260,6 +260,32 @@ class DistributedRun:
         # the CPU steps must have landed before FSDP2's pre-forward all-gather reads the shards: step() waits
         return model, build_optimizer(model, False)
 
+    def plan_once(self, plan_fn: Callable[..., Any], apply_fn: Callable[..., Any], model: nn.Module,
+                  sample: dict[str, Any], cfg: Config, **kwargs: Any) -> tuple[nn.Module, Any, Any]:
+        """``--budget`` on several ranks: rank 0 profiles and plans (``plan_fn``, the trainer's
+        ``plan_for_budget``), every other rank applies the same plan (``apply_fn``), so that all ranks hold the
+        same layout (measured timings differ from rank to rank; a plan of another precision would not reduce).
+        Under DDP every rank holds the whole model, so one rank's plan is each rank's."""
+        if not self.enabled:
+            return plan_fn(model, sample, cfg, **kwargs)
+        from elbowroom.plan import Plan
+
+        made = error = None
+        if self.is_main:
+            try:
+                model, optimizer, plan = plan_fn(model, sample, cfg, **kwargs)
+                made = plan.to_dict()
+            except ConfigError as e:
+                error = str(e)
+        made, error = self.same_on_all((made, error))
+        if error is not None:
+            raise ConfigError(error)
+        if self.is_main:
+            return model, optimizer, plan
+        plan = Plan.from_dict(made)
+        model, optimizer = apply_fn(model, plan, cfg)
+        return model, optimizer, plan
+
     def accumulate(self, fn: Callable[..., torch.Tensor], model: nn.Module, micro: list[dict[str, Any]],
                    *args: Any, **kwargs: Any) -> torch.Tensor:
         """``fn(model, micro, ...)`` (the trainer's ``accumulate_gradients``) as one data-parallel step.

@@ -521,8 +521,9 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
         first = next(batches)  # the plan is made for the run's own micro-batch, which step 1 then trains on
         batches = itertools.chain([first], batches)
         # the fused head + loss needs our own models' head, and runs outside torch.compile
-        fused_ok = model_cfg is not None and not cfg.train.compile
-        model, optimizer, plan = plan_for_budget(model, first, cfg, fused_loss=fused_ok, amp_dtype=amp_dtype)
+        fused_ok = model_cfg is not None and not cfg.train.compile and not run.enabled  # (DDP would not see it)
+        model, optimizer, plan = run.plan_once(plan_for_budget, apply_plan, model, first, cfg, fused_loss=fused_ok,
+                                               amp_dtype=amp_dtype)  # rank 0 plans; every rank follows its plan
         fwd_model, optimizer = run.wrap(model, optimizer=optimizer)
         if device.type == "cuda":  # the logged peak is the training steps', not the profile's (an unplanned step)
             torch.cuda.empty_cache()
