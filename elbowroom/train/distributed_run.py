@@ -314,13 +314,14 @@ class DistributedRun:
         reads (DDP decides in forward, FSDP2 in backward, so the flag holds from one forward to the next)."""
         calls = [0]
         state: dict[str, Any] = {}
+        wrapper = getattr(model, "_orig_mod", model)  # under torch.compile: the DDP / FSDP2 module it compiled
 
         def before_forward(module: nn.Module, args: Any) -> None:
             calls[0] += 1
             if "ctx" in state:
                 state.pop("ctx").__exit__(None, None, None)
             if calls[0] < n:
-                ctx = gradient_sync(model, False)
+                ctx = gradient_sync(wrapper, False)
                 ctx.__enter__()
                 state["ctx"] = ctx
 
