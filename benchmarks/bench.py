@@ -205,6 +205,10 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     # the head and loss chunk by chunk (linear_cross_entropy): the suffix asks, a plan decides for itself
     fused_loss = setup.fused_loss if setup.fused_loss is not None else name.endswith(FUSED_LOSS)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    # a plan may split the batch into micro-batches that accumulate: the same samples per step
+    mb = setup.micro_batch or bsz
+    split = mb != bsz
+    micro = [(idx[i:i + mb], tgt[i:i + mb]) for _ in range(accum) for i in range(0, bsz, mb)]
     times, losses = [], []
     # ELBOWROOM_BENCH_EVENTS=1: CUDA events between micro-batches: the GPU time of each in the last step
     # (the first one includes any wait of its forward for the optimizer), and of step() + zero_grad()
@@ -216,18 +220,23 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         if events:
             marks = [torch.cuda.Event(enable_timing=True)]
             marks[0].record()
-        for _ in range(accum):
+        for j, (x, y) in enumerate(micro):
             with amp, setup.context():
                 if fused_loss:
-                    h = model.hidden_states(idx)
+                    h = model.hidden_states(x)
                     if hasattr(setup.optimizer, "wait_for"):  # the head weight is read outside the head's forward
                         setup.optimizer.wait_for(model.output.weight)
-                    loss = linear_cross_entropy(h, model.output.weight, tgt)
+                    loss = linear_cross_entropy(h, model.output.weight, y)
                 else:
-                    logits = model(idx)
-                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+            if split:
+                loss = loss / len(micro)
             if setup.backward is not None:
                 setup.backward(loss)
+            elif split and hasattr(setup.optimizer, "accumulating"):
+                with setup.optimizer.accumulating(j < len(micro) - 1):
+                    loss.backward()
             else:
                 loss.backward()
             if events:
@@ -257,8 +266,12 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
             row["settings"]["mechanism"] = mechanism
     if "pred_step_s" in row:  # a plan's prediction against this measurement
         row["step_vs_pred"] = round(row["step_s"] / row["pred_step_s"], 3)
-        if row.get("peak_GiB"):
-            row["peak_vs_pred"] = round(row["peak_GiB"] / row["pred_peak_GiB"], 3)
+        # the plan's peak includes the allocator's margin: it is a prediction of the reserved peak; without the
+        # margin, of the allocated peak
+        if row.get("reserved_peak_GiB"):
+            row["peak_vs_pred"] = round(row["reserved_peak_GiB"] / row["pred_peak_GiB"], 3)
+        if row.get("peak_GiB") and row.get("pred_alloc_GiB"):
+            row["alloc_vs_pred"] = round(row["peak_GiB"] / row["pred_alloc_GiB"], 3)
     del model, setup
     return row
 
@@ -465,11 +478,11 @@ def run_child(name: str, args) -> dict[str, Any]:
 def print_table(rows: list[dict[str, Any]]) -> None:
     base = next((r for r in rows if "tok_per_s" in r), None)
     print(f"\n| workload | mode | tok/s | % of {base['mode'] if base else '-'} | model TFLOP/s | MFU | peak GiB |"
-          " predicted GiB | predicted step s | step / pred | plan |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          " reserved GiB | predicted alloc / reserved GiB | predicted step s | step / pred | plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "tok_per_s" not in r:
-            print(f"| {r['workload']} | {r['mode']} | {r['error']} | | | | | | | | |")
+            print(f"| {r['workload']} | {r['mode']} | {r['error']} | | | | | | | | | |")
             continue
         pct = 100 * r["tok_per_s"] / base["tok_per_s"]
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
@@ -478,7 +491,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                   f"blocks on host; {plan['weights']}" + ("; fused loss" if plan["fused_loss"] else "")) if plan else ""
         print(
             f"| {r['workload']} | {r['mode']} | {r['tok_per_s']:,} | {pct:.1f} | {r['tflops']} | {mfu} | "
-            f"{r['peak_GiB']} | {r.get('pred_peak_GiB', '')} | {r.get('pred_step_s', '')} | "
+            f"{r['peak_GiB']} | {r.get('reserved_peak_GiB', '')} | "
+            f"{' / '.join(str(r[k]) for k in ('pred_alloc_GiB', 'pred_peak_GiB') if k in r)} | "
+            f"{r.get('pred_step_s', '')} | "
             f"{r.get('step_vs_pred', '')} | {plan_s} |"
         )
 

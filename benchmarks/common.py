@@ -22,3 +22,6 @@ class Setup:
     """Runs each micro-batch's backward in place of ``loss.backward()`` (DeepSpeed's engine must see it)."""
     fused_loss: bool | None = None
     """The mode's own choice of the fused head and loss (a plan's); None: the ``+fl`` suffix decides."""
+    micro_batch: int | None = None
+    """Samples per forward when the mode splits the workload's batch (a plan's micro-batch); None: the whole batch.
+    The micro-batches of one step accumulate (the optimizer is told which backward passes are not the last)."""

@@ -7,6 +7,10 @@
   weights under autocast; ``fit_bf16@<budget>`` also allows bf16 device weights with fp32 masters (the row says
   which the plan chose). ``+fl`` lets the planner use the fused head and loss; the row follows the plan's choice.
 - ``plan@<file>``: apply a Plan file (TOML or JSON) as it is: a hand plan is a file, not a mode name.
+- ``...@<budget>+clip``: the loop clips gradients at global norm 1.0 (as the trainer does), and the planner plans
+  for it; ``+og`` builds the optimizer with ``offload_gradients=True`` (gradients leave during the backward);
+  ``+gb`` gives the planner the workload's batch as the global batch, so that it may choose a smaller
+  micro-batch with accumulation (the loop then runs the plan's micro-batches).
 
 Each row adds the plan's predictions (``pred_peak_GiB``, ``pred_step_s``, their ratios to the measurement), the
 same plan's predictions from the analytic profile (the device table, no measurement: ``analytic_*``), and the
@@ -39,13 +43,18 @@ def resolve(name: str) -> Callable[..., Setup] | None:
             arg = name[len(prefix):]
             if prefix == "plan@":
                 return lambda model, args: _setup(model, args, plan_file=arg, fused=False)
-            return lambda model, args: _setup(model, args, budget=arg, precision="bf16" if "bf16" in prefix else "fp32",
-                                             fused=getattr(args, "fused_loss", False))
+            flags = arg.split("+")
+            return lambda model, args: _setup(model, args, budget=flags[0],
+                                             precision="bf16" if "bf16" in prefix else "fp32",
+                                             fused=getattr(args, "fused_loss", False), clip="clip" in flags,
+                                             offload_gradients="og" in flags, split="gb" in flags)
     return None
 
 
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
-           plan_file: str | None = None, fused: bool = False) -> Setup:
+           plan_file: str | None = None, fused: bool = False, clip: bool = False,
+           offload_gradients: bool = False, split: bool = False) -> Setup:
+    from elbowroom.optim import CPUOffloadConfig
     from elbowroom.plan import Plan, apply, fit
 
     idx, tgt = args.sample
@@ -57,7 +66,17 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
         # the harness's loss (cross-entropy over its own targets) and loop (no clipping: the host step may start
         # as soon as the late blocks' gradients are final)
         model, opt, plan = fit(model, (idx, tgt), budget=budget, precision=precision, fused_loss=fused,
-                               source="measured", grad_clipping=False, lr=1e-4, fused=True)
+                               source="measured", grad_clipping=clip, lr=1e-4, fused=True,
+                               global_batch=idx.shape[0] if split else None,
+                               offload_config=CPUOffloadConfig(offload_gradients=offload_gradients))
+        if clip:
+            def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
+                if hasattr(o, "clip_grad_norm_"):
+                    o.clip_grad_norm_(1.0)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+            opt.register_step_pre_hook(clip_now)
     plan_s = time.perf_counter() - t0
     notes: dict[str, Any] = {"plan_seconds": round(plan_s, 2), "weights": plan.weight_dtype,
                              "fused_loss": plan.fused_loss}
@@ -68,7 +87,8 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
 
     def stats() -> dict[str, Any]:
         out = {
-            "pred_peak_GiB": round(plan.predicted_peak_bytes / 2**30, 2),
+            "pred_peak_GiB": round(plan.predicted_peak_bytes / 2**30, 2),  # reserved: allocated + allocator margin
+            "pred_alloc_GiB": round((plan.predicted_peak_bytes - plan.memory.get("allocator margin", 0)) / 2**30, 2),
             "pred_step_s": round(plan.predicted_step_seconds, 4),
             "budget_GiB": round(plan.budget_bytes / 2**30, 2),
             "plan": _summary(plan),
@@ -80,7 +100,8 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
             out["host_GiB"] = round(s.get("host_bytes", 0) / 2**30, 2)
         return out
 
-    return Setup(opt, context=context, stats=stats, notes=notes, fused_loss=plan.fused_loss)
+    return Setup(opt, context=context, stats=stats, notes=notes, fused_loss=plan.fused_loss,
+                 micro_batch=plan.micro_batch if plan.micro_batch != idx.shape[0] else None)
 
 
 def _summary(plan: Any) -> dict[str, Any]:

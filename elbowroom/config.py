@@ -131,6 +131,10 @@ class TrainSection:
     peak memory, same FLOPs)."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms (CPU runs are deterministic regardless)."""
+    qat: Literal["int8", "int4"] | None = None
+    """Quantisation-aware training (torchao): int8 activations with int8 or int4 (groups of 32) block weights,
+    fake-quantised in every step; `elbowroom export quantize RUN --method qat` converts them (needs the export
+    extra)."""
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -226,6 +230,30 @@ class SchedulerSection:
 
 
 @dataclass
+class DistillSection:
+    teacher: str | None = None
+    """Distil from this teacher: an elbowroom run or checkpoint directory, or a local Hugging Face model directory
+    with the student's vocabulary (unset: no distillation)."""
+    ratio: float = 0.5
+    """Weight a of the teacher's term: loss = (1 - a) * CE + a * T^2 * KL(teacher || student); validation stays CE."""
+    temperature: float = 1.0
+    """Softmax temperature T of both distributions in the KL term."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The teacher's weight dtype (bfloat16 halves its memory)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ConfigError(f"distill.ratio must be in [0, 1], got {self.ratio}")
+        if not self.temperature > 0:
+            raise ConfigError(f"distill.temperature must be > 0, got {self.temperature}")
+        if self.teacher is None:
+            unused = [f"--distill.{f.name}" for f in fields(self) if getattr(self, f.name) != f.default]
+            if unused:
+                raise ConfigError(f"{', '.join(unused)} has no effect without --distill.teacher PATH; set the "
+                                  "teacher or drop it")
+
+
+@dataclass
 class CheckpointSection:
     every: int = 100
     """Save a checkpoint every N steps (0: only at the end)."""
@@ -273,6 +301,7 @@ class Config:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    distill: DistillSection = field(default_factory=DistillSection)
     activations: ActivationConfig = field(default_factory=ActivationConfig)
     offload: CPUOffloadConfig = field(default_factory=CPUOffloadConfig)
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -285,6 +314,7 @@ class Config:
         if self.model.hf is not None and self.train.fused_loss:
             raise ConfigError("train.fused_loss needs elbowroom's own models (it reads their head); drop "
                               "--train.fused_loss with --model.hf")
+        _check_qat_and_distill(self)
         if self.budget is not None and self.plan is not None:
             raise ConfigError("--budget plans the run and --plan applies a saved plan: drop one of them")
         if self.budget is not None:
@@ -309,6 +339,28 @@ class Config:
                     f"offload.{name} is set by the trainer from {where}; set that instead (the [offload] section "
                     "holds the optimizer engine's knobs: bucket_bytes, num_staging_slots, cpu_threads, ...)"
                 )
+
+
+def _check_qat_and_distill(cfg: Config) -> None:
+    """QAT and distillation need elbowroom's own models (their head, their export) and an eager loop."""
+    if cfg.train.qat is not None:
+        if cfg.model.hf is not None:
+            raise ConfigError("train.qat needs elbowroom's own models (its export rebuilds them); drop --model.hf "
+                              "or --train.qat")
+        if cfg.budget is not None or cfg.plan is not None:
+            raise ConfigError("the planner does not price fake-quantised layers; drop --train.qat or "
+                              f"{'--budget' if cfg.budget is not None else '--plan'} (the [activations] and "
+                              "[optimizer] switches work with QAT)")
+    if cfg.distill.teacher is not None:
+        conflicts = [
+            ("--model.hf", cfg.model.hf is not None, "reads the student's head, which only elbowroom's models expose"),
+            ("--train.compile", cfg.train.compile, "runs the student's head chunk by chunk outside torch.compile"),
+            ("--budget", cfg.budget is not None, "adds a teacher the planner does not price (a plan made for less "
+             "memory with `elbowroom plan --out FILE` can be passed as --plan FILE)"),
+        ]
+        for flag, given, why in conflicts:
+            if given:
+                raise ConfigError(f"distillation {why}; drop {flag} or --distill.teacher")
 
 
 def memory_overrides(cfg: Config) -> list[str]:

@@ -150,7 +150,8 @@ def test_int8_error_feedback_is_exact_and_unbiased() -> None:
     "kwargs, message",
     [
         ({"dp_shard": 0}, "parallel.dp_shard must be an integer >= 1"),
-        ({"tp": 2}, "not available yet"),
+        ({"tp": 2, "dp_replicate": 2}, "DDP does not compose with tensor or pipeline parallel"),
+        ({"pp": 2, "pp_microbatches": 1}, "set --parallel.pp_microbatches 2 or more"),
         ({"dp_shard": 2, "comm_hook": "fp16"}, "set --parallel.dp_shard 1 or --parallel.comm_hook none"),
         ({"dp_shard": 2, "data_parallel": "ddp"}, "set --parallel.dp_shard 1"),
         ({"topk_ratio": 0.0}, "parallel.topk_ratio must be in (0, 1]"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from test_plan_support import GiB, make_profile
 
@@ -141,3 +142,63 @@ def test_measured_allocator_overhead_replaces_the_margin() -> None:
     p = dataclasses.replace(make_profile(n_layers=2), allocator_overhead_bytes=123 << 20)
     got = cost.predict(p, decisions(len(p.blocks)), 80 * GiB)
     assert got.memory["allocator margin"] == 123 << 20
+
+
+def test_resident_gradients_come_with_the_backward() -> None:
+    # one micro-batch per step: no gradient exists in forward; backward block i holds the head's and those of
+    # blocks i..n-1 (resident ones only); the optimizer step holds all of them
+    p = make_profile(n_layers=4, dim=256, ffn=512, vocab=1000, seq_len=128)
+    n = len(p.blocks)
+    half = (False, False, True, True)
+    for layout, per in (("fp32", 4), ("bf16", 2)):
+        d = decisions(n, layout=layout, offload_blocks=half)
+        g = cost.globals_for(p, d)
+        head = per * p.head.num_params
+        own = [per * b.num_params * (not o) for b, o in zip(p.blocks, half)]
+        assert g.transient_grads == head + sum(own) and g.head_grads == head
+        idx = np.zeros(n, dtype=np.int64)
+        ph = cost._phases(p, g, d, idx, 1 << 30)
+        assert ph.grads.tolist() == [head + sum(own[i:]) for i in range(n)]
+        assert ph.describe(2 * n + 1) == ("optimizer step", {"gradients": g.transient_grads})
+        # the prediction's parts add up to its peak, gradients included where the peak falls in backward
+        pred = cost.predict(p, d, 80 * GiB)
+        assert sum(pred.memory.values()) == pred.peak_bytes
+        assert pred.memory["model states"] == cost.state_bytes(p, d) - g.transient_grads
+        # under accumulation they live through the forward: counted in the states, never as a phase term
+        acc = cost.globals_for(p, dataclasses.replace(d, accumulation=2))
+        assert acc.transient_grads == 0 and acc.states == g.states
+
+
+def test_forward_end_peak_leaves_out_the_gradients() -> None:
+    # everything kept: the forward's end is the peak, and it is lower by exactly the resident gradients than
+    # the same plan under accumulation (where the gradients of the previous micro-batch are still there)
+    p = make_profile(n_layers=4)
+    n = len(p.blocks)
+    one = cost.predict(p, decisions(n, fused_loss=True), 80 * GiB)
+    two = cost.predict(p, decisions(n, fused_loss=True, accumulation=2), 80 * GiB)
+    assert one.peak_phase == two.peak_phase == "forward end"
+    assert two.peak_bytes - one.peak_bytes == cost.globals_for(p, decisions(n)).transient_grads
+
+
+def test_peak_bytes_is_predicts_peak() -> None:
+    p = make_profile(n_layers=6, vary=True)
+    n = len(p.blocks)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        idx = rng.integers(0, len(OPTIONS), n)
+        d = decisions(n, options=tuple(OPTIONS[i] for i in idx), layout=str(rng.choice(list(cost.LAYOUTS))),
+                      offload_blocks=tuple(bool(x) for x in rng.integers(0, 2, n)))
+        assert cost.peak_bytes(p, d, idx, 30 * GiB, 1 << 28) == cost.predict(
+            p, d, 30 * GiB, prefetch_window_bytes=1 << 28).peak_bytes
+
+
+def test_each_allocator_setting_has_its_own_measured_margin() -> None:
+    p = dataclasses.replace(make_profile(n_layers=2), allocator_overhead_bytes=3 * GiB,
+                            allocator_overhead_expandable_bytes=256 << 20)
+    n = len(p.blocks)
+    assert cost.predict(p, decisions(n), 80 * GiB).memory["allocator margin"] == 3 * GiB
+    assert cost.predict(p, decisions(n, expandable_segments=True), 80 * GiB).memory["allocator margin"] == 256 << 20
+    # not measured for that setting: the argued fraction of the budget
+    q = dataclasses.replace(p, allocator_overhead_expandable_bytes=0)
+    got = cost.predict(q, decisions(n, expandable_segments=True), 80 * GiB).memory["allocator margin"]
+    assert got == int(cost.ALLOCATOR_MARGIN["expandable_segments"] * 80 * GiB)

@@ -11,7 +11,7 @@ import time
 import pytest
 from test_plan_support import GiB, make_profile
 
-from elbowroom.plan import BudgetError, cost, plan_for
+from elbowroom.plan import BudgetError, cost, plan_for, search
 
 
 def _minimum(profile, **kw) -> int:
@@ -212,3 +212,16 @@ def test_bf16_layouts_are_priced_with_their_own_bytes() -> None:
         assert cheaper.predicted_peak_bytes <= budget
         fp32 = plan_for(p, budget, precision="fp32", fused_loss_allowed=True, bf16_bytes=fewer)
         assert fp32 == plan_for(p, budget, precision="fp32", fused_loss_allowed=True)  # fp32 weights: untouched
+
+
+def test_exact_peaks_admit_more_than_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the knapsack's bound adds every kept byte to every gradient; checking the exact phases above it keeps
+    # more at the same budget: a faster step, still within the budget
+    p = make_profile()
+    kw = dict(precision="bf16", fused_loss_allowed=True)
+    refined = plan_for(p, 24 * GiB, **kw)
+    monkeypatch.setattr(search, "_refine", lambda profile, best, *a: best)
+    bound = plan_for(p, 24 * GiB, **kw)
+    assert bound.predicted_peak_bytes <= refined.predicted_peak_bytes <= 24 * GiB
+    assert refined.predicted_step_seconds < 0.98 * bound.predicted_step_seconds
+    assert sum(b.kept_bytes for b in refined.blocks) > sum(b.kept_bytes for b in bound.blocks)

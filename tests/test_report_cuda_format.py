@@ -242,6 +242,17 @@ def test_link_timeline_from_memcpy_and_kernel_events() -> None:
     assert sum(tl.compute_busy) / len(tl.compute_busy) == pytest.approx(0.75, abs=0.01)
 
 
+def test_link_timeline_window_is_the_host_range_not_its_device_copy() -> None:
+    # the profiler also writes the range on the device timeline, spanning only the kernels the marking thread
+    # launched (the forward); backward copies after its end belong to the step
+    events = [e for e in _trace()["traceEvents"] if e["ph"] == "X"]
+    events.append({"ph": "X", "cat": "gpu_user_annotation", "name": "elbowroom step 3", "pid": 0, "tid": 7,
+                   "ts": 1100.0, "dur": 90_000.0})
+    tl = link_timeline(events, bins=100)
+    assert tl is not None and tl.step == 3 and tl.seconds == pytest.approx(0.2)
+    assert tl.d2h_bytes == tl.h2d_bytes == 20 * (64 << 20)
+
+
 def test_link_timeline_is_none_without_device_events() -> None:
     assert link_timeline([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 5.0}]) is None
 

@@ -9,7 +9,9 @@ keeps every activation. On a CPU nothing is offloaded (no host link); recompute 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,10 @@ def test_budget_plans_then_trains(tmp_path: Path, budgets: tuple[int, int], capl
         assert run(out, "--steps", "8", "--budget", str(budget), *no_decay) == 0
     assert "elbowroom plan: 2 blocks on cpu" in caplog.text  # the plan's table, before step 1
     assert caplog.text.index("elbowroom plan:") < caplog.text.index("step      1")
+    # the machine's numbers are logged, and cached beside the corpus: the next planned run reads them
+    assert "host AdamW" in caplog.text
+    cached = list(Path(os.environ["ELBOWROOM_CACHE"]).glob("machine-v2-cpu-*.json"))
+    assert len(cached) == 1, cached
     saved = json.loads((out / "plan.json").read_text())
     assert saved["budget_bytes"] == budget and saved["predicted_peak_bytes"] <= budget
     assert {"predicted_step_seconds", "blocks"} <= saved.keys()
@@ -173,6 +179,24 @@ def test_profile_steps_record_for_the_report(tmp_path: Path, budgets: tuple[int,
     assert sorted(r["step"] for r in rows if r["kind"] == "step") == [2, 3]
     assert main(["report", str(out)]) == 0
     assert (out / "report" / "report.html").is_file()
+
+
+def test_writing_the_recording_is_not_counted_as_training_time(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # the trace and snapshot are written after the last recorded step; the logged throughput is the step's own
+    from elbowroom.report.recorder import Recorder
+
+    stop = Recorder._stop
+
+    def slow_stop(self: Recorder) -> None:
+        time.sleep(0.6 if self._active else 0.0)
+        stop(self)
+
+    monkeypatch.setattr(Recorder, "_stop", slow_stop)
+    out = tmp_path / "recorded"
+    assert run(out, "--steps", "3", "--profile.steps", "2", "--logging.log_every", "1") == 0
+    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    assert rows[2]["elapsed_s"] < 0.5, rows[2]
 
 
 def test_profile_steps_are_validated() -> None:

@@ -5,6 +5,11 @@ names whatever the wrapper: DDP, FSDP2 or none), so a checkpoint written by 2 ra
 the reverse: DCP reshards on load. The files go into a temporary directory that rank 0 renames into place
 after every rank has written (a barrier), so a crash mid-save never leaves a half checkpoint under a real
 name. Non-tensor state (schedule, RNG, data position) is small and written once, by rank 0, beside the shards.
+
+The optimizer state is flattened to one entry per parameter name (``state.blocks.3.w2.weight.exp_avg``), so a
+rank that holds some pipeline stages saves and loads exactly their entries: checkpoints load across pipeline
+degrees. Tensor-parallel weights split in strides (fused q|k|v, gate|up) are written as contiguous chunks
+(:func:`elbowroom.distributed.tensor_parallel.checkpoint_view`): checkpoints load across tensor-parallel degrees.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from elbowroom.distributed.data_parallel import unwrap
+from elbowroom.distributed.tensor_parallel import checkpoint_view
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _distributed() -> bool:
@@ -32,7 +40,7 @@ def _distributed() -> bool:
 
 def state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Model and optimizer state keyed by parameter names (sharded tensors stay sharded)."""
-    model_sd, optim_sd = get_state_dict(unwrap(model), optimizer)
+    model_sd, optim_sd = get_state_dict(unwrap(model), optimizer, options=_OPTIONS)
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -59,7 +67,7 @@ def save(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
         shutil.rmtree(tmp)
     if _distributed():
         dist.barrier()
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+    dcp.save(checkpoint_view(state), checkpoint_id=str(tmp), no_dist=not _distributed())
     if _distributed():
         dist.barrier()  # every rank's shards are on disk before the rename publishes them
     if rank0:
@@ -73,9 +81,9 @@ def save(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
 def load(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load a DCP checkpoint into ``model`` and ``optimizer`` (resharding to this world); returns ``extra``."""
     state = state_for_save(model, optimizer)
-    dcp.load(state, checkpoint_id=str(directory), no_dist=not _distributed())
+    dcp.load(checkpoint_view(state), checkpoint_id=str(directory), no_dist=not _distributed())  # into `state`
     set_state_dict(
         unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-        options=StateDictOptions(strict=True),
+        options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True),
     )
     return torch.load(Path(directory) / "extra.pt", weights_only=False)

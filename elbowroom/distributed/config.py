@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 CommHook = Literal["none", "fp16", "bf16", "powersgd", "topk", "int8"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+_MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -17,9 +19,19 @@ class ParallelConfig:
     dp_shard: int = 1
     """Data-parallel shards (FSDP2 / ZeRO-3 within a replica group). 1 with dp_replicate > 1 is DDP."""
     tp: int = 1
-    """Tensor-parallel degree (the model-parallel issue; must be 1 for now)."""
+    """Tensor-parallel degree: heads, MLP width and the output head split over this many ranks (torch's
+    parallelize_module, sequence parallel for the norms; elbowroom.distributed.tensor_parallel)."""
     pp: int = 1
-    """Pipeline-parallel stages (the model-parallel issue; must be 1 for now)."""
+    """Pipeline-parallel degree: ranks the blocks are split over (torch.distributed.pipelining)."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble (the last two run several stages per rank)."""
+    pp_microbatches: int = 0
+    """Micro-batches per pipeline step (0: one per stage, the fewest a schedule accepts; more shrink the bubble)."""
+    pp_stages_per_rank: int = 0
+    """Stages per pipeline rank (0: 1 for gpipe and 1f1b, 2 for interleaved_1f1b and zero_bubble)."""
+    tp_loss_parallel: bool = True
+    """Keep the logits sharded over the vocabulary and compute cross-entropy on the shards (torch's
+    loss_parallel); applies without pipeline parallel, whose last stage hands whole logits to the loss."""
     data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"] = "auto"
     """The engine: auto (DDP when dp_shard is 1, FSDP2 when dp_replicate is 1, HSDP when both exceed 1), or
     one named: hsdp shards over dp_shard and replicates over dp_replicate whatever their sizes."""
@@ -39,10 +51,7 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {value!r}")
-        if self.tp != 1 or self.pp != 1:
-            raise ValueError(
-                "parallel.tp and parallel.pp (tensor and pipeline parallel) are not available yet; set them to 1"
-            )
+        self._check_model_parallel()
         if self.data_parallel == "ddp" and self.dp_shard != 1:
             raise ValueError(
                 f"parallel.data_parallel ddp replicates whole models, but dp_shard = {self.dp_shard}; "
@@ -65,6 +74,46 @@ class ParallelConfig:
         if self.fsdp_cpu_offload and self.dp_shard == 1 and self.dp_replicate > 1:
             raise ValueError("parallel.fsdp_cpu_offload needs FSDP2 (dp_shard > 1, or a world size of 1)")
 
+    def _check_model_parallel(self) -> None:
+        if self.pp_schedule not in ("gpipe", "1f1b", *_MULTI_STAGE_SCHEDULES):
+            raise ValueError(f"parallel.pp_schedule must be gpipe, 1f1b, interleaved_1f1b or zero_bubble, "
+                             f"got {self.pp_schedule!r}")
+        for name in ("pp_microbatches", "pp_stages_per_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"parallel.{name} must be an integer >= 0 (0: automatic), got {value!r}")
+        if self.pp_schedule not in _MULTI_STAGE_SCHEDULES and self.pp_stages_per_rank > 1:
+            raise ValueError(
+                f"parallel.pp_schedule {self.pp_schedule} runs one stage per rank, but pp_stages_per_rank = "
+                f"{self.pp_stages_per_rank}; use interleaved_1f1b or zero_bubble, or set pp_stages_per_rank 1"
+            )
+        if self.pp > 1 and self.pp_microbatches and self.pp_microbatches < self.pp_num_stages:
+            raise ValueError(
+                f"parallel.pp_microbatches = {self.pp_microbatches} is fewer than the pipeline's "
+                f"{self.pp_num_stages} stages: a stage would wait for a micro-batch that never comes (torch's "
+                f"schedules hang or fail); set --parallel.pp_microbatches {self.pp_num_stages} or more"
+            )
+        if (self.tp > 1 or self.pp > 1) and self.mode == "ddp":
+            raise ValueError(
+                "DDP does not compose with tensor or pipeline parallel (it needs plain, unsplit parameters); "
+                "replicate with --parallel.data_parallel hsdp, or shard with --parallel.dp_shard"
+            )
+
+    @property
+    def pp_num_stages(self) -> int:
+        """Pipeline stages over all pipeline ranks (1 without pipeline parallel)."""
+        if self.pp == 1:
+            return 1
+        per_rank = self.pp_stages_per_rank or (2 if self.pp_schedule in _MULTI_STAGE_SCHEDULES else 1)
+        return self.pp * per_rank
+
+    @property
+    def pp_num_microbatches(self) -> int:
+        """Micro-batches per pipeline step (1 without pipeline parallel)."""
+        if self.pp == 1:
+            return 1
+        return self.pp_microbatches or self.pp_num_stages
+
     @property
     def world_size(self) -> int:
         """Processes the mesh needs."""
@@ -84,7 +133,7 @@ class ParallelConfig:
         """``single``, ``ddp``, ``fsdp`` or ``hsdp``."""
         if self.data_parallel != "auto":
             return self.data_parallel
-        if self.world_size == 1:
+        if self.dp_size == 1:  # one process, or tensor/pipeline parallel without data parallel
             return "fsdp" if self.fsdp_cpu_offload else "single"
         if self.dp_shard == 1:
             return "ddp"

@@ -38,7 +38,7 @@ class Topology:
     world_size: int = 1
     local_rank: int = 0
     mesh: Any = None
-    """A ``DeviceMesh`` with dimensions ``dp_replicate`` and ``dp_shard``."""
+    """A ``DeviceMesh`` with dimensions ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp`` (outer to inner)."""
     parallel: ParallelConfig = ParallelConfig()
 
     @property
@@ -48,7 +48,9 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (its slice of each global batch)."""
-        return self.rank  # dp is the whole world until tensor/pipeline parallel land
+        if self.mesh is None:
+            return self.rank
+        return self.mesh.get_local_rank("dp_replicate") * self.parallel.dp_shard + self.mesh.get_local_rank("dp_shard")
 
     @property
     def dp_size(self) -> int:
@@ -90,8 +92,10 @@ def init_distributed(
         )
     from torch.distributed.device_mesh import init_device_mesh
 
+    # torchtitan's order: tensor parallel innermost (the most traffic, on the fastest links), pipeline outermost
     mesh = init_device_mesh(
-        device.type, (parallel.dp_replicate, parallel.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+        device.type, (parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.tp),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
     )
     return Topology(rank=rank, world_size=world_size, local_rank=local_rank, mesh=mesh, parallel=parallel)
 
@@ -112,6 +116,7 @@ def apply_data_parallel(
     bucket_cap_mb: float = 25.0,
     seed: int = 0,
     after_reduction: Any = None,
+    shard_placement_fn: Any = None,
 ) -> tuple[nn.Module, Any]:
     """Wrap ``model`` for the topology's data-parallel mode.
 
@@ -126,6 +131,8 @@ def apply_data_parallel(
         seed: seeds the compression hooks' randomness.
         after_reduction: DDP: called with each bucket's parameters once their gradients are all-reduced (the
             CPU-offloaded optimizer's :meth:`~elbowroom.optim.CPUOffloadOptimizer.after_reduction`).
+        shard_placement_fn: FSDP2's per-parameter choice of sharded dimension (None: dimension 0), for
+            tensor-parallel parameters split in strides (:func:`elbowroom.distributed.tensor_parallel.fsdp_placement`).
 
     Returns:
         ``(model, comm_state)``: the model to call (a ``DistributedDataParallel`` under DDP, the same module
@@ -161,6 +168,7 @@ def apply_data_parallel(
         # pinned host copies only where there is a device to copy to (pinning needs CUDA)
         "offload_policy": (CPUOffloadPolicy(pin_memory=next(model.parameters()).device.type == "cuda")
                            if topo.parallel.fsdp_cpu_offload else OffloadPolicy()),
+        "shard_placement_fn": shard_placement_fn,
     }
     for blk in blocks if blocks is not None else find_blocks(model):
         fully_shard(blk, **kw)
@@ -204,12 +212,15 @@ def loss_scale(topo: Topology) -> float:
 
 
 def all_reduce_sum(value: float | int, topo: Topology, device: torch.device) -> float:
-    """Sum a host number over the data-parallel ranks (a host-device sync where the group is NCCL)."""
+    """Sum a host number over the data-parallel ranks (a host-device sync where the group is NCCL).
+
+    Every tensor-parallel rank holds its group's number, and so does every pipeline rank once the last
+    stage has shared its loss, so the sum over the world is divided by their count."""
     if topo.parallel.mode == "single" or not dist.is_initialized():
         return value
     t = torch.tensor(float(value), dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.item()
+    return t.item() / (topo.parallel.tp * topo.parallel.pp)
 
 
 def global_grad_norm(model: nn.Module, topo: Topology) -> torch.Tensor:

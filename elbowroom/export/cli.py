@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     from elbowroom.export.quantize import METHODS as QUANT
 
     p = add("quantize", "torchao quantisation, with the validation loss delta")
-    p.add_argument("--method", required=True, choices=QUANT, help="quantisation recipe")
+    p.add_argument("--method", required=True, choices=(*QUANT, "qat"),
+                   help="quantisation recipe; qat: convert a --train.qat run with its own scheme")
     p.add_argument("--calibration-batches", type=int, default=4, help="int8-static: validation batches observed")
     p.add_argument("--eval-batches", type=int, default=None, help="validation batches (default: the run's)")
     from elbowroom.export.prune import METHODS as PRUNE
@@ -77,7 +78,19 @@ def _export_hf(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str, An
 
     limit = parse_size(args.max_shard_size)
     files = save_hf(src.model, src.config, tmp, max_shard_size=limit, dtype=_DTYPES[args.dtype])
-    return {"files": [f.name for f in files], "size_bytes": sum(f.stat().st_size for f in files)}
+    report = {"files": [f.name for f in files], "size_bytes": sum(f.stat().st_size for f in files)}
+    return {**report, **_qat_note(src)}
+
+
+def _qat_note(src: Source) -> dict[str, Any]:
+    """What an export of a --train.qat run's float weights should say."""
+    from elbowroom.export.qat import run_scheme
+
+    scheme = run_scheme(src.meta)
+    if scheme is None:
+        return {}
+    return {"qat": scheme, "note": f"the float weights of a --train.qat {scheme} run; `elbowroom export quantize "
+            f"{src.path} --method qat` gives the model it was trained to be"}
 
 
 def _export_onnx(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -102,6 +115,8 @@ def _export_onnx(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str, 
 def _export_quantize(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from elbowroom.export.quantize import quantize_model, save_quantized
 
+    if args.method == "qat":
+        return _export_qat(src, args, tmp)
     batches = validation_batches(src, args.eval_batches, cache_dir=args.cache_dir)
     calibration = [b["input_ids"] for b in validation_batches(src, args.calibration_batches, cache_dir=args.cache_dir)]
     before = _loss(src.model, batches)
@@ -112,6 +127,25 @@ def _export_quantize(src: Source, args: argparse.Namespace, tmp: Path) -> dict[s
     path = save_quantized(qmodel, src.config, args.method, tmp, example)
     return {"method": args.method, "val_loss_before": before, "val_loss_after": after,
             "loss_delta": _delta(before, after), "size_bytes": dir_size(path),
+            "fp32_size_bytes": sum(p.numel() * 4 for p in src.model.state_dict().values()), **_qat_note(src)}
+
+
+def _export_qat(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """A --train.qat run converted with its own scheme: the quantised model computes what training saw."""
+    from elbowroom.export.qat import convert_qat, load_trained, run_scheme
+    from elbowroom.export.quantize import save_quantized
+
+    batches = validation_batches(src, args.eval_batches, cache_dir=args.cache_dir)
+    before = _loss(src.model, batches)
+    fake = load_trained(src)
+    trained = _loss(fake, batches)
+    qmodel = convert_qat(fake)
+    after = _loss(qmodel, batches)
+    example = torch.randint(0, src.config.vocab_size, (2, min(16, src.config.max_seq_len)))
+    path = save_quantized(qmodel, src.config, "qat", tmp, example)
+    return {"method": "qat", "qat": run_scheme(src.meta), "val_loss_before": before,
+            "val_loss_fake_quant": trained, "val_loss_after": after, "loss_delta": _delta(before, after),
+            "size_bytes": dir_size(path),
             "fp32_size_bytes": sum(p.numel() * 4 for p in src.model.state_dict().values())}
 
 
@@ -189,5 +223,7 @@ def cmd_export(argv: list[str]) -> int:
                      f"({report['loss_delta']:+.4f})")
     if "sparsity" in report:
         parts.append(f"sparsity {report['sparsity']:.4f}")
+    if "note" in report:
+        parts.append(report["note"])
     print("; ".join(parts))
     return 0

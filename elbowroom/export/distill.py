@@ -66,6 +66,7 @@ def distillation_loss(
     *,
     ignore_index: int = -100,
     chunk_tokens: int = 4096,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """``(1 - ratio) * CE + ratio * T^2 * KL(teacher || student)`` per target token, chunk by chunk.
 
@@ -81,13 +82,18 @@ def distillation_loss(
         temperature: softmax temperature ``T > 0`` of both distributions in the KL term.
         ignore_index: target value of tokens left out.
         chunk_tokens: tokens per chunk (the largest temporaries are a few ``chunk_tokens x vocab`` fp32 tensors).
+        reduction: ``"mean"`` over tokens with a target, or their ``"sum"`` (the trainer divides by the tokens of
+            the whole optimizer step, as it does cross-entropy's).
 
     Returns:
-        The scalar loss (fp32), mean over tokens with a target.
+        The scalar loss (fp32).
 
     Raises:
-        ValueError: shapes that do not match, ``ratio`` outside [0, 1], ``temperature <= 0``, a chunk below 1.
+        ValueError: shapes that do not match, ``ratio`` outside [0, 1], ``temperature <= 0``, a chunk below 1,
+            an unknown reduction.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
     if temperature <= 0:
@@ -112,6 +118,8 @@ def distillation_loss(
             total = total + checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:
             total = total + _chunk_loss(*args)
+    if reduction == "sum":
+        return total
     # a device scalar: no host sync (all targets ignored gives 0 / 0 = nan, as F.cross_entropy does)
     return total / (tgt != ignore_index).sum()
 

@@ -13,6 +13,10 @@ The trainer's ``--train.qat int8|int4`` is two calls around the loop::
     prepare_qat(model, "int8")      # before the optimizer is built (the swapped layers keep the parameters)
     ...train...
     convert_qat(model)              # before saving/exporting the quantised model
+
+A QAT run's checkpoints hold the float weights under the float model's keys (the swapped layers keep their
+parameters) and its config records the scheme: :func:`load_trained` rebuilds the model as it trained, which
+``elbowroom export quantize RUN --method qat`` then converts.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import torch
 from torch import nn
 
 from elbowroom.export._deps import require
-from elbowroom.export.source import ExportError
+from elbowroom.export.source import ExportError, Source
+from elbowroom.models import build_model
 
-__all__ = ["SCHEMES", "prepare_qat", "convert_qat"]
+__all__ = ["SCHEMES", "prepare_qat", "convert_qat", "run_scheme", "load_trained"]
 
 SCHEMES = ("int8", "int4")
 """The QAT schemes: int8 activations per token with int8 (per channel) or int4 (groups of 32) weights."""
@@ -96,3 +101,24 @@ def convert_qat(model: nn.Module) -> nn.Module:
                  filter_fn=lambda m, fqn: isinstance(m, FakeQuantizedLinear))
     del model._elbowroom_qat_scheme
     return model
+
+
+def run_scheme(meta: dict) -> str | None:
+    """The ``--train.qat`` scheme a checkpoint was trained with (None: none), from the run config in its metadata."""
+    return ((meta.get("config") or {}).get("train") or {}).get("qat")
+
+
+def load_trained(source: Source) -> nn.Module:
+    """A QAT run's model as it trained: built in the checkpoint's shape, prepared with the run's scheme, given
+    the checkpoint's weights; in eval mode, its outputs fake-quantised. :func:`convert_qat` quantises it.
+
+    Raises:
+        ExportError: the run was not trained with ``--train.qat``, or torchao is missing.
+    """
+    scheme = run_scheme(source.meta)
+    if scheme is None:
+        raise ExportError(f"{source.path} was not trained with --train.qat; quantise it after training with "
+                          "--method int8-dynamic, int8-weight or int4-weight")
+    model = prepare_qat(build_model(source.config), scheme)
+    model.load_state_dict(source.model.state_dict())
+    return model.eval()

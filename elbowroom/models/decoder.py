@@ -95,6 +95,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, bias: bool) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        """Heads this module computes: all of them, or this rank's share under tensor parallel."""
+        self.head_dim = cfg.head_dim
         self.fused_qkv = cfg.fused_qkv
         if cfg.fused_qkv:
             self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=bias)
@@ -106,8 +108,8 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding | None) -> torch.Tensor:
-        b, s, d = x.shape
-        shape = (b, s, self.n_heads, d // self.n_heads)
+        b, s, _ = x.shape
+        shape = (b, s, self.n_heads, self.head_dim)
         if self.fused_qkv:
             qkv = self.qkv(x).view(b, s, 3, *shape[2:])
             if rope is not None:
@@ -124,7 +126,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, h, s, hd)
         p = self.dropout if self.training else 0.0
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        out = self.o(a.transpose(1, 2).reshape(b, s, d))
+        out = self.o(a.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
         return F.dropout(out, p, self.training) if p else out
 
 

@@ -31,13 +31,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import torch
 
 from elbowroom.optim import _host_adam
 
-__all__ = ["CPUOffloadConfig"]
+__all__ = ["CPUOffloadConfig", "default_step_threads"]
+
+
+def default_step_threads() -> int:
+    """Threads for the host optimizer step: the cores this process may run on, less two, at least one.
+
+    The training thread (kernel launches), autograd's device thread and the copy thread need cores of their own.
+    torch's own thread count is not read: a DataLoader with ``pin_memory=True`` sets it to 1 for the whole
+    process from its pinning thread, which left the trainer's host step on one thread (W1, 12 GiB plan: the host
+    AdamW at 0.76 G params/s against 2.0 on 16 threads, and a 2.3 s step, ``BENCHMARKS.md``).
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 2)
 
 
 def _is_int(v: Any) -> bool:
@@ -72,7 +88,7 @@ class CPUOffloadConfig:
     num_staging_slots: int = 3
     """Pinned gradient staging slots: copies of later buckets overlap the CPU step of earlier ones."""
     cpu_threads: int | None = None
-    """Intra-op threads of the CPU step; None: the constructing thread's count less two, at least one."""
+    """Intra-op threads of the CPU step; None: :func:`default_step_threads` (this process's cores less two)."""
     cast_on_device: bool = True
     """With low-precision device weights, upcast gradients and cast updated masters on the device, not the host."""
     chunked_host_step: bool = True

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elbowroom.optim.buffers import Closed, HostMemory, SlotPool, Streams, nbytes, piece_spans
-from elbowroom.optim.config import CPUOffloadConfig
+from elbowroom.optim.config import CPUOffloadConfig, default_step_threads
 from elbowroom.optim.host_step import HostStep
 
 if TYPE_CHECKING:
@@ -124,9 +124,9 @@ class Engine(HostStep):
 
     def __init__(self, streams: Streams, staging: Staging, config: CPUOffloadConfig) -> None:
         self.streams = streams
-        # intra-op threads of the step thread: by default the constructing (training) thread's count less two
-        # (the training thread, autograd's device thread and the copy thread need cores of their own)
-        self.cpu_threads = config.cpu_threads or max(1, torch.get_num_threads() - 2)
+        # intra-op threads of the step thread: by default this process's cores less two (the training thread,
+        # autograd's device thread and the copy thread need cores of their own)
+        self.cpu_threads = config.cpu_threads or default_step_threads()
         self.chunked = staging.chunked
         self.host_chunk_numel = config.host_chunk_numel
         self.pool = SlotPool(staging.slots)

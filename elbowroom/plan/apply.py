@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from elbowroom.plan.devices import allocator_settings_setter
 from elbowroom.plan.plan import Plan
 
 __all__ = ["apply", "resolve_blocks"]
@@ -184,9 +185,10 @@ def apply(
             # step() returns at once; each module waits for its own updated weights in the next forward
             opt.overlap_with_forward(model)
     if plan.allocator_settings and any(p.device.type == "cuda" for p in params):
-        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        setter = allocator_settings_setter()
         if setter is not None:
-            setter(plan.allocator_settings)  # applies to the allocations that follow
+            setter(plan.allocator_settings)  # applies to the segments made from now on
+            torch.cuda.empty_cache()  # so that the cached segments of the old setting are not reused
         else:
             logger.warning("this torch cannot change allocator settings at run time; set PYTORCH_CUDA_ALLOC_CONF=%s",
                            plan.allocator_settings)

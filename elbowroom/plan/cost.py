@@ -24,9 +24,15 @@ Model states, per parameter on the device (``P_res`` resident, ``P_off`` offload
     bf16 weights, fp32 masters:             16 B resident (2 + 2 + 4 master + 8),                4 B offloaded
 
 plus, when anything is offloaded, ``num_staging_slots * bucket_bytes`` of device staging (the optimizer's config),
-and with bf16 weights the fp32 chunk the device masters step through (``device_chunk_numel * 4``). Gradients are
-counted whole from the start (they live through forward under accumulation and with ``zero_grad(set_to_none=
-False)``; with ``set_to_none`` and one micro-batch the forward's end is over-estimated by them).
+and with bf16 weights the fp32 chunk the device masters step through (``device_chunk_numel * 4``).
+
+Gradients of resident parameters (``g`` = 4 B fp32, 2 B bf16 per parameter; ``G_i`` of block ``i``, ``G_h`` of the
+parameters outside the blocks) are part of those 16 B, but with one micro-batch per step (and the loop's
+``zero_grad(set_to_none=True)``, torch's default) they do not exist before the backward: the forward phases leave
+them out, and backward block ``i`` counts ``G_h + sum_{j>=i} G_j`` (the head's gradients come first, a block's
+own at its backward). The optimizer step then holds all of them (a phase of its own). Under accumulation they live
+through every later forward and are counted whole. The gradients of offloaded parameters stay in their 8 / 4 B:
+they leave through the staging slots as they become final, but the model does not time that.
 
 Activations, per block ``i`` (bytes of the profile x ``s``): ``S`` every saved byte, ``Sel`` the selective set,
 ``In`` the input; the option keeps ``k_i`` on the device and offloads ``o_i``::
@@ -42,11 +48,11 @@ Activations, per block ``i`` (bytes of the profile x ``s``): ``S`` every saved b
 In backward each block's whole saved set is back on the device (recomputed, or fetched), ``S``; its extra over
 what it kept is ``e_i = S_i - k_i``. Phases (``M`` model states and staging)::
 
-    forward, block i:   M + sum_{j<i} k_j + S_i + L_i + o_{i-1}                    (L: largest saved tensor, a
+    forward, block i:   M' + sum_{j<i} k_j + S_i + L_i + o_{i-1}                   (L: largest saved tensor, a
                                                                                      temporary; o_{i-1} in flight)
-    forward's end:      M + sum_j k_j + o_last + H + C                            (H: head saved + logits, or the
+    forward's end:      M' + sum_j k_j + o_last + H + C                           (H: head saved + logits, or the
                                                                                      fused chunk; C: autocast cache)
-    backward, block i:  M + sum_{j<i} k_j + S_i + min(o_{i-1}, W) + 2 In_i + L_i + G
+    backward, block i:  M' + G_h + sum_{j>=i} G_j + sum_{j<i} k_j + S_i + min(o_{i-1}, W) + 2 In_i + L_i + G
                                                                                     (W: prefetch window; 2 In + L:
                                                                                      gradients of the residual stream
                                                                                      and of the largest intermediate;
@@ -54,6 +60,9 @@ what it kept is ``e_i = S_i - k_i``. Phases (``M`` model states and staging)::
                                                                                      the largest block before they
                                                                                      accumulate into fp32 .grad)
 
+    optimizer step:     M
+
+(``M'``: ``M`` less the resident gradients when they come and go with the backward, as above; else ``M``.)
 The peak is the largest of these plus the allocator margin: ``Profile.allocator_overhead_bytes`` when measured,
 else :data:`ALLOCATOR_MARGIN` (a fraction of the budget). ``C`` is autocast's weight cache, which holds a bf16
 copy of every fp32 block weight to the forward's end only when no block has a policy (an all-default plan
@@ -66,7 +75,7 @@ bounded by all of them).
 The search needs a bound that is a sum over blocks plus terms fixed by a few global choices; with the options
 limited to those of extra at most ``E`` (``e_i <= E``, hence ``o_i <= E``), every phase above is at most::
 
-    M + sum_j k_j + max(H + C + O, E + min(O, W) + 2 In_max + L_max + G, E + L_max + O)
+    M' + sum_j k_j + max(H + C + O, E + min(O, W) + 2 In_max + L_max + G + (M - M'), E + L_max + O)
 
 where ``O`` is the largest ``o`` among the allowed options. The search enumerates ``E`` over the options' extras
 and solves an exact knapsack on ``sum_j k_j`` below the budget less that bound; the printed peak is the exact
@@ -173,8 +182,9 @@ ALLOCATOR_MARGIN = {"default": 0.08, "expandable_segments": 0.03}
 """Reserved beyond allocated, as a fraction of the budget, when the profile did not measure it. The caching
 allocator rounds large blocks to 2 MiB and cannot reuse a freed segment for a bigger tensor; plans that mix kept,
 recomputed and offloaded blocks free and allocate many sizes. ``expandable_segments:True`` maps more memory into
-one segment instead, which leaves little of it unusable. (Values argued, not measured on our workloads: the
-benchmarks report peak allocated bytes.)"""
+one segment instead, which leaves little of it unusable. (Values argued. A measured profile measures both
+settings on a plain step instead: on the H100, W1's plain step held 3.4 GiB beyond its 52.2 GiB allocated with the
+default allocator, and planned W1 steps 1.6-2.4 GiB; GPT-2-XL's about 4.2 GiB, plain or planned, ``BENCHMARKS.md``.)"""
 
 PINNED_ACTIVATION_SHARE = 1.0
 """Host bytes the activation pool needs per offloaded byte of one micro-batch (the pool holds a whole micro-batch
@@ -344,8 +354,22 @@ class BlockTables:
         return self.recompute + ((1.0 - w) * self.exposed_oneway + w * self.exposed_duplex)
 
 
+_TABLES: dict[int, tuple[Profile, BlockTables]] = {}
+
+
 def block_tables(profile: Profile) -> BlockTables:
-    """The arrays of :class:`BlockTables` for a profile."""
+    """The arrays of :class:`BlockTables` for a profile (cached per profile object: profiles are frozen)."""
+    got = _TABLES.get(id(profile))
+    if got is not None and got[0] is profile:
+        return got[1]
+    if len(_TABLES) > 16:
+        _TABLES.clear()
+    tables = _block_tables(profile)
+    _TABLES[id(profile)] = (profile, tables)  # the profile is held, so its id is not reused while cached
+    return tables
+
+
+def _block_tables(profile: Profile) -> BlockTables:
     m = profile.machine
     blocks = profile.blocks
     n = len(blocks)
@@ -394,6 +418,10 @@ class Globals:
 
     states: int
     """Model states (weights, gradients, optimizer state on the device) and optimizer buffers."""
+    transient_grads: int
+    """The resident gradients that exist only from the backward on (``M - M'``; 0 under accumulation)."""
+    head_grads: int
+    """``G_h`` when the gradients are transient (else 0): the resident gradients outside the blocks."""
     head: int
     """Head and loss at the forward's end (saved + transient), scaled."""
     cache: int
@@ -423,6 +451,9 @@ class _Sums:
     largest: int
     in_max: int
     params_max: int
+    saved: np.ndarray
+    largest_each: np.ndarray
+    input_each: np.ndarray
 
 
 _SUMS: dict[int, tuple[Profile, _Sums]] = {}
@@ -440,6 +471,9 @@ def _sums(profile: Profile) -> _Sums:
         largest=max((b.largest_saved_bytes for b in blocks), default=0),
         in_max=max((b.input_bytes for b in blocks), default=0),
         params_max=max((b.num_params for b in blocks), default=0),
+        saved=np.array([b.total_saved_bytes for b in blocks], dtype=np.float64),
+        largest_each=np.array([b.largest_saved_bytes for b in blocks], dtype=np.float64),
+        input_each=np.array([b.input_bytes for b in blocks], dtype=np.float64),
     )
     if len(_SUMS) > 16:
         _SUMS.clear()
@@ -468,6 +502,14 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     if weight == "bfloat16" and p_res:
         total += 4 * min(chunk, p_res)
     return total
+
+
+def gradient_bytes(profile: Profile, d: Decisions) -> tuple[int, tuple[int, ...]]:
+    """(``G_h``, ``G_i`` per block): gradient bytes of the device-resident parameters, outside and in the blocks."""
+    per = 2 if LAYOUTS[d.layout][0] == "bfloat16" else 4
+    blocks = tuple(0 if o else per * n for n, o in zip(_sums(profile).block_params, d.offload_blocks))
+    head = 0 if d.offload_other else per * profile.head.num_params
+    return head, blocks
 
 
 def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float) -> tuple[float, float]:
@@ -546,8 +588,12 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     cache = 2 * block_params_32
     largest, in_max = sums.largest, sums.in_max
     grad_t = 2 * sums.params_max if (autocast and weight == "float32") else 0
+    g_head, g_blocks = gradient_bytes(profile, d)
+    transient = d.accumulation == 1  # else they live through every later micro-batch's forward
     return Globals(
         states=state_bytes(profile, d),
+        transient_grads=g_head + sum(g_blocks) if transient else 0,
+        head_grads=g_head if transient else 0,
         head=int(math.ceil(head_b)),
         cache=cache,
         backward_work=int(math.ceil(s * (2 * in_max + largest))) + grad_t,
@@ -566,10 +612,18 @@ def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: fl
     return accumulation * (g.compute_s + scale * block_cost_sum) + g.device_step_s + g.host_exposed_s
 
 
+def measured_margin(profile: Profile, expandable_segments: bool) -> int:
+    """The allocator overhead the profile measured for this setting (0: not measured)."""
+    if expandable_segments:
+        return int(profile.allocator_overhead_expandable_bytes)
+    return int(profile.allocator_overhead_bytes)
+
+
 def margin_bytes(profile: Profile, budget_bytes: int, expandable_segments: bool) -> int:
-    """The allocator's margin: measured when the profile has it, else a fraction of the budget."""
-    if profile.allocator_overhead_bytes > 0:
-        return int(profile.allocator_overhead_bytes)
+    """The allocator's margin: measured when the profile has it (for this setting), else a fraction of the budget."""
+    got = measured_margin(profile, expandable_segments)
+    if got > 0:
+        return got
     frac = ALLOCATOR_MARGIN["expandable_segments" if expandable_segments else "default"]
     return int(frac * budget_bytes)
 
@@ -577,6 +631,90 @@ def margin_bytes(profile: Profile, budget_bytes: int, expandable_segments: bool)
 def duplex_share(d: Decisions) -> float:
     """``w``: the share of micro-batches whose copies share the link with the optimizer's."""
     return 1.0 / d.accumulation if d.offloads_params else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- phases
+@dataclass(frozen=True)
+class _Phases:
+    """Activation-side bytes above ``M'`` at every phase (forward blocks, forward end, backward blocks, optimizer
+    step, in that order), with the terms they add up from (all scaled to the micro-batch, int64 arrays)."""
+
+    values: np.ndarray
+    kept: np.ndarray
+    off: np.ndarray
+    saved: np.ndarray
+    before: np.ndarray  # kept by the blocks before i
+    work_fwd: np.ndarray  # S_i + L_i
+    inflight: np.ndarray
+    fetch: np.ndarray
+    work_bwd: np.ndarray  # 2 In_i + L_i + G
+    grads: np.ndarray  # gradients alive at backward block i
+    end: dict[str, int]
+    transient_grads: int
+
+    def describe(self, at: int) -> tuple[str, dict[str, int]]:
+        """The name and the terms of phase ``at`` (an index into ``values``)."""
+        n = len(self.kept)
+        if at < n:
+            return f"forward block {at}", {"activations kept": int(self.before[at]),
+                                           "block working set": int(self.work_fwd[at]),
+                                           "copies in flight": int(self.inflight[at])}
+        if at == n:
+            return "forward end", dict(self.end)
+        if at <= 2 * n:
+            i = at - n - 1
+            return f"backward block {i}", {
+                "gradients": int(self.grads[i]), "activations kept": int(self.before[i]),
+                "block rematerialised": int(self.saved[i]), "prefetch": int(self.fetch[i]),
+                "backward working set": int(self.work_bwd[i]),
+            }
+        return "optimizer step", {"gradients": self.transient_grads}
+
+
+def _phases(profile: Profile, g: Globals, d: Decisions, idx: np.ndarray, window: int) -> _Phases:
+    """The phases of the module docstring for options ``idx`` (indices into :data:`OPTIONS`), vectorised."""
+    n = len(profile.blocks)
+    s = d.micro_batch / profile.micro_batch
+    tab = block_tables(profile)
+    sums = _sums(profile)
+    rows = np.arange(n)
+    kept = np.ceil(s * tab.kept[rows, idx]).astype(np.int64)
+    off = np.ceil(s * tab.offloaded[rows, idx]).astype(np.int64)
+    saved = np.ceil(s * sums.saved).astype(np.int64)
+    largest = np.ceil(s * sums.largest_each).astype(np.int64)
+    inp = np.ceil(s * sums.input_each).astype(np.int64)
+    cache = g.cache if not idx.any() else 0  # OPTIONS[0] is Option(): no block has a policy
+    grad_t = g.backward_work - int(math.ceil(s * (2 * sums.in_max + sums.largest)))
+    before = np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64)
+    inflight = np.concatenate(([0], off[:-1])).astype(np.int64)
+    work_fwd = saved + largest
+    fwd = before + work_fwd + inflight
+    nz = np.flatnonzero(off)
+    last_off = int(off[nz[-1]]) if nz.size else 0
+    total_kept = int(kept.sum())
+    end = {"activations kept": total_kept, "copies in flight": last_off, "head and loss": g.head,
+           "autocast weight cache": cache}
+    fwd_end = total_kept + last_off + g.head + cache
+    fetch = np.minimum(inflight, window)
+    work_bwd = 2 * inp + largest + grad_t
+    if g.transient_grads:
+        _, g_blocks = gradient_bytes(profile, d)
+        grads = g.head_grads + np.cumsum(np.asarray(g_blocks, dtype=np.int64)[::-1])[::-1]
+    else:
+        grads = np.zeros(n, dtype=np.int64)
+    bwd = grads + before + saved + fetch + work_bwd
+    values = np.concatenate((fwd, [fwd_end], bwd, [g.transient_grads])).astype(np.int64)
+    return _Phases(values, kept, off, saved, before, work_fwd, inflight, fetch, work_bwd, grads, end,
+                   g.transient_grads)
+
+
+def peak_bytes(profile: Profile, d: Decisions, idx: np.ndarray, budget_bytes: int, window: int,
+               g: Globals | None = None) -> int:
+    """:func:`predict`'s peak alone, for options ``idx`` (the search checks thousands of plans with it)."""
+    g = globals_for(profile, d) if g is None else g
+    ph = _phases(profile, g, d, idx, window)
+    return g.states - g.transient_grads + int(ph.values.max()) + margin_bytes(profile, budget_bytes,
+                                                                              d.expandable_segments)
 
 
 # ---------------------------------------------------------------------------------------------- predict
@@ -612,48 +750,23 @@ def predict(
         block_sum += float(c)  # in block order, as the search's knapsack adds them
     step = step_seconds(g, s, d.accumulation, block_sum)
 
-    kept = [int(math.ceil(s * float(v))) for v in tab.kept[rows, idx]]
-    off = [int(math.ceil(s * float(v))) for v in tab.offloaded[rows, idx]]
-    saved = [int(math.ceil(s * b.total_saved_bytes)) for b in profile.blocks]
-    largest = [int(math.ceil(s * b.largest_saved_bytes)) for b in profile.blocks]
-    inp = [int(math.ceil(s * b.input_bytes)) for b in profile.blocks]
-    no_policy = all(o == Option() for o in d.options)
-    cache = g.cache if no_policy else 0
-    grad_t = g.backward_work - int(math.ceil(s * (2 * max(b.input_bytes for b in profile.blocks)
-                                                   + max(b.largest_saved_bytes for b in profile.blocks))))
+    ph = _phases(profile, g, d, idx, prefetch_window_bytes)
+    kept, off, saved = ph.kept, ph.off, ph.saved
     margin = margin_bytes(profile, budget_bytes, d.expandable_segments)
-    phases: list[tuple[int, str, dict[str, int]]] = []
-    before = 0
-    for i in range(n):
-        inflight = off[i - 1] if i else 0
-        act = before + saved[i] + largest[i] + inflight
-        phases.append((act, f"forward block {i}", {"activations kept": before, "block working set": saved[i]
-                                                   + largest[i], "copies in flight": inflight}))
-        before += kept[i]
-    last_off = next((off[i] for i in range(n - 1, -1, -1) if off[i]), 0)
-    phases.append((before + last_off + g.head + cache, "forward end",
-                   {"activations kept": before, "copies in flight": last_off, "head and loss": g.head,
-                    "autocast weight cache": cache}))
-    before = 0
-    for i in range(n):
-        fetch = min(off[i - 1], prefetch_window_bytes) if i else 0
-        work = 2 * inp[i] + largest[i] + grad_t
-        phases.append((before + saved[i] + fetch + work, f"backward block {i}",
-                       {"activations kept": before, "block rematerialised": saved[i], "prefetch": fetch,
-                        "backward working set": work}))
-        before += kept[i]
-    act, phase, parts = max(phases, key=lambda t: t[0])
-    memory = {"model states": g.states, **{k: v for k, v in parts.items() if v}, "allocator margin": margin}
-    peak = g.states + act + margin
+    at = int(ph.values.argmax())
+    phase, parts = ph.describe(at)
+    states = g.states - g.transient_grads
+    memory = {"model states": states, **{k: v for k, v in parts.items() if v}, "allocator margin": margin}
+    peak = states + int(ph.values[at]) + margin
 
     x = (tab.cost(duplex_share(d)) - tab.recompute)[rows, idx]
     rec = tab.recompute[rows, idx]
     base_block = [s * (b.forward_s + b.backward_s) for b in profile.blocks]
     blocks = tuple(
         BlockCost(
-            kept_bytes=kept[i],
-            offloaded_bytes=off[i],
-            recomputed_bytes=max(0, saved[i] - kept[i] - off[i]),
+            kept_bytes=int(kept[i]),
+            offloaded_bytes=int(off[i]),
+            recomputed_bytes=max(0, int(saved[i] - kept[i] - off[i])),
             seconds=base_block[i] + s * float(cost[i]),
         )
         for i in range(n)
@@ -667,7 +780,7 @@ def predict(
         "host optimizer step (whole)": g.host_step_s,
         "host optimizer step (exposed)": g.host_exposed_s,
     }
-    pool = int(PINNED_ACTIVATION_SHARE * sum(off))
+    pool = int(PINNED_ACTIVATION_SHARE * int(off.sum()))
     return Prediction(
         peak_bytes=int(peak),
         peak_phase=phase,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from elbowroom.plan.types import MachineProfile
 
@@ -114,3 +115,17 @@ def get_device(name: str, *, host_memory: int | None = None) -> MachineProfile:
     if key == "cpu":
         prof = dataclasses.replace(prof, device_memory_bytes=host)
     return prof
+
+
+def allocator_settings_setter() -> Any:
+    """The function that changes the CUDA caching allocator's settings at run time, or None (older torch).
+
+    torch 2.9+ has ``torch._C._accelerator_setAllocatorSettings``; ``torch.cuda.memory._set_allocator_settings``
+    before it (still there, with a FutureWarning).
+    """
+    import torch
+
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    return setter

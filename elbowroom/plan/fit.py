@@ -74,6 +74,7 @@ def fit(
     fused_loss: bool = False,
     source: str = "auto",
     machine: Any = None,
+    cache_dir: str | None = None,
     blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     grad_clipping: bool = True,
@@ -114,6 +115,8 @@ def fit(
         fused_loss: the loop can use ``elbowroom.linear_cross_entropy`` (the planner decides whether it pays).
         source: how to profile: "auto", "measured" or "analytic".
         machine: a device name of ``elbowroom.plan.devices`` (or a MachineProfile) for analytic profiles.
+        cache_dir: where the measured machine's numbers are cached (measured once per machine and torch version;
+            None: measured every time).
         blocks: the repeated blocks when they cannot be found (a dotted path such as "model.layers", or modules).
         loss_fn: ``loss_fn(model, batch) -> loss`` for the profile, when ``model(batch)`` is not enough.
         grad_clipping: the loop clips gradients (the planner assumes the host step then waits for the backward).
@@ -135,7 +138,7 @@ def fit(
     resolve_blocks(model, blocks)  # no repeated blocks: say so before profiling
     from elbowroom.plan.profiler import profile as take_profile  # the profiler: imported when first needed
 
-    prof_kwargs: dict[str, Any] = {"source": source, "machine": machine, "blocks": blocks}
+    prof_kwargs: dict[str, Any] = {"source": source, "machine": machine, "blocks": blocks, "cache_dir": cache_dir}
     if loss_fn is not None:
         prof_kwargs["loss_fn"] = loss_fn
     prof = take_profile(model, sample_batch, **prof_kwargs)

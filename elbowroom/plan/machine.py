@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from elbowroom.optim.config import default_step_threads
 from elbowroom.plan.devices import host_memory_bytes
 from elbowroom.plan.types import MachineProfile
 
@@ -49,9 +50,14 @@ def _best_time(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -
     return best
 
 
+_CACHE_VERSION = 2
+"""Bumped when a measurement changes meaning: 2 measures host AdamW on the optimizer's own thread count (1 took
+torch's count, which a DataLoader's pinning thread may have set to 1)."""
+
+
 def _cache_path(cache_dir: str | Path, name: str) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-torch{torch.__version__}")
-    return Path(cache_dir) / f"machine-{safe}.json"
+    return Path(cache_dir) / f"machine-v{_CACHE_VERSION}-{safe}.json"
 
 
 def _host_adam_rate(numel: int, repeats: int, busy_link: Callable[[], None] | None = None) -> float:
@@ -65,14 +71,19 @@ def _host_adam_rate(numel: int, repeats: int, busy_link: Callable[[], None] | No
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full((numel,), 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    opt.step()  # warm-up: state allocated
-    times = []
-    for _ in range(repeats):
-        if busy_link is not None:
-            busy_link()  # enqueues copies that run (on the copy engines) while the step below runs on the host
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(default_step_threads())  # as many as the optimizer's step thread runs on
+    try:
+        opt.step()  # warm-up: state allocated
+        times = []
+        for _ in range(repeats):
+            if busy_link is not None:
+                busy_link()  # enqueues copies that run (on the copy engines) while the step below runs on the host
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
     return numel / statistics.median(times)
 
 
@@ -114,15 +125,26 @@ def measure_machine(
     path = _cache_path(cache_dir, name) if cache_dir is not None else None
     if path is not None and path.exists() and not refresh:
         try:
-            return MachineProfile(**json.loads(path.read_text()))
+            prof = MachineProfile(**json.loads(path.read_text()))
+            logger.info("machine %s (cached in %s)", describe(prof), path)
+            return prof
         except (ValueError, TypeError) as e:  # a cache from another version of the type: measure again
             logger.info("ignoring machine cache %s: %s", path, e)
     prof = _measure_cuda(dev, name, matmul_size or 8192, copy_bytes, adam_numel, repeats) if dev.type == "cuda" \
         else _measure_cpu(matmul_size or 1024, copy_bytes, min(adam_numel, 8_000_000), repeats)
+    logger.info("machine %s (measured)", describe(prof))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(prof), indent=1))
     return prof
+
+
+def describe(m: MachineProfile) -> str:
+    """One line of what the planner prices with: matmul rate, link each way and both at once, host AdamW rate."""
+    return (f"{m.name}: matmul {m.matmul_flops / 1e12:.1f} TFLOP/s, memory {m.memory_bandwidth / 1e9:.0f} GB/s, "
+            f"link {m.h2d_bandwidth / 1e9:.1f} GB/s to the device, {m.d2h_bandwidth / 1e9:.1f} from it, "
+            f"{m.duplex_bandwidth / 1e9:.1f} each way at once; "
+            f"host AdamW {m.host_adam_params_per_s / 1e9:.2f} G params/s on {default_step_threads()} threads")
 
 
 def _measure_cpu(n: int, copy_bytes: int, adam_numel: int, repeats: int) -> MachineProfile:

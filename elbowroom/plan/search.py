@@ -15,6 +15,11 @@ the outer choice or a per-block sum the knapsack minimises exactly; feasibility 
 knapsack's capacity only grow with the budget (units, bounds and margins do not depend on it, except the
 allocator margin's fraction of the budget, which grows slower than the budget), so the set of plans the search
 can reach at a larger budget contains the set at a smaller one, and it returns the minimum over that set.
+
+The bound is loose where gradients meet activations (it adds every kept byte to every gradient), so a second
+pass (:func:`_refine`) tries larger capacities of a fixed grid for the outer choices that could still win, and
+keeps the largest whose exact peak fits. It assumes the exact peak grows with the capacity, which holds in all but
+corner cases; the monotonicity tests sweep budgets over fixed and random models to hold it to that.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ _MAX_MICRO_BATCHES = 6
 """Most micro-batch sizes tried for a global batch (the largest and smallest divisor and a geometric spread)."""
 _MAX_OFFLOAD_STEPS = 48
 """Most optimizer placements tried (every block count when the model has fewer blocks)."""
+_REFINE_GRID = 48
+"""Capacities tried above the bound's, per outer choice: ``M j / _REFINE_GRID`` (never depends on the budget)."""
 
 
 class BudgetError(ValueError):
@@ -110,6 +117,7 @@ class _Knapsack:
             for li in range(len(self.levels))
         ]
         self._cache: dict[tuple[int, float], np.ndarray] = {}
+        self._choices: dict[tuple[int, float], list[np.ndarray]] = {}
 
     def best(self, level: int, w: float) -> np.ndarray:
         """Best summed block seconds (unscaled) for every capacity 0..M at cap level ``level``."""
@@ -156,7 +164,7 @@ class _Knapsack:
             arg = stack.argmin(axis=0)
             B = stack[arg, np.arange(M + 1)]
             if record:
-                choices.append(np.array(tags, dtype=np.int64)[arg])
+                choices.append(np.array(tags, dtype=np.int16)[arg])
             a_units += int(self.units[i, _KEEP])
             a_cost += float(c[i, _KEEP])
         return B, choices
@@ -165,7 +173,11 @@ class _Knapsack:
         """The option index per block of the best solution within ``capacity`` units."""
         if level == 0:
             return (_KEEP,) * self.n
-        _, choices = self._solve(level, w, record=True)
+        choices = self._choices.get((level, w))
+        if choices is None:
+            if len(self._choices) > 64:  # n x (M + 1) int16 each: about 1 MB at 100 blocks
+                self._choices.clear()
+            choices = self._choices[(level, w)] = self._solve(level, w, record=True)[1]
         out = [_KEEP] * self.n
         m, from_a = capacity, False
         for i in range(self.n - 1, -1, -1):
@@ -207,9 +219,9 @@ def _bound_extra(g: cost.Globals, s: float, e: float, off: float, level0: bool, 
     """The non-additive part of the peak bound (module docstring of :mod:`cost`), scaled."""
     ex, of = s * e, s * off
     fwd_end = g.head + (g.cache if level0 else 0) + of
-    bwd = ex + min(of, window) + g.backward_work
+    bwd = ex + min(of, window) + g.backward_work + g.transient_grads
     fwd_blk = ex + g.largest + of
-    return int(math.ceil(max(fwd_end, bwd, fwd_blk)))
+    return int(math.ceil(max(fwd_end, bwd, fwd_blk))) - g.transient_grads
 
 
 def plan_for(
@@ -326,6 +338,8 @@ def plan_for(
 
     best: tuple[float, _Outer, int, int, float, _Knapsack] | None = None  # (seconds, outer, level, capacity, w, ks)
     minimum: tuple[int, _Outer, dict[str, int]] | None = None
+    # every choice the bound admits, with the fastest its programme could be at any capacity (refined below)
+    admitted: list[tuple[float, _Outer, int, int, float, _Knapsack, cost.Globals]] = []
     for layout in layouts:
         for k in k_opts:
             for other in other_opts:
@@ -368,10 +382,14 @@ def plan_for(
                                 if best is not None and floor_s >= best[0]:
                                     continue
                                 cap = min(cap, ks.M)
-                                t_blocks = ks.best(li, w)[cap]
+                                times = ks.best(li, w)
+                                t_blocks = times[cap]
                                 if not math.isfinite(t_blocks):
                                     continue
                                 t = cost.step_seconds(g, s, acc, float(t_blocks))
+                                t_any = cost.step_seconds(g, s, acc, float(times[ks.M]))
+                                if t_any < t:
+                                    admitted.append((t_any, outer, li, cap, w, ks, g))
                                 if best is None or t < best[0]:
                                     best = (t, outer, li, cap, w, ks)
     if best is None:
@@ -379,19 +397,22 @@ def plan_for(
             profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed,
             offload_config,
         )
+    def decisions(outer: _Outer, opts: tuple[int, ...]) -> Decisions:
+        return Decisions(
+            offload_config=offload_config, options=tuple(OPTIONS[o] for o in opts),
+            offload_blocks=tuple(i >= n - outer.k for i in range(n)),
+            offload_other=outer.other,
+            layout=outer.layout,
+            micro_batch=outer.micro_batch,
+            accumulation=outer.accumulation,
+            fused_loss=outer.fused,
+            expandable_segments=outer.expandable,
+            grad_clipping=grad_clipping,
+        )
+
+    best = _refine(profile, best, admitted, budget, decisions, prefetch_window_bytes)
     t, outer, li, cap, w, ks = best
-    opts = ks.backtrack(li, w, cap)
-    d = Decisions(
-        offload_config=offload_config, options=tuple(OPTIONS[o] for o in opts),
-        offload_blocks=tuple(i >= n - outer.k for i in range(n)),
-        offload_other=outer.other,
-        layout=outer.layout,
-        micro_batch=outer.micro_batch,
-        accumulation=outer.accumulation,
-        fused_loss=outer.fused,
-        expandable_segments=outer.expandable,
-        grad_clipping=grad_clipping,
-    )
+    d = decisions(outer, ks.backtrack(li, w, cap))
     plan = plan_from_decisions(
         profile, d, budget_bytes, notes=tuple(notes), prefetch_window_bytes=prefetch_window_bytes,
         budget_for_margin=budget,
@@ -404,10 +425,43 @@ def plan_for(
     return replace(plan, predicted_step_seconds=t, predicted_tokens_per_s=tokens / t if t > 0 else math.inf)
 
 
+def _refine(profile: Profile, best: tuple, admitted: list, budget: int, decisions: Any, window: int) -> tuple:
+    """Capacities above the bound's where the exact peak still fits.
+
+    The bound adds every kept byte to every gradient (true only at the optimizer step, when no activation is
+    left), so it leaves room that the exact phases of :func:`cost.predict` show. For each admitted outer choice,
+    fastest possible first, a bisection over a fixed grid of capacities (``M j / _REFINE_GRID``, never dependent
+    on the budget) finds the largest whose plan's exact peak fits; a choice whose fastest possible step cannot
+    beat the best so far is skipped. The exact peak grows with the capacity in all but corner cases (a larger
+    capacity keeps more), which the bisection assumes: a larger budget then never predicts a slower step.
+    """
+    for t_any, outer, li, cap, w, ks, g in sorted(admitted, key=lambda a: a[0]):
+        if t_any >= best[0]:
+            break
+        times = ks.best(li, w)
+        s = outer.micro_batch / profile.micro_batch
+        grid = [c for c in (ks.M * j // _REFINE_GRID for j in range(1, _REFINE_GRID + 1)) if c > cap
+                and cost.step_seconds(g, s, outer.accumulation, float(times[c])) < best[0]]
+        lo, hi = 0, len(grid)  # grid[:lo] fit (or are untried below the first fit), grid[hi:] do not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            opts = ks.backtrack(li, w, grid[mid])
+            d = decisions(outer, opts)
+            if cost.peak_bytes(profile, d, np.asarray(opts), budget, window, g) <= budget:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo:
+            c = grid[lo - 1]
+            best = (cost.step_seconds(g, s, outer.accumulation, float(times[c])), outer, li, c, w, ks)
+    return best
+
+
 def _min_budget(profile: Profile, need: float, expandable: bool) -> int:
     """The smallest budget whose usable part (after the allocator's margin) holds ``need`` bytes."""
-    if profile.allocator_overhead_bytes > 0:
-        return int(math.ceil(need + profile.allocator_overhead_bytes))
+    got = cost.measured_margin(profile, expandable)
+    if got > 0:
+        return int(math.ceil(need + got))
     frac = cost.ALLOCATOR_MARGIN["expandable_segments" if expandable else "default"]
     b = int(math.ceil(need / (1.0 - frac)))
     while b - int(frac * b) < need:

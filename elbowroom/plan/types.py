@@ -137,6 +137,8 @@ class Profile:
     """Where the blocks were found in the model (e.g. ``blocks``, ``model.layers``, ``transformer.h``)."""
     allocator_overhead_bytes: int = 0
     """Measured reserved minus allocated at the peak (fragmentation), 0 when unknown."""
+    allocator_overhead_expandable_bytes: int = 0
+    """The same with ``expandable_segments:True`` (a plain step measured under it), 0 when unknown."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form details (the trace's kernel split, versions) that are shown, never planned on."""
 

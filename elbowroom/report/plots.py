@@ -79,16 +79,16 @@ def _mark_phases(ax: Any, spans: list[tuple[str, float, float]], label: bool) ->
             )
 
 
-def _hline(ax: Any, y: float, div: float, unit: str, text: str, style: str, color: str) -> None:
+def _hline(ax: Any, y: float, div: float, unit: str, text: str, style: str, color: str, below: bool = False) -> None:
     ax.axhline(y / div, ls=style, color=color, lw=1.2, zorder=5)
     ax.annotate(
         f"{text} {y / div:.3g} {unit}",
         xy=(1.0, y / div),
         xycoords=("axes fraction", "data"),
-        xytext=(-4, 2),
+        xytext=(-4, -2 if below else 2),
         textcoords="offset points",
         ha="right",
-        va="bottom",
+        va="top" if below else "bottom",
         fontsize=8,
         color=color,
         zorder=6,
@@ -155,7 +155,10 @@ def draw_memory(data: RunData, path: Path) -> Path | None:
             bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.8},
         )
     if plan.get("predicted_peak_bytes"):
-        _hline(ax, plan["predicted_peak_bytes"], div, unit, "predicted peak", "--", "#1f5fbf")
+        # a prediction just under the budget writes its label below its line, not over the budget's
+        close = plan.get("budget_bytes") and plan["budget_bytes"] - plan["predicted_peak_bytes"] < 0.05 * plan[
+            "budget_bytes"]
+        _hline(ax, plan["predicted_peak_bytes"], div, unit, "predicted peak", "--", "#1f5fbf", below=bool(close))
     if plan.get("budget_bytes"):
         _hline(ax, plan["budget_bytes"], div, unit, "budget", "-", "#b00020")
     # where each block's forward and backward begin: ticks on the top edge, labelled with the block index

@@ -123,6 +123,9 @@ class Recorder:
             device = p.device if p is not None else None
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._next = start_step
+        self.writing_seconds = 0.0
+        """Host time spent writing the recording's files (trace, snapshot) after the last recorded step: the
+        trainer leaves it out of the logged throughput, which is the step's own."""
         self._current: int | None = None  # the recorded step being run, None outside recorded steps
         self._active = False  # hooks, history and profiler installed
         self._handles: list[Any] = []
@@ -210,7 +213,9 @@ class Recorder:
             self._file.flush()
         self._current = None
         if not any(s > step for s in self.steps):
+            t0 = time.perf_counter()
             self._stop()
+            self.writing_seconds += time.perf_counter() - t0
 
     def step(self) -> None:
         """End the step that just ran and begin the next (for loops that do not number their steps)."""

@@ -3,8 +3,10 @@
 The trace is what ``prof.export_chrome_trace`` writes: ``traceEvents`` with complete events (``"ph": "X"``,
 ``ts``/``dur`` in microseconds). Copies are the ``gpu_memcpy`` events (names ``Memcpy HtoD ...`` / ``Memcpy DtoH
 ...``, ``args.bytes``), kernels the ``kernel`` events; ``args.stream`` tells the streams apart. The compute stream
-is the one with the most kernel time. The window is the last ``elbowroom step N`` range the recorder marked (the
-recorder synchronises before closing it, so the step's device work lies inside), else the whole trace.
+is the one with the most kernel time. The window is the last ``elbowroom step N`` range the recorder marked on the
+host (the recorder synchronises before closing it, so the step's device work lies inside), else the whole trace.
+The device-side copy of that range (``gpu_user_annotation``) is not the window: it spans only the kernels launched
+from the thread that opened the range, which is the forward; the backward runs on autograd's own thread.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def link_timeline(events: list[dict[str, Any]], bins: int = 100) -> LinkTimeline
     if not kernels and not copies:
         return None
     step, t0, t1 = None, None, None
-    marks = [e for e in events if str(e.get("name", "")).startswith("elbowroom step ")]
+    marks = [e for e in events if str(e.get("name", "")).startswith("elbowroom step ")
+             and not str(e.get("cat", "")).startswith("gpu_")]
     if marks:
         last = max(marks, key=lambda e: e["ts"])
         t0, t1 = float(last["ts"]), float(last["ts"]) + float(last.get("dur", 0))

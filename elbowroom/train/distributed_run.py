@@ -85,6 +85,11 @@ def resolve_launch(launch: Launch | None, environ: Mapping[str, str]) -> Launch 
 def check_setup(cfg: Config, launch: Launch | None) -> None:
     """Refuse a set-up that cannot work, before anything starts (ConfigError: exit 2, nothing written)."""
     p = cfg.parallel
+    if p.tp > 1 or p.pp > 1:
+        raise ConfigError(
+            "parallel.tp and parallel.pp (tensor and pipeline parallel) are in the library "
+            "(elbowroom.distributed.model_parallel) but not in the trainer yet; set them to 1 for `elbowroom train`"
+        )
     world = launch.world_size if launch is not None else 1
     mesh = (f"--parallel.dp_replicate {p.dp_replicate} x --parallel.dp_shard {p.dp_shard} = "
             f"{p.world_size} processes")

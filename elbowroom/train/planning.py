@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from elbowroom.config import Config, ConfigError, memory_overrides
+from elbowroom.train.tokens import default_cache_dir
 
 if TYPE_CHECKING:
     from elbowroom.plan import Plan
@@ -130,6 +131,8 @@ def plan_for_budget(
             precision="bf16" if cfg.optimizer.param_dtype == "bfloat16" else "fp32",
             fused_loss=fused_loss,
             grad_clipping=bool(cfg.train.max_grad_norm),
+            # the machine's numbers, measured once per machine and torch, beside the corpus cache
+            cache_dir=str(cfg.data.cache_dir or default_cache_dir()),
             offload_config=cfg.offload,
             param_groups=_groups(cfg),
             **_adamw_kwargs(cfg),

@@ -37,17 +37,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from elbowroom.activations.policy import ActivationConfig, apply_activation_policy
 from elbowroom.config import Config, ConfigError, to_dict, to_toml
 from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
-from elbowroom.ops.linear_cross_entropy import linear_cross_entropy
 from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
 from elbowroom.train.distributed_run import DistributedRun, Launch, start_run
 from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
 from elbowroom.train.metrics import check_tensorboard, peak_flops, peak_memory
+from elbowroom.train.objectives import Distillation, load_distillation, micro_batch_loss, token_loss_sum
 from elbowroom.train.planning import (
     PLAN_FILE,
     apply_plan,
@@ -55,6 +54,7 @@ from elbowroom.train.planning import (
     plan_for_budget,
     plan_to_follow,
 )
+from elbowroom.train.qat import apply_qat, resolve_qat
 from elbowroom.train.schedule import build_scheduler, sync_lr
 from elbowroom.train.state import _restored_global_state, _StopSignal, rng_state, set_rng_state
 
@@ -191,13 +191,6 @@ def apply_activations(model: DecoderLM, cfg: Config) -> None:
     apply_activation_policy(model, cfg.activations)
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over target tokens (-100 = padding, ignored); the caller divides."""
-    return F.cross_entropy(
-        logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100, reduction="sum"
-    )
-
-
 def accumulate_gradients(
     model: nn.Module,
     micro_batches: list[dict[str, Any]],
@@ -205,6 +198,7 @@ def accumulate_gradients(
     scaler: Any = None,
     optimizer: Any = None,
     fused_loss: bool = False,
+    distill: Distillation | None = None,
 ) -> torch.Tensor:
     """Forward and backward over the micro-batches of one optimizer step; returns the step's loss (detached).
 
@@ -212,20 +206,15 @@ def accumulate_gradients(
     micro-batches of b samples give the gradients of one batch of k*b samples, padded batches included.
     ``num_tokens`` are host ints counted by the collate function: no device sync here. An optimizer with
     an ``accumulating()`` context (the CPU-offloaded one) is told which backward passes are not the last,
-    so that it moves gradients to the host only once they are final.
+    so that it moves gradients to the host only once they are final. The loss of a micro-batch is
+    :func:`~elbowroom.train.objectives.micro_batch_loss`'s: cross-entropy, fused or not, or distillation.
     """
     step_tokens = sum(b["num_tokens"] for b in micro_batches)
     total = None
     marks = getattr(optimizer, "accumulating", None)
     for i, b in enumerate(micro_batches):
         with autocast:
-            if fused_loss:  # the head and loss chunk by chunk: the logits never exist whole
-                h = model.hidden_states(b["input_ids"])
-                if hasattr(optimizer, "wait_for"):  # the head weight is read outside the head's forward
-                    optimizer.wait_for(model.output.weight)
-                loss_sum = linear_cross_entropy(h, model.output.weight, b["targets"], reduction="sum")
-            else:
-                loss_sum = token_loss_sum(model(b["input_ids"]), b["targets"])
+            loss_sum = micro_batch_loss(model, b, optimizer, fused_loss=fused_loss, distill=distill)
         loss = loss_sum / step_tokens
         with marks(i < len(micro_batches) - 1) if marks is not None else contextlib.nullcontext():
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -441,6 +430,7 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
     # read and verify the checkpoint before the data: a --resume with nothing to resume fails before any work
     loaded = _load_resume_checkpoint(out, ckpts) if cfg.resume else None
     run.check_resume(loaded, cfg.data.batch_size)
+    cfg = resolve_qat(cfg, loaded)  # a resumed QAT run keeps its scheme
 
     # --- data (validated before anything is written to OUT)
     cache_dir = cfg.data.cache_dir  # the CLI fills it from $ELBOWROOM_CACHE
@@ -494,6 +484,11 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
     if plan is not None:
         check_plan(plan, cfg, amp_dtype)
 
+    # the frozen teacher of --distill.teacher, loaded before the seed: the student starts as a plain run would
+    student_vocab = model_cfg.vocab_size if model_cfg is not None else tokens.vocab_size  # (no --model.hf student)
+    distill = load_distillation(cfg.distill, vocab_size=student_vocab, seq_len=seq_len, device=device,
+                                resumed=loaded.meta if loaded is not None else None)
+
     # --- the model, seeded so that every run with this config starts identically
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
@@ -501,6 +496,7 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
         model: nn.Module = build_model(model_cfg, device=device)
     else:  # called as ids -> logits; checkpoints hold the Hugging Face model's own state_dict
         model = build_hf_model(cfg.model.hf, hf_config, device)
+    apply_qat(model, cfg)  # --train.qat: fake-quantised block Linears, before the engines and the optimizer
 
     # --- loaders: the sampler starts at the data position, so a resumed run sees the same samples
     samples_seen = loaded.state["samples_seen"] if loaded is not None else 0
@@ -621,7 +617,7 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
                 model.train()
                 micro = [next(batches) for _ in range(accum)]
                 loss_acc += run.accumulate(accumulate_gradients, fwd_model, micro, autocast, scaler, optimizer,
-                                           fused_loss=fused_loss)
+                                           fused_loss=fused_loss, distill=distill)
                 samples_seen += accum * bsz
                 tokens_since_log += sum(b["input_ids"].numel() for b in micro)
 
@@ -645,7 +641,9 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
                 scheduler.step()
                 step += 1
                 if recorder is not None:
+                    written = recorder.writing_seconds
                     recorder.step_end(step)
+                    t_log += recorder.writing_seconds - written  # writing the recording is not training time
                 if progress is not None:
                     progress.update(1)
                 if not started and run.is_main:  # the run directory appears with the first finished step

@@ -1,0 +1,308 @@
+"""Tensor parallel on torch's ``parallelize_module``: Megatron's column/row split with sequence parallel.
+
+The plan (both reference architectures, as torchtitan's ``parallelize_llama``):
+
+- q, k, v and the MLP's input projections are **colwise** (each rank computes its heads and its slice of the
+  MLP width, no communication); attention's ``o`` and the MLP's output projection are **rowwise** (each rank's
+  partial product is summed across ranks);
+- **sequence parallel** between them: the residual stream, the norms and dropout hold ``seq / tp`` positions per
+  rank, so the sum after a rowwise layer is a reduce-scatter and the gather before a colwise layer an
+  all-gather (the same bytes as one all-reduce, and the norms' activations are split ``tp`` ways);
+- embeddings are split over their rows (vocabulary, positions) and summed (one all-reduce per step); the first
+  block keeps its share of the sequence;
+- the output head is colwise over the vocabulary and, with ``loss_parallel``, the logits stay sharded: torch's
+  ``loss_parallel()`` computes cross-entropy on the shards, so no rank ever holds a whole logit row.
+
+Fused projections (``qkv``, Llama's gate|up ``w13``) are one weight holding several outputs side by side. A
+plain colwise split would give rank 0 all of q and half of k; :class:`FusedColwiseParallel` gives each rank its
+slice *of every part* (torch's strided placement), so the model's own ``view(b, s, 3, heads, hd)`` and
+``chunk(2)`` read the rank's heads and the rank's gate and up. Attention runs on ``n_heads / tp`` local heads.
+
+Fused kernels: RoPE and SwiGLU run on the local shards unchanged (a rank's heads, a rank's gate|up slice).
+The chunked ``linear_cross_entropy`` needs whole vocabulary rows, which tensor parallel never forms: under
+tensor parallel the loss is torch's ``loss_parallel`` cross-entropy instead (:func:`fused_loss_applies`).
+
+Checkpoints: DCP cannot describe a strided shard (it records one offset per rank), so
+:func:`checkpoint_view` presents such tensors as several contiguous chunks (a ``ShardedTensor`` over views of
+the local data). A checkpoint written at ``tp 2`` then loads at ``tp 1`` and the reverse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FusedColwiseParallel",
+    "apply_tensor_parallel",
+    "checkpoint_view",
+    "fsdp_placement",
+    "fused_loss_applies",
+    "loss_context",
+    "tp_bytes_per_block",
+]
+
+
+class FusedColwiseParallel(ParallelStyle):
+    """Colwise split of a Linear whose output is ``parts`` equal projections side by side.
+
+    Each rank holds rows ``[r/tp, (r+1)/tp)`` of every part (q|k|v, or gate|up), so its local output is
+    ``[q_r | k_r | v_r]``: the layout the module's own code splits. The output is the local tensor.
+
+    Args:
+        parts: how many projections the weight stacks (3 for qkv, 2 for gate|up).
+        input_layouts: the input's placement when it arrives as a local tensor (``Shard(1)`` under sequence
+            parallel); it is gathered to whole sequences before the matmul.
+    """
+
+    def __init__(self, parts: int, *, input_layouts: Any = None) -> None:
+        super().__init__()
+        self.parts = parts
+        self.input_layout = input_layouts or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        placement = [_StridedShard(0, split_factor=self.parts)]
+
+        def partition(_name: str, mod: nn.Module, mesh: Any) -> None:
+            for name, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, placement), p.requires_grad))
+
+        def gather_input(_mod: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
+            if x.placements != (Replicate(),):
+                x = x.redistribute(placements=(Replicate(),), async_op=False)  # the sequence-parallel all-gather
+            return (x, *inputs[1:])
+
+        def local_output(_mod: nn.Module, output: Any, _mesh: Any) -> torch.Tensor:
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, partition, gather_input, local_output)
+
+
+def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+    attn = block.attn
+    plan: dict[str, ParallelStyle] = {
+        "attn_norm": SequenceParallel(),
+        # (x, rope): x is gathered to whole sequences once for q, k and v; rope is a module, left alone
+        "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp_norm": SequenceParallel(),
+    }
+    if attn.fused_qkv:
+        plan["attn.qkv"] = FusedColwiseParallel(3)
+    else:
+        plan.update({f"attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
+    if hasattr(block, "w13"):  # llama: gate|up fused, SwiGLU, down
+        plan["w13"] = FusedColwiseParallel(2, input_layouts=Shard(1))
+        plan["w2"] = RowwiseParallel(output_layouts=Shard(1))
+    else:  # gpt2: fc, GELU, proj
+        plan["fc"] = ColwiseParallel(input_layouts=Shard(1))
+        plan["proj"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> nn.Module:
+    """Split ``model`` over ``tp_mesh`` in place: a ``DecoderLM`` or a pipeline stage of one.
+
+    Stages hold a subset of ``tok_emb``/``pos_emb`` (first stage), ``blocks`` (named by their index in the whole
+    model) and ``norm``/``output`` (last stage); each part present is split.
+
+    Args:
+        model: the model or stage, on its device, before recompute, offload and FSDP2 are applied.
+        tp_mesh: the 1-D ``tp`` mesh.
+        loss_parallel: leave the logits sharded over the vocabulary (compute the loss inside
+            :func:`loss_context`); False gathers whole logits.
+
+    Returns:
+        ``model`` itself.
+    """
+    tp = tp_mesh.size()
+    plan: dict[str, ParallelStyle] = {}
+    for name in ("tok_emb", "pos_emb"):
+        if getattr(model, name, None) is not None:
+            # rows split (vocabulary, positions), partial lookups summed: every rank has the whole embedding
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    for name, block in model.blocks.named_children():
+        plan.update({f"blocks.{name}.{k}": v for k, v in _block_plan(block).items()})
+        block.attn.n_heads //= tp  # local heads
+    if "0" in model.blocks._modules:
+        # the residual stream enters sequence parallel: each rank keeps its seq/tp positions (no communication)
+        plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+    if getattr(model, "norm", None) is not None:
+        plan["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        logits = Shard(-1) if loss_parallel else Replicate()
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=logits,
+                                         use_local_output=not loss_parallel)
+    parallelize_module(model, tp_mesh, plan)
+    return model
+
+
+def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Where the loss of vocabulary-sharded logits is computed *and* differentiated: torch's
+    ``loss_parallel()`` when ``enabled``, nothing otherwise. Hold it around forward's loss and backward."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def fused_loss_applies(tp: int, requested: bool) -> bool:
+    """Whether the chunked ``linear_cross_entropy`` head can run: not under tensor parallel (it needs whole
+    vocabulary rows); the fallback is logged once as a warning."""
+    if requested and tp > 1:
+        log.warning("train.fused_loss needs whole vocabulary rows, which tensor parallel splits: the loss runs as "
+                    "torch's loss_parallel cross-entropy on the shards instead")
+        return False
+    return requested
+
+
+def fsdp_placement(param: nn.Parameter) -> Shard:
+    """FSDP2's sharded dimension for ``param``: dimension 1 for parameters split in strides by tensor parallel
+    (FSDP2 would otherwise interleave its dimension-0 shards with the strides and mislabel them), 0 otherwise."""
+    if isinstance(param, DTensor) and param.ndim > 1 and any(isinstance(p, _StridedShard) for p in param.placements):
+        return Shard(1)
+    return Shard(0)
+
+
+# ---------------------------------------------------------------- checkpoints of strided shards
+def _owned(size: int, placements: list[tuple[Any, int, int]]) -> list[int]:
+    """Global indices along one tensor dimension that this rank holds, given the (placement, coordinate, mesh
+    size) that split this dimension, outermost first."""
+    idx = list(range(size))
+    for placement, coord, n in placements:
+        if isinstance(placement, _StridedShard):
+            step = len(idx) // placement.split_factor
+            parts = [idx[i * step:(i + 1) * step] for i in range(placement.split_factor)]
+            idx = [j for part in parts for j in _chunk(part, n, coord)]
+        else:
+            idx = _chunk(idx, n, coord)
+    return idx
+
+
+def _chunk(idx: list[int], n: int, coord: int) -> list[int]:
+    """``torch.chunk``'s split of ``idx`` into ``n`` pieces (the last ones shorter or empty); piece ``coord``."""
+    size = -(-len(idx) // n)
+    return idx[coord * size:(coord + 1) * size]
+
+
+def _runs(idx: list[int]) -> list[tuple[int, int, int]]:
+    """Contiguous runs of ``idx`` as (local start, global start, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for local, g in enumerate(idx):
+        if runs and runs[-1][1] + runs[-1][2] == g:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((local, g, 1))
+    return runs
+
+
+def _chunks(t: DTensor, coords: list[int]) -> list[tuple[list[int], list[int], list[int]]]:
+    """The contiguous blocks of ``t`` held at mesh coordinates ``coords``: (local start, global offset, size)."""
+    import itertools
+
+    mesh = t.device_mesh
+    per_dim: list[list[tuple[Any, int, int]]] = [[] for _ in range(t.ndim)]
+    for mesh_dim, placement in enumerate(t.placements):
+        if isinstance(placement, (Shard, _StridedShard)):
+            per_dim[placement.dim % t.ndim].append((placement, coords[mesh_dim], mesh.size(mesh_dim)))
+    runs = [_runs(_owned(t.shape[d], per_dim[d])) for d in range(t.ndim)]
+    return [([r[0] for r in combo], [r[1] for r in combo], [r[2] for r in combo]) for combo in itertools.product(*runs)]
+
+
+def _as_chunks(t: DTensor) -> Any:
+    """A ``ShardedTensor`` whose shards are views of ``t``'s local data, one per contiguous block it holds."""
+    import itertools
+
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    mesh, local = t.device_mesh, t.to_local()
+    rank = torch.distributed.get_rank()
+    shards = []
+    for starts, offsets, sizes in _chunks(t, mesh.get_coordinate()):
+        view = local
+        for d, (start, size) in enumerate(zip(starts, sizes)):
+            view = view.narrow(d, start, size)
+        shards.append(LocalShard(view, ShardMetadata(offsets, sizes, f"rank:{rank}/{local.device}")))
+    # every rank's blocks, worked out here rather than gathered: ranks of different pipeline stages hold different
+    # tensors, so a collective per tensor could pair the wrong ones
+    everyone = []
+    for coords in itertools.product(*(range(n) for n in mesh.shape)):
+        owner = int(mesh.mesh[coords].item())
+        everyone += [ShardMetadata(offsets, sizes, f"rank:{owner}/{local.device}")
+                     for _, offsets, sizes in _chunks(t, list(coords))]
+    metadata = ShardedTensorMetadata(everyone, t.shape, TensorProperties.create_from_tensor(local))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's deprecation: DTensor cannot say this
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)
+
+
+def checkpoint_view(state: Any) -> Any:
+    """``state`` (nested dicts and lists) with every strided DTensor replaced by a DCP-describable view of the
+    same memory; other values are returned as they are. Saving the view saves the tensors; loading into it
+    loads into them, in place."""
+    if isinstance(state, dict):
+        return {k: checkpoint_view(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [checkpoint_view(v) for v in state]
+    if isinstance(state, DTensor) and any(isinstance(p, _StridedShard) for p in state.placements):
+        return _as_chunks(state)
+    return state
+
+
+# ---------------------------------------------------------------- expected traffic (for the docs)
+def tp_bytes_per_block(*, tokens: int, dim: int, tp: int, bytes_per_element: int = 2,
+                       sequence_parallel: bool = True, recompute: bool = False) -> int:
+    """Bytes each rank sends per block per training step (forward and backward) under tensor parallel.
+
+    Without sequence parallel a block's two rowwise layers (attention out, MLP down) all-reduce their partial
+    ``(tokens, dim)`` outputs in forward, and backward all-reduces the input gradients of its two colwise
+    groups (q/k/v, MLP in): four all-reduces, each sending ``2 (tp-1)/tp`` of the tensor per rank (ring).
+    Sequence parallel replaces each by a reduce-scatter and an all-gather of ``(tp-1)/tp`` each: the same
+    bytes. What it saves is memory and work, not traffic: the norms, dropout and residual adds hold and
+    compute ``1/tp`` of the sequence. Full recompute repeats forward's collectives in backward.
+
+    Args:
+        tokens: tokens per rank per step (micro-batch x sequence x accumulation).
+        dim: model width.
+        tp: tensor-parallel degree.
+        bytes_per_element: 2 for bf16 activations.
+        sequence_parallel: count reduce-scatters and all-gathers (True) or all-reduces (False).
+        recompute: add the forward collectives that recomputing each block repeats.
+
+    Returns:
+        Bytes sent by one rank per block per step.
+    """
+    if tp == 1:
+        return 0
+    shard = tokens * dim * bytes_per_element * (tp - 1) // tp  # one reduce-scatter or all-gather per rank
+    if sequence_parallel:
+        forward = 4 * shard  # all-gather + reduce-scatter around attention, the same around the MLP
+    else:
+        forward = 2 * (2 * shard)  # an all-reduce (= 2 shards) after attention out and after MLP down
+    backward = forward  # the mirror image: every gather's gradient is a scatter and the reverse
+    return forward + backward + (forward if recompute else 0)
