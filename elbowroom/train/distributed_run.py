@@ -110,11 +110,12 @@ def check_setup(cfg: Config, launch: Launch | None) -> None:
     mode = p.mode
     if mode == "single":
         return
-    if cfg.train.fused_loss:
-        raise ConfigError(
-            f"train.fused_loss reads the output head outside the model's forward, which {mode.upper()} does not "
-            "see (no gradient sync); drop --train.fused_loss under data parallel"
-        )
+    for flag, on in (("--train.fused_loss", cfg.train.fused_loss), ("--distill.teacher", cfg.distill.teacher)):
+        if on:
+            raise ConfigError(
+                f"{flag} reads the output head outside the model's forward, which {mode.upper()} does not see (no "
+                f"gradient sync); drop {flag} under data parallel"
+            )
     if mode == "ddp" and cfg.optimizer.offload_gradients:
         raise ConfigError(
             "optimizer.offload_gradients frees device gradients, but DDP keeps them in its own buckets; drop "
