@@ -85,6 +85,7 @@ def cmd_train(argv: list[str]) -> int:
 
     from elbowroom.train.checkpoint import CheckpointError
     from elbowroom.train.data import DataError
+    from elbowroom.train.distributed_run import Launch
     from elbowroom.train.trainer import train
 
     _setup_logging()
@@ -92,7 +93,7 @@ def cmd_train(argv: list[str]) -> int:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         with logging_redirect_tqdm():
-            result = train(cfg)
+            result = train(cfg, Launch.from_environment(os.environ))  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _fail("train", str(e))
     except KeyboardInterrupt:  # a second Ctrl-C outside a save: the previous checkpoint stands

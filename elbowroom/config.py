@@ -21,6 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 # The mechanisms own their config dataclasses (frozen, validated, one docstring per field); the run's config
 # composes them, so each setting has one schema and --help shows the mechanism's own words.
 from elbowroom.activations.policy import ActivationConfig
+from elbowroom.distributed.config import ParallelConfig
 from elbowroom.optim.config import CPUOffloadConfig
 from elbowroom.report.config import RecordConfig
 
@@ -305,6 +306,7 @@ class Config:
     offload: CPUOffloadConfig = field(default_factory=CPUOffloadConfig)
     logging: LoggingSection = field(default_factory=LoggingSection)
     profile: RecordConfig = field(default_factory=RecordConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.resume and not self.out:

@@ -187,9 +187,35 @@ def _powersgd_wire_bytes(ps: Any) -> Callable[[dist.GradBucket], int]:
     return count
 
 
+def _then(hook: Callable, then: Callable[[list[torch.Tensor]], None] | None) -> Callable:
+    """``hook``, followed by ``then(bucket's parameters)`` once the bucket's reduced values are in its buffer
+    (with ``gradient_as_bucket_view`` the parameters' ``.grad`` are views of it): the CPU-offloaded optimizer
+    takes its gradients there, after the all-reduce rather than before it."""
+    if then is None:
+        return hook
+
+    def hooked(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        params = bucket.parameters()
+
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            value = fut.value()  # the averaged bucket, written into the bucket's buffer by every hook here
+            then(params)
+            return value
+
+        return hook(state, bucket).then(done)
+
+    hooked.__name__ = getattr(hook, "__name__", "hook")
+    hooked.__qualname__ = hooked.__name__
+    return hooked
+
+
 def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, name: str, *, process_group: Any = None,
-                       powersgd_rank: int = 4, topk_ratio: float = 0.01, seed: int = 0) -> Any:
+                       powersgd_rank: int = 4, topk_ratio: float = 0.01, seed: int = 0,
+                       then: Callable[[list[torch.Tensor]], None] | None = None) -> Any:
     """Install the hook ``name`` (none, fp16, bf16, powersgd, topk, int8) on a DDP model.
+
+    ``then`` (optional) is called with each bucket's parameters once their reduced gradients are in place (see
+    :meth:`elbowroom.optim.CPUOffloadOptimizer.after_reduction`).
 
     Returns:
         The hook's state: an object with ``take_bytes()`` (bytes sent since the last call) and, for the
@@ -200,13 +226,13 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, nam
 
     if name == "topk":
         state = CompressionState(process_group=process_group, ratio=topk_ratio)
-        ddp_model.register_comm_hook(state, topk_hook)
+        ddp_model.register_comm_hook(state, _then(topk_hook, then))
         return state
     if name == "int8":
         generator = torch.Generator(device=ddp_model.device if ddp_model.device_ids else "cpu")
         generator.manual_seed(seed + dist.get_rank())  # independent noise per rank, the same on every rerun
         state = CompressionState(process_group=process_group, generator=generator)
-        ddp_model.register_comm_hook(state, int8_hook)
+        ddp_model.register_comm_hook(state, _then(int8_hook, then))
         return state
     if name == "powersgd":
         ps = powerSGD_hook.PowerSGDState(
@@ -214,7 +240,7 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, nam
             use_error_feedback=True, warm_start=True, random_seed=seed,
         )
         counting = _Counting(powerSGD_hook.powerSGD_hook, None, wire_bytes=_powersgd_wire_bytes(ps))
-        ddp_model.register_comm_hook(ps, counting)
+        ddp_model.register_comm_hook(ps, _then(counting, then))
         counting.state = ps  # PowerSGD's own state (its factors and error) travels with checkpoints
         counting.state_dict = lambda: {"powersgd": ps.__getstate__()}
         counting.load_state_dict = lambda sd: ps.__setstate__(dict(sd["powersgd"]))
@@ -228,5 +254,5 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, nam
         raise ValueError(f"unknown comm hook {name!r}; choose none, fp16, bf16, powersgd, topk or int8")
     hook, wire = hooks[name]
     counting = _Counting(hook, wire)
-    ddp_model.register_comm_hook(process_group, counting)
+    ddp_model.register_comm_hook(process_group, _then(counting, then))
     return counting

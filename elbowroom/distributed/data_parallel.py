@@ -115,6 +115,7 @@ def apply_data_parallel(
     reduce_dtype: torch.dtype | None = torch.float32,
     bucket_cap_mb: float = 25.0,
     seed: int = 0,
+    after_reduction: Any = None,
     shard_placement_fn: Any = None,
 ) -> tuple[nn.Module, Any]:
     """Wrap ``model`` for the topology's data-parallel mode.
@@ -128,6 +129,8 @@ def apply_data_parallel(
         reduce_dtype: FSDP2's gradient reduction dtype.
         bucket_cap_mb: DDP's bucket size.
         seed: seeds the compression hooks' randomness.
+        after_reduction: DDP: called with each bucket's parameters once their gradients are all-reduced (the
+            CPU-offloaded optimizer's :meth:`~elbowroom.optim.CPUOffloadOptimizer.after_reduction`).
         shard_placement_fn: FSDP2's per-parameter choice of sharded dimension (None: dimension 0), for
             tensor-parallel parameters split in strides (:func:`elbowroom.distributed.tensor_parallel.fsdp_placement`).
 
@@ -152,7 +155,7 @@ def apply_data_parallel(
         )
         p = topo.parallel
         state = register_comm_hook(ddp, p.comm_hook, process_group=group, powersgd_rank=p.powersgd_rank,
-                                   topk_ratio=p.topk_ratio, seed=seed)
+                                   topk_ratio=p.topk_ratio, seed=seed, then=after_reduction)
         return ddp, state
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -162,7 +165,9 @@ def apply_data_parallel(
     kw: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        "offload_policy": CPUOffloadPolicy(pin_memory=True) if topo.parallel.fsdp_cpu_offload else OffloadPolicy(),
+        # pinned host copies only where there is a device to copy to (pinning needs CUDA)
+        "offload_policy": (CPUOffloadPolicy(pin_memory=next(model.parameters()).device.type == "cuda")
+                           if topo.parallel.fsdp_cpu_offload else OffloadPolicy()),
         "shard_placement_fn": shard_placement_fn,
     }
     for blk in blocks if blocks is not None else find_blocks(model):

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from elbowroom.optim import shards
 
 if TYPE_CHECKING:
     from elbowroom.optim.placement import HostParam
@@ -70,6 +72,7 @@ def clip_by_global_norm(
     norm_type: float,
     error_if_nonfinite: bool,
     skip_if_nonfinite: bool,
+    group: Any = None,
 ) -> ClipRequest:
     """The global norm of all gradients and the clip coefficient; scales the resident gradients in place.
 
@@ -87,6 +90,7 @@ def clip_by_global_norm(
         norm_type: the p of the p-norm; 2 only with ``offload_gradients``.
         error_if_nonfinite: raise if the total norm is nan or inf (a host-device sync).
         skip_if_nonfinite: make the coming step skip the update when the norm is not finite.
+        group: FSDP2: the ranks holding the other shards; the norm is taken over all of them (a collective).
 
     Returns:
         The request ``step()`` applies (coefficient and total norm, device tensors).
@@ -111,7 +115,8 @@ def clip_by_global_norm(
                         # a host norm back to the device: a tiny copy from pageable memory (syncs)
                         entries.append((idx, host_norm(hp.hgrad).to(device)))
             elif p.grad is not None:
-                dev_grads.setdefault((p.grad.device, p.grad.dtype), []).append((idx, p.grad))
+                g = shards.local(p.grad)  # FSDP2: this rank's shard; the ranks' norms are combined below
+                dev_grads.setdefault((g.device, g.dtype), []).append((idx, g))
             idx += 1
     for items in dev_grads.values():
         norms = torch._foreach_norm([g for _, g in items], norm_type)
@@ -121,6 +126,7 @@ def clip_by_global_norm(
     else:
         entries.sort(key=lambda e: e[0])
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for _, n in entries]), norm_type)
+    total = shards.reduce_norm(total, norm_type, group)  # every rank joins, also one without gradients
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):  # host-device sync
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped."
@@ -129,7 +135,8 @@ def clip_by_global_norm(
     resident: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in resident_params:
         if p.grad is not None:
-            resident.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            g = shards.local(p.grad)
+            resident.setdefault((g.device, g.dtype), []).append(g)
     for grads in resident.values():
         torch._foreach_mul_(grads, coef.to(grads[0].device))
     return ClipRequest(coef=coef, total_norm=total, skip_if_nonfinite=skip_if_nonfinite)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elbowroom.optim import shards
 from elbowroom.optim.buffers import Streams
 from elbowroom.optim.clipping import ClipRequest
 from elbowroom.optim.config import CPUOffloadConfig
@@ -102,7 +103,8 @@ class Handover:
             grad: the device gradient (None: nothing new since earlier micro-batches).
             early: handed over by the hook during backward, before any post-backward edit.
         """
-        p = hp.param
+        p = hp.owner
+        grad = None if grad is None else shards.local(grad)  # FSDP2: this rank's shard of the reduced gradient
         offload_gradients = self.config.offload_gradients
         if self.inflight and hp.bucket in self.inflight:
             # lazy mode: a gradient of a parameter whose last update no forward pre-hook waited for; it was
@@ -244,7 +246,7 @@ class Handover:
             unscaled_in_place = found_inf is not None and grad_scale is None  # scaler.unscale_(opt) ran
             for hp in self.placement.hps:
                 if hp.final and hp.grad_ref is not None:
-                    g = hp.param.grad
+                    g = None if hp.owner.grad is None else shards.local(hp.owner.grad)
                     if (unscaled_in_place and hp.early) or g is not hp.grad_ref or g._version != hp.grad_version:
                         changed[hp.index] = g  # a reference: zero_grad() may drop .grad before the re-copy
         hyper_changed = self.hook_hyper is not None and not all(
@@ -297,7 +299,7 @@ class Handover:
         for hp in self.placement.hps:
             if hp.final:
                 continue
-            g = hp.param.grad
+            g = hp.owner.grad
             if g is not None:
                 self.on_grad(hp, "final", g)
             elif hp.accumulated:
@@ -359,7 +361,7 @@ class Handover:
                         buckets.append(hp.bucket)
             if buckets:
                 hooks.append(mod.register_forward_pre_hook(forward_hook(opt, buckets)))
-        missing = [hp.index for hp in self.placement.hps if id(hp.param) not in owned]
+        missing = [hp.index for hp in self.placement.hps if id(hp.owner) not in owned]
         if missing:
             for h in hooks:
                 h.remove()

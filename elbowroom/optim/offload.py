@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from elbowroom.optim import clipping, masters
+from elbowroom.optim import clipping, masters, shards
 from elbowroom.optim import state_dict as sd_mapping
 from elbowroom.optim.buffers import HostMemory, Streams
 from elbowroom.optim.clipping import ClipRequest
@@ -208,6 +208,10 @@ class CPUOffloadOptimizer(Optimizer):
             cfg, optimizer_class, self.device, cpu_kwargs, dev_kwargs, dict(optimizer_kwargs), self._host
         )
         self._hooks: list[Any] = []
+        self._grad_hooks: list[Any] = []  # the post-accumulate-grad hooks (DDP replaces them: after_reduction)
+        self._after_reduction = False
+        # FSDP2: the ranks whose shards make up the global gradient norm (None: unsharded parameters)
+        self._norm_group = shards.norm_group(all_params)
         self._clip: ClipRequest | None = None
         self._learning: dict[str, bool] = {}
         self._stats = StepStats()
@@ -252,8 +256,9 @@ class CPUOffloadOptimizer(Optimizer):
         base = sum(len(g["params"]) for g in self.param_groups[:gi])
         new = self._placement.place(gi, base, params, offloaded, self._hyper_of(gi))
         for hp in sorted((hp for b in new for hp in b.params), key=lambda h: h.index):
-            if hp.param.requires_grad and self.config.overlap:
-                self._hooks.append(hp.param.register_post_accumulate_grad_hook(grad_hook(self, hp)))
+            if hp.owner.requires_grad and self.config.overlap and not self._after_reduction:
+                self._grad_hooks.append(hp.owner.register_post_accumulate_grad_hook(grad_hook(self, hp)))
+                self._hooks.append(self._grad_hooks[-1])
         return new
 
     def close(self) -> None:
@@ -345,6 +350,7 @@ class CPUOffloadOptimizer(Optimizer):
             norm_type=norm_type,
             error_if_nonfinite=error_if_nonfinite,
             skip_if_nonfinite=skip_if_nonfinite,
+            group=self._norm_group,
         )
         return self._clip.total_norm
 
@@ -380,7 +386,8 @@ class CPUOffloadOptimizer(Optimizer):
             grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
             for p in pl.dev_params:
                 if p.grad is not None:
-                    grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+                    g = shards.local(p.grad)  # FSDP2: scale the shard in place (its DTensor wraps it)
+                    grads.setdefault((g.device, g.dtype), []).append(g)
             for m in dev_mults:
                 for gs in grads.values():
                     torch._foreach_mul_(gs, m.to(gs[0].device))
@@ -450,6 +457,50 @@ class CPUOffloadOptimizer(Optimizer):
         """
         self._hooks.extend(self._handover.hook_forward(model, self))  # lazy from here
 
+    def after_reduction(self) -> Callable[[list[torch.Tensor]], None]:
+        """Take gradients once a data-parallel all-reduce finished, not as backward produces them (DDP).
+
+        Under DDP the post-accumulate-grad hooks fire before the gradient's bucket is all-reduced, so they would
+        copy this rank's own gradient to the host. This removes them and returns the callback a DDP comm hook
+        calls with a bucket's parameters once their ``.grad`` holds the reduced values
+        (``elbowroom.distributed.comm_hooks.register_comm_hook(..., then=...)``). Callbacks may run on the
+        collectives' threads while backward goes on: they hand over under a lock (nothing else touches the
+        hand-over during backward). Gradients no callback handed over are collected by ``step()`` as before.
+        FSDP2 needs none of this: it runs the post-accumulate-grad hooks of its sharded parameters itself,
+        after the reduce-scatter.
+
+        Returns:
+            The callback (it holds the optimizer weakly).
+
+        Raises:
+            ValueError: with ``offload_gradients`` (DDP keeps every gradient in its own device buckets, so freeing
+                them there frees nothing).
+        """
+        if self.config.offload_gradients and self._placement.hps:
+            raise ValueError(
+                "offload_gradients frees device gradients, but DDP keeps them in its own buckets; use it with FSDP2 "
+                "or a single process, or drop it"
+            )
+        import threading
+
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks.clear()
+        self._after_reduction = True
+        ref, lock = weakref.ref(self), threading.Lock()
+
+        def reduced(params: list[torch.Tensor]) -> None:
+            o = ref()
+            if o is None or not o.sync_gradients:
+                return
+            with lock:  # buckets may finish on several threads of the collectives' backend at once
+                for p in params:
+                    hp = o._placement.hp_of.get(p)
+                    if hp is not None and p.grad is not None and not hp.final:
+                        o._handover.on_grad(hp, "final", p.grad, early=True)
+
+        return reduced
+
     def reload_weights(self) -> None:
         """Re-read the offloaded master weights from the device parameters.
 
@@ -484,6 +535,9 @@ class CPUOffloadOptimizer(Optimizer):
         t0 = time.perf_counter()
         self._handover.settle()
         self._handover.lazy_wait_s += time.perf_counter() - t0
+        # idle now: ``state`` shows the inner state again (torch utilities such as torch.distributed.checkpoint read
+        # it directly, and take an empty one for an optimizer that never stepped)
+        sd_mapping.link_state(self.state, self._placement)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the device parameters and the host accumulators.
@@ -543,6 +597,7 @@ class CPUOffloadOptimizer(Optimizer):
         sd = super().state_dict()
         if self.config.uses_master_weights:
             sd_mapping.add_master_weights(sd, self.param_groups, self._placement)
+        sd_mapping.shard_host_state(sd, self._placement)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -573,7 +628,7 @@ class CPUOffloadOptimizer(Optimizer):
         Returns:
             The offloaded parameters (the others step on the device).
         """
-        return [hp.param for hp in self._placement.hps]
+        return [hp.owner for hp in self._placement.hps]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The optimizer's own tensors in device memory, by what they are (for memory reports).

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from elbowroom.optim import _host_adam, masters
+from elbowroom.optim import _host_adam, masters, shards
 from elbowroom.optim.buffers import HostMemory, align, nbytes
 from elbowroom.optim.config import CPUOffloadConfig
 
@@ -71,11 +71,18 @@ class HostParam:
     """One offloaded parameter: its device tensor, its host master and where it stages in a slot."""
 
     def __init__(
-        self, index: int, group: int, param: torch.Tensor, master: torch.Tensor, device_cast: bool = False
+        self,
+        index: int,
+        group: int,
+        param: torch.Tensor,
+        master: torch.Tensor,
+        device_cast: bool = False,
+        owner: torch.Tensor | None = None,
     ) -> None:
         self.index = index  # position over all param groups, as in state_dict()
         self.group = group
-        self.param = param
+        self.param = param  # the tensor stepped: the parameter, or its local shard under FSDP2 (see shards)
+        self.owner = param if owner is None else owner  # the user's parameter: hooks, .grad, state_dict keys
         self.master = master  # host, same shape; fp32 with master_weights, else the param's dtype
         self.bucket: Bucket
         self.offset = 0  # byte offset of its gradient (param dtype) in a staging slot
@@ -344,17 +351,23 @@ class Placement:
         dev: list[torch.Tensor] = []
         for j, p in enumerate(params):
             if id(p) in offloaded:
+                if shards.is_sharded(p) and (cfg.param_torch_dtype is not None or p.dtype != torch.float32):
+                    raise ValueError(
+                        "CPUOffloadOptimizer steps FSDP2 shards in fp32 only; give FSDP2 a MixedPrecisionPolicy "
+                        "for low-precision compute instead of param_dtype / bf16 parameters"
+                    )
+                shard = shards.local(p)  # FSDP2: the host side steps this rank's shard
                 master = masters.host_master(
-                    p,
+                    shard,
                     self.host,
                     master_weights=cfg.uses_master_weights,
                     param_dtype=cfg.param_torch_dtype,
                     cast_on_device=cfg.cast_on_device,
                 )
-                hp = HostParam(base + j, gi, p, master, device_cast=cfg.cast_on_device)
+                hp = HostParam(base + j, gi, shard, master, device_cast=cfg.cast_on_device, owner=p)
                 if cfg.offload_gradients:
                     # gradients leave the device at link speed, whatever the CPU step's pace: +4 B/param
-                    hp.hgrad = self.host.empty(p.shape, p.dtype, pinned=True)
+                    hp.hgrad = self.host.empty(shard.shape, shard.dtype, pinned=True)
                 host.append(hp)
             else:
                 dev.append(p)
@@ -365,7 +378,7 @@ class Placement:
         self.hps.extend(host)
         self.hps.sort(key=lambda h: h.index)
         for hp in host:
-            self.hp_of[hp.param] = hp
+            self.hp_of[hp.owner] = hp
         return self._make_buckets(host, hyper)
 
     def _add_device_params(self, gi: int, params: list[torch.Tensor], hyper: dict[str, Any]) -> None:

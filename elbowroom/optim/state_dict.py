@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from elbowroom.optim import shards
 from elbowroom.optim.placement import IMPL_KEYS, Placement
 
-__all__ = ["add_master_weights", "link_state", "load_into", "owned"]
+__all__ = ["add_master_weights", "link_state", "load_into", "owned", "shard_host_state"]
 
 
 def owned(value: Any, device: torch.device) -> Any:
@@ -46,12 +47,28 @@ def link_state(state: dict[torch.Tensor, Any], placement: Placement) -> None:
     for hp in placement.hps:
         st = hp.bucket.optimizer.state.get(hp.master)
         if st:
-            state[hp.param] = st
+            state[hp.owner] = st
     if placement.dev_opt is not None:
         for p in placement.dev_params:
             st = placement.dev_opt.state.get(placement.dev_masters.get(p, p))
             if st:
                 state[p] = st
+
+
+def shard_host_state(sd: dict[str, Any], placement: Placement) -> None:
+    """FSDP2: present the host state of each sharded parameter as ``DTensor``s laid out like the parameter, so
+    that a distributed checkpoint saves every rank's shard and reshards on load (entries replaced, not edited).
+
+    Args:
+        sd: ``Optimizer.state_dict()`` of the outer optimizer.
+        placement: where the parameters step.
+    """
+    for hp in placement.hps:
+        if hp.index in sd["state"] and shards.is_sharded(hp.owner):
+            shape = hp.param.shape
+            sd["state"][hp.index] = {
+                k: shards.as_sharded_like(v, hp.owner, shape) for k, v in sd["state"][hp.index].items()
+            }
 
 
 def add_master_weights(sd: dict[str, Any], param_groups: list[dict[str, Any]], placement: Placement) -> None:
@@ -63,7 +80,7 @@ def add_master_weights(sd: dict[str, Any], param_groups: list[dict[str, Any]], p
         placement: where the masters live.
     """
     index = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
-    masters = {id(hp.param): hp.master for hp in placement.hps if not hp.same_dtype}
+    masters = {id(hp.owner): hp.master for hp in placement.hps if not hp.same_dtype}
     masters.update({id(p): m for p, m in placement.dev_masters.items()})
     for pid, m in masters.items():
         i = index[pid]
@@ -127,7 +144,10 @@ def load_into(
                             hp.master_stale = False
                     if st:
                         # own copies: loading must not alias the source optimizer's state
-                        dev = inner_of(p).device
+                        inner_p = inner_of(p)
+                        dev = inner_p.device
+                        if not shards.is_sharded(inner_p):  # a host master steps the shard: its local part
+                            st = {kk: shards.local(vv) if isinstance(vv, torch.Tensor) else vv for kk, vv in st.items()}
                         state[k] = {kk: owned(vv, dev) for kk, vv in st.items()}
                 ids.append(k)
                 k += 1
@@ -139,7 +159,7 @@ def load_into(
     for hp in placement.hps:
         hp.master_stale = hp.same_dtype
     for b in placement.buckets:
-        outer = {id(hp.master): hp.param for hp in b.params}
+        outer = {id(hp.master): hp.owner for hp in b.params}
         load_inner(b.optimizer, b.group_map, lambda p: placement.hp_of[p].master, outer)
     if placement.dev_opt is not None:
         outer = {id(placement.dev_masters.get(p, p)): p for p in placement.dev_params}

@@ -5,6 +5,12 @@ data position) and ``meta.json`` (step, sha256 and size of state.pt, model confi
 hidden temporary directory and renamed into place, so a crash mid-save never leaves a half checkpoint
 under a real name and never touches the previous one.
 
+A run on several processes writes a *sharded* checkpoint instead (``format`` 2, see
+:mod:`elbowroom.train.sharded_checkpoint`): the same directory holds torch.distributed.checkpoint's files, each
+rank's shards and ``.metadata``, plus ``extra.pt`` (schedule, RNG, data position); its ``meta.json`` lists every
+file with its size and sha256. It is published by :meth:`CheckpointManager.publish` with the same rename, and
+verified, rotated and found on resume by the same rules.
+
 Rotation counts only checkpoints that verify: a corrupt one (truncated, bit-flipped, meta missing) is
 renamed ``corrupt-step_00000060`` with a warning, never deleted and never counted, so the valid ones
 older than it are kept. Verifying hashes the whole state file, so what verified is remembered (by the
@@ -71,17 +77,25 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _signature(path: Path) -> tuple[int, ...]:
-    """Size, mtime and inode of a checkpoint's two files: any rewrite of them changes it."""
-    sig: list[int] = []
-    for name in ("state.pt", "meta.json"):
+def _signature(path: Path) -> tuple[Any, ...]:
+    """Name, size, mtime and inode of every file of a checkpoint: any rewrite of them changes it."""
+    sig: list[Any] = []
+    try:
+        files = sorted(p for p in path.iterdir() if p.is_file())
+    except OSError:
+        return (-1,)
+    for p in files:
         try:
-            st = (path / name).stat()
+            st = p.stat()
         except OSError:
-            sig += [-1, -1, -1]
+            sig += [p.name, -1, -1, -1]
         else:
-            sig += [st.st_size, st.st_mtime_ns, st.st_ino]
+            sig += [p.name, st.st_size, st.st_mtime_ns, st.st_ino]
     return tuple(sig)
+
+
+SHARDED_FORMAT = 2
+"""``meta.json``'s ``format`` of a sharded (torch.distributed.checkpoint) checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +155,24 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        return self._publish(final, tmp, info)
+
+    def publish(self, step: int, tmp: Path, meta: dict[str, Any]) -> Path:
+        """Publish a sharded checkpoint written into ``tmp`` (all its files complete): hash every file into
+        ``meta.json``, rename it into place and prune old ones, as :meth:`save` does; returns its path."""
+        files = {}
+        for p in sorted(tmp.iterdir()):
+            if p.is_file():
+                files[p.name] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}  # reads back what was written
+        info = dict(meta, step=step, files=files, format=SHARDED_FORMAT)
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(info, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        return self._publish(self.directory / f"step_{step:08d}", tmp, info)
+
+    def _publish(self, final: Path, tmp: Path, info: dict[str, Any]) -> Path:
         if final.exists():
             try:
                 self._verified_meta(final)
@@ -221,6 +253,17 @@ class CheckpointManager:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path.name}: meta.json unreadable ({e})") from None
+        if meta.get("format") == SHARDED_FORMAT:
+            for name, want in meta.get("files", {}).items():
+                f = path / name
+                if not f.is_file():
+                    raise ValueError(f"{path.name}: {name} missing")
+                if f.stat().st_size != want["size"]:
+                    raise ValueError(f"{path.name}: {name} has {f.stat().st_size} bytes, expected {want['size']} "
+                                     "(truncated)")
+                if _sha256_file(f) != want["sha256"]:
+                    raise ValueError(f"{path.name}: {name} checksum mismatch (corrupt)")
+            return meta
         state = path / "state.pt"
         if not state.is_file():
             raise ValueError(f"{path.name}: state.pt missing")
@@ -240,7 +283,11 @@ class CheckpointManager:
         for step, path in self.checkpoints():
             try:
                 meta = self.validate(path)
-                state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+                if meta.get("format") == SHARDED_FORMAT:  # the tensors load into the built model (sharded_checkpoint)
+                    state = {**torch.load(path / "extra.pt", map_location=map_location, weights_only=True),
+                             "sharded": True}
+                else:
+                    state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
             except Exception as e:  # noqa: BLE001 - any failure to read means "use the previous one"
                 log.warning("skipping checkpoint %s: %s; falling back to the previous one", path, e)
                 continue

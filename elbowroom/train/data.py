@@ -284,6 +284,8 @@ def build_dataloader(
     collate_fn: Callable[[list[Any]], Any],
     shuffle: bool = True,
     drop_last: bool = True,
+    dp_rank: int = 0,
+    dp_size: int = 1,
 ) -> DataLoader:
     """An endless, exactly resumable training loader.
 
@@ -306,6 +308,8 @@ def build_dataloader(
         collate_fn: ``collate`` for fixed-length samples, ``pad_collate`` for documents.
         shuffle: Permute each epoch.
         drop_last: Passed to the BatchSampler.
+        dp_rank: Under data parallel, this rank's index: it reads its part of each ``batch_size`` (global) batch.
+        dp_size: Data-parallel ranks (``batch_size`` must divide by it).
 
     Returns:
         The DataLoader; iterate it as long as training runs.
@@ -313,9 +317,16 @@ def build_dataloader(
     if batch_size <= 0:
         raise DataError(f"batch_size must be positive, got {batch_size}")
     sampler = ResumableSampler(len(dataset), seed=seed, start=start_sample, shuffle=shuffle)
+    if dp_size > 1:  # the same stream on every rank, each global batch cut into the ranks' parts
+        from elbowroom.distributed.sampler import RankBatchSampler
+
+        batches: Sampler[list[int]] = RankBatchSampler(sampler, global_batch=batch_size, dp_rank=dp_rank,
+                                                       dp_size=dp_size)
+    else:
+        batches = BatchSampler(sampler, batch_size, drop_last=drop_last)
     return DataLoader(
         dataset,
-        batch_sampler=BatchSampler(sampler, batch_size, drop_last=drop_last),
+        batch_sampler=batches,
         num_workers=num_workers,
         collate_fn=collate_fn,
         pin_memory=_pin_memory(pin_memory),

@@ -167,3 +167,38 @@ def apply_plan(model: nn.Module, plan: Plan, cfg: Config) -> tuple[nn.Module, to
         raise ConfigError(str(e)) from None
     log.info("%s", plan.table())
     return model, optimizer
+
+
+def per_rank_profile(profile: Any, shard_factor: int) -> Any:
+    """The profile one rank plans under FSDP2 sharding over ``shard_factor`` ranks: the seam for ``--budget``
+    under data parallel.
+
+    Each rank holds ``1 / shard_factor`` of every parameter, of its gradient and of its optimizer state, so the
+    blocks' and the head's parameter counts and bytes are divided (rounded up: FSDP2 pads the last shard); the
+    activations are those of the rank's own micro-batch, which the profile already measured. Under DDP the
+    factor is 1 (every rank holds everything). Not counted yet (so the trainer refuses ``--budget`` under
+    FSDP2 for now): the all-gathered parameters of the block in flight and the next one prefetched, and the
+    reduce-scatter buffers.
+
+    Args:
+        profile: an ``elbowroom.plan.Profile`` of one rank's micro-batch.
+        shard_factor: ranks each parameter is sharded over (``parallel.dp_shard``).
+
+    Returns:
+        The per-rank profile (a new frozen object).
+    """
+    import dataclasses
+
+    if shard_factor < 1:
+        raise ValueError(f"shard_factor must be >= 1, got {shard_factor}")
+    if shard_factor == 1:
+        return profile
+
+    def shard(n: int) -> int:
+        return -(-n // shard_factor)
+
+    blocks = tuple(dataclasses.replace(b, num_params=shard(b.num_params), param_bytes=shard(b.param_bytes))
+                   for b in profile.blocks)
+    head = dataclasses.replace(profile.head, num_params=shard(profile.head.num_params),
+                               param_bytes=shard(profile.head.param_bytes))
+    return dataclasses.replace(profile, blocks=blocks, head=head)

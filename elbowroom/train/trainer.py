@@ -16,6 +16,10 @@ micro-batch is profiled and :func:`elbowroom.plan.fit` chooses recompute, offloa
 precision; the loop then follows the plan (its fused loss, its weight dtype, its optimizer). ``--plan FILE``
 applies a saved plan instead, and ``--resume`` re-applies the run's own ``OUT/plan.toml``, so a resumed run
 has the layout, and the loss curve, of the run it continues.
+
+Under torchrun (``--parallel.dp_replicate`` / ``--parallel.dp_shard``) the same loop runs on every rank; what
+differs there (each rank's slice of the global batch, gradient sync, sums over ranks, sharded checkpoints) is
+:class:`~elbowroom.train.distributed_run.DistributedRun`, called at the few places where ranks differ.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from elbowroom.config import Config, ConfigError, to_dict, to_toml
 from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
 from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
+from elbowroom.train.distributed_run import DistributedRun, Launch, start_run
 from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
-from elbowroom.train.metrics import MetricsLogger, check_tensorboard, peak_flops, peak_memory
+from elbowroom.train.metrics import check_tensorboard, peak_flops, peak_memory
 from elbowroom.train.objectives import Distillation, load_distillation, micro_batch_loss, token_loss_sum
 from elbowroom.train.planning import (
     PLAN_FILE,
@@ -149,7 +154,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, overlap_forward: bool = True) -> Any:
     o = cfg.optimizer
     groups = param_groups(model, o.weight_decay)
     if o.offload_fraction > 0 or o.offload_gradients or o.param_dtype == "bfloat16":
@@ -173,7 +178,8 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
         )
         # step() returns at once; each block waits for its own updated weights in the next forward, so
         # the CPU step of the late blocks hides behind the forward of the early ones even with clipping
-        opt.overlap_with_forward(model)
+        if overlap_forward:  # (not under FSDP2, whose all-gather reads the shards before any forward pre-hook)
+            opt.overlap_with_forward(model)
         return opt
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=o.fused or None)
 
@@ -375,28 +381,32 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 # ---------------------------------------------------------------- the run
-def train(cfg: Config) -> TrainResult:
+def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
     """Train as ``cfg`` says; returns the losses. Raises ConfigError / DataError / CheckpointError on bad input.
 
     Bad input is found before anything is written: the run directory appears with the first finished
     step. Process-wide settings changed here (RNG states, deterministic algorithms) are given back on return.
+    With ``[parallel]`` sizes above 1 it runs as one rank of a data-parallel job: under torchrun, or inside a
+    process group already initialised (see :mod:`elbowroom.train.distributed_run`).
 
     Args:
         cfg: the resolved run configuration (see ``elbowroom.config.Config``).
+        launch: this process's rank and world size (default: the initialised process group's, else torchrun's
+            environment, else one process).
 
     Returns:
         A :class:`TrainResult` with the logged training and validation losses.
     """
-    with _restored_global_state():
-        return _train(cfg)
+    with _restored_global_state(), start_run(cfg, launch, os.environ) as run:
+        return _train(cfg, run)
 
 
-def _train(cfg: Config) -> TrainResult:
+def _train(cfg: Config, run: DistributedRun) -> TrainResult:
     if cfg.out is None:
-        cfg = replace(cfg, out=time.strftime("runs/%Y%m%d-%H%M%S"))
+        cfg = replace(cfg, out=run.same_on_all(time.strftime("runs/%Y%m%d-%H%M%S")))
     out = Path(cfg.out)
     _check_out_dir(out, cfg.resume)
-    device = resolve_device(cfg.train.device)
+    device = run.place(resolve_device(cfg.train.device))
     amp_dtype = resolve_dtype(cfg.train.dtype, device)
     if cfg.optimizer.offload_param_dtype == "bfloat16" and amp_dtype != torch.bfloat16:
         raise ConfigError(
@@ -419,6 +429,7 @@ def _train(cfg: Config) -> TrainResult:
     ckpts = CheckpointManager(out / "checkpoints", keep=cfg.checkpoint.keep)
     # read and verify the checkpoint before the data: a --resume with nothing to resume fails before any work
     loaded = _load_resume_checkpoint(out, ckpts) if cfg.resume else None
+    run.check_resume(loaded, cfg.data.batch_size)
     cfg = resolve_qat(cfg, loaded)  # a resumed QAT run keeps its scheme
 
     # --- data (validated before anything is written to OUT)
@@ -499,13 +510,10 @@ def _train(cfg: Config) -> TrainResult:
         pin_memory=pin,
         persistent_workers=cfg.data.num_workers > 0,
         collate_fn=collate,
+        **run.data_slice(),  # under data parallel: this rank's part of each global batch
     )
     batches: Any = iter(D.DevicePrefetcher(loader, device))
-    eval_loader = (
-        D.build_eval_loader(val_ds, batch_size=bsz, num_batches=cfg.train.eval_batches, collate_fn=collate)
-        if cfg.train.eval_batches
-        else None
-    )
+    eval_loader = run.eval_loader(val_ds, bsz, cfg.train.eval_batches, collate) if cfg.train.eval_batches else None
 
     # --- the memory layout and the optimizer: planned for --budget, a saved plan, or the [activations] and
     # [optimizer] switches
@@ -513,24 +521,27 @@ def _train(cfg: Config) -> TrainResult:
         first = next(batches)  # the plan is made for the run's own micro-batch, which step 1 then trains on
         batches = itertools.chain([first], batches)
         # the fused head + loss needs our own models' head, and runs outside torch.compile
-        fused_ok = model_cfg is not None and not cfg.train.compile
-        model, optimizer, plan = plan_for_budget(model, first, cfg, fused_loss=fused_ok, amp_dtype=amp_dtype)
+        fused_ok = model_cfg is not None and not cfg.train.compile and not run.enabled  # (DDP would not see it)
+        model, optimizer, plan = run.plan_once(plan_for_budget, apply_plan, model, first, cfg, fused_loss=fused_ok,
+                                               amp_dtype=amp_dtype)  # rank 0 plans; every rank follows its plan
+        fwd_model, optimizer = run.wrap(model, optimizer=optimizer)
         if device.type == "cuda":  # the logged peak is the training steps', not the profile's (an unplanned step)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
     elif plan is not None:
         model, optimizer = apply_plan(model, plan, cfg)
+        fwd_model, optimizer = run.wrap(model, optimizer=optimizer)
     else:
         if bf16_params:
             model.to(torch.bfloat16)  # the optimizer keeps fp32 masters of these values
         apply_activations(model, cfg)
-        optimizer = build_optimizer(model, cfg, device)
+        fwd_model, optimizer = run.wrap(model, lambda m, overlap: build_optimizer(m, cfg, device, overlap))
     if plan is not None:  # the plan decides the weights' dtype and the loss, whatever [optimizer] and [train] say
         bf16_params = plan.weight_dtype == "bfloat16"
         fused_loss = plan.fused_loss
     else:
         fused_loss = cfg.train.fused_loss
-    metrics = MetricsLogger(out, resume_step=loaded.step if loaded else None, tensorboard=cfg.logging.tensorboard)
+    metrics = run.metrics(out, resume_step=loaded.step if loaded else None, tensorboard=cfg.logging.tensorboard)
     progress = recorder = None
     try:  # from here on the optimizer (its host threads, pinned memory) is closed however the run ends
         scheduler = build_scheduler(
@@ -541,13 +552,12 @@ def _train(cfg: Config) -> TrainResult:
             min_lr_ratio=cfg.scheduler.min_lr_ratio,
         )
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
-        fwd_model: nn.Module = torch.compile(model) if cfg.train.compile else model
+        fwd_model = torch.compile(fwd_model) if cfg.train.compile else fwd_model  # (DDP's wrapper under DDP)
 
         # --- resume: model, optimizer, schedule, scaler, RNG (the data position is the loader's)
         step = 0
         if loaded is not None:
-            model.load_state_dict(loaded.state["model"])
-            optimizer.load_state_dict(loaded.state["optimizer"])
+            run.restore(loaded, model, optimizer)  # whichever world size wrote it
             scheduler.load_state_dict(loaded.state["scheduler"])
             if _saved_schedule_steps(loaded.meta) != schedule_steps:
                 sync_lr(scheduler)  # the optimizer's saved LR is the old curve's
@@ -576,8 +586,8 @@ def _train(cfg: Config) -> TrainResult:
         )
         params = [p for p in model.parameters() if p.requires_grad]
         result = TrainResult(step=step, losses={}, val_losses={}, out=out)
-        progress = _progress_bar(cfg, step)
-        if cfg.profile.enabled:  # --profile.steps: memory, trace and timeline of those steps, into OUT/profile/
+        progress = _progress_bar(cfg, step) if run.is_main else None
+        if cfg.profile.enabled and run.is_main:  # --profile.steps: memory, trace and timeline into OUT/profile/
             from elbowroom.report import Recorder
 
             recorder = Recorder(out, cfg.profile, model=model, optimizer=optimizer, start_step=step + 1, device=device)
@@ -586,16 +596,15 @@ def _train(cfg: Config) -> TrainResult:
             if hasattr(optimizer, "wait_for_weights"):
                 optimizer.wait_for_weights()  # host wait: the CPU step of the offloaded weights must have landed
             state = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "rng": rng_state(device),
                 "samples_seen": samples_seen,
             }
             meta = {"model": model_meta, "config": to_dict(cfg), "schedule_steps": schedule_steps}
-            path = ckpts.save(at, state, meta)
-            log.info("saved checkpoint %s", path)
+            path = run.save(ckpts, at, model, optimizer, state, meta)  # every rank: its shards, rank 0 the rest
+            if run.is_main:
+                log.info("saved checkpoint %s", path)
 
         # --- the loop
         tokens_since_log, t_log = 0, time.perf_counter()
@@ -607,14 +616,14 @@ def _train(cfg: Config) -> TrainResult:
                     recorder.step_begin(step + 1)  # numbered as metrics.jsonl numbers it
                 model.train()
                 micro = [next(batches) for _ in range(accum)]
-                loss_acc += accumulate_gradients(fwd_model, micro, autocast, scaler, optimizer, fused_loss=fused_loss,
-                                                 distill=distill)
+                loss_acc += run.accumulate(accumulate_gradients, fwd_model, micro, autocast, scaler, optimizer,
+                                           fused_loss=fused_loss, distill=distill)
                 samples_seen += accum * bsz
                 tokens_since_log += sum(b["input_ids"].numel() for b in micro)
 
                 if scaler is not None:
                     scaler.unscale_(optimizer)
-                last = step + 1 == cfg.train.steps or stop.received is not None
+                last = step + 1 == cfg.train.steps or run.any_rank(stop.received is not None)
                 log_now = (step + 1) % cfg.logging.log_every == 0 or step == 0 or last
                 if cfg.train.max_grad_norm:
                     grad_norm = clip_gradients(params, optimizer, cfg.train.max_grad_norm)
@@ -637,7 +646,7 @@ def _train(cfg: Config) -> TrainResult:
                     t_log += recorder.writing_seconds - written  # writing the recording is not training time
                 if progress is not None:
                     progress.update(1)
-                if not started:  # the run directory appears with the first finished step, not before
+                if not started and run.is_main:  # the run directory appears with the first finished step
                     out.mkdir(parents=True, exist_ok=True)
                     _atomic_write_text(out / "config.toml", to_toml(cfg))
                     if plan is not None:
@@ -647,23 +656,25 @@ def _train(cfg: Config) -> TrainResult:
 
                 # one reading of the flag decides evaluation, the save and the exit: a signal that lands
                 # between two readings must not stop the run without its checkpoint
-                stopping = stop.received is not None
+                stopping = run.any_rank(stop.received is not None)
                 last = last or stopping
                 if log_now or last:
-                    loss_val = loss_acc.item()  # host-device sync: logging asks for it
+                    loss_val = run.global_loss(loss_acc)  # host-device sync: logging asks for it
                     now = time.perf_counter()
-                    tok_s = tokens_since_log / (now - t_log)
+                    ranks = run.log_numbers(tokens_since_log)  # tokens of all ranks, comm bytes
+                    tok_s = ranks.pop("tokens_all_ranks") / (now - t_log)
                     row = {
                         "step": step,
                         "loss": loss_val,
                         "lr": lr,
-                        "grad_norm": grad_norm.item() if grad_norm is not None else None,
+                        "grad_norm": run.norm_value(grad_norm),
                         "tokens_per_s": tok_s,
                         "tflops": tok_s * flops_tok / 1e12,
                         "mfu": tok_s * flops_tok / peak if peak else None,
                         "tokens": samples_seen * seq_len,
                         "elapsed_s": now - t_log,
                         **peak_memory(device),
+                        **ranks,
                     }
                     if not math.isfinite(loss_val):
                         log.warning("step %d: loss is %s", step, loss_val)
@@ -678,7 +689,7 @@ def _train(cfg: Config) -> TrainResult:
                 if eval_loader is not None and not stopping and (
                     (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last
                 ):
-                    val = evaluate(fwd_model, eval_loader, device, autocast)
+                    val = evaluate(fwd_model, eval_loader, device, autocast, run.reduce_eval)
                     if val is not None:
                         result.val_losses[step] = val
                         metrics.write({"step": step, "val_loss": val})
@@ -714,8 +725,9 @@ def _train(cfg: Config) -> TrainResult:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, device: torch.device, autocast: Any) -> float | None:
-    """Mean validation loss per target token over the eval batches (None when there are none)."""
+def evaluate(model: nn.Module, loader: Any, device: torch.device, autocast: Any, reduce: Any = None) -> float | None:
+    """Mean validation loss per target token over the eval batches (None when there are none); ``reduce`` sums
+    the loss and token count over data-parallel ranks."""
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
     n = 0
@@ -725,6 +737,8 @@ def evaluate(model: nn.Module, loader: Any, device: torch.device, autocast: Any)
         total += token_loss_sum(logits, b["targets"]).double()
         n += b["num_tokens"]
     model.train()
+    if reduce is not None:
+        total, n = reduce(total, n)
     return total.item() / n if n else None  # host-device sync: evaluation result
 
 

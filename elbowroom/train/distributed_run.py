@@ -1,0 +1,468 @@
+"""The trainer on several processes: what a step, a log line and a checkpoint do differently under data parallel.
+
+``torchrun --nproc-per-node N -m elbowroom train --parallel.dp_replicate R --parallel.dp_shard S`` starts N
+copies of the trainer; each builds a :class:`DistributedRun` and the loop calls it at the few places where
+ranks differ or must agree. A single process gets one whose every method is the plain thing, so the loop
+reads the same either way.
+
+- **Set-up**: the launch (rank, world size) is checked against ``[parallel]`` and ``data.batch_size`` before
+  anything starts; a bad set-up is a :class:`~elbowroom.config.ConfigError` (exit 2) that writes nothing.
+  The process group is ``cuda:nccl,cpu:gloo`` on GPU, gloo on CPU; the mesh's dimensions are ``dp_replicate``
+  and ``dp_shard``; each rank computes on ``cuda:LOCAL_RANK``.
+- **Wrapping**: DDP wraps the model after the memory policies (recompute and offload wrap the blocks'
+  forwards, which DDP calls through) and after the optimizer, so that a CPU-offloaded optimizer takes its
+  gradients from DDP's comm hook once they are all-reduced; FSDP2 shards first and the optimizer steps the
+  shards (its CPU steps then wait in ``step()``: FSDP2 all-gathers a block's shards before any forward
+  pre-hook of ours could wait for their update).
+- **A step**: ``data.batch_size`` is the global batch of one micro-step; each rank reads its part. The loss
+  is normalised by the target tokens of the whole global step (padding excluded from the count, as in one
+  process), times the data-parallel size since DDP and FSDP2 average gradients; gradient sync is off for
+  every micro-batch but the last, from its forward through its backward.
+- **Agreement**: the logged loss, validation loss and tokens/s are sums over ranks; a stop signal seen by
+  any rank stops all of them at the same step; rank 0 alone writes logs, metrics and checkpoint metadata,
+  while every rank writes its shards of a checkpoint (torch.distributed.checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from elbowroom.config import Config, ConfigError
+from elbowroom.distributed.data_parallel import (
+    Topology,
+    apply_data_parallel,
+    gradient_sync,
+    init_distributed,
+    loss_scale,
+    shutdown,
+)
+from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
+
+log = logging.getLogger("elbowroom.train")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where torchrun placed this process (its RANK, WORLD_SIZE and LOCAL_RANK)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> Launch | None:
+        """torchrun's variables, or None when they are absent (a plain ``python``/``elbowroom`` process)."""
+        if "WORLD_SIZE" not in environ:
+            return None
+        try:
+            return cls(int(environ.get("RANK", "0")), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")))
+        except ValueError:
+            raise ConfigError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (torchrun sets them)") from None
+
+
+def resolve_launch(launch: Launch | None, environ: Mapping[str, str]) -> Launch | None:
+    """The launch to use: the one given, else an initialised process group's, else torchrun's environment
+    (read here, as ``torch.distributed``'s own ``env://`` does, so that ``train(cfg)`` works under torchrun)."""
+    if launch is not None:
+        return launch
+    if dist.is_available() and dist.is_initialized():
+        env = Launch.from_environment(environ)
+        local = env.local_rank if env is not None else dist.get_rank() % max(torch.cuda.device_count(), 1)
+        return Launch(dist.get_rank(), dist.get_world_size(), local)
+    return Launch.from_environment(environ)
+
+
+def check_setup(cfg: Config, launch: Launch | None) -> None:
+    """Refuse a set-up that cannot work, before anything starts (ConfigError: exit 2, nothing written)."""
+    p = cfg.parallel
+    if p.tp > 1 or p.pp > 1:
+        raise ConfigError(
+            "parallel.tp and parallel.pp (tensor and pipeline parallel) are in the library "
+            "(elbowroom.distributed.model_parallel) but not in the trainer yet; set them to 1 for `elbowroom train`"
+        )
+    world = launch.world_size if launch is not None else 1
+    mesh = (f"--parallel.dp_replicate {p.dp_replicate} x --parallel.dp_shard {p.dp_shard} = "
+            f"{p.world_size} processes")
+    if launch is None and p.world_size > 1:
+        raise ConfigError(
+            f"{mesh}, but this process was not started by torchrun (no WORLD_SIZE); launch it with "
+            f"`torchrun --nproc-per-node {p.world_size} -m elbowroom train ...`, or drop the --parallel flags"
+        )
+    if world != p.world_size:
+        hint = (f"set --parallel.dp_replicate {world} (DDP) or --parallel.dp_shard {world} (FSDP2)"
+                if p.world_size == 1 else f"launch with `torchrun --nproc-per-node {p.world_size}`")
+        raise ConfigError(f"the mesh needs {mesh}, but the world size is {world}; {hint}")
+    if cfg.data.batch_size % p.dp_size:
+        raise ConfigError(
+            f"data.batch_size {cfg.data.batch_size} is the global batch of one micro-step and must divide by the "
+            f"data-parallel size {p.dp_size}; use a multiple of {p.dp_size}"
+        )
+    mode = p.mode
+    if mode == "single":
+        return
+    for flag, on in (("--train.fused_loss", cfg.train.fused_loss), ("--distill.teacher", cfg.distill.teacher)):
+        if on:
+            raise ConfigError(
+                f"{flag} reads the output head outside the model's forward, which {mode.upper()} does not see (no "
+                f"gradient sync); drop {flag} under data parallel"
+            )
+    if mode == "ddp" and cfg.optimizer.offload_gradients:
+        raise ConfigError(
+            "optimizer.offload_gradients frees device gradients, but DDP keeps them in its own buckets; drop "
+            "--optimizer.offload_gradients, or shard with --parallel.dp_shard"
+        )
+    if mode in ("fsdp", "hsdp"):
+        for flag, on in (
+            ("--optimizer.param_dtype bfloat16", cfg.optimizer.param_dtype != "float32"),
+            ("--optimizer.offload_param_dtype bfloat16", cfg.optimizer.offload_param_dtype != "float32"),
+        ):
+            if on:
+                raise ConfigError(
+                    f"{flag} casts the weights the optimizer steps, but FSDP2 shards fp32 weights and computes in "
+                    "--train.dtype (its MixedPrecisionPolicy); drop the flag"
+                )
+        if p.fsdp_cpu_offload and cfg.optimizer.offload_fraction > 0:
+            raise ConfigError(
+                "parallel.fsdp_cpu_offload and optimizer.offload_fraction both move the optimizer to the host; "
+                "choose one (elbowroom's --optimizer.offload_fraction is the faster)"
+            )
+        if cfg.budget is not None or cfg.plan is not None:
+            raise ConfigError(
+                f"{'--budget' if cfg.budget is not None else '--plan'} plans one process's memory, and does not "
+                "count FSDP2's shards yet; set the [activations] and [optimizer] switches by hand under "
+                "--parallel.dp_shard, or plan under DDP (--parallel.dp_replicate)"
+            )
+        if cfg.train.compile:
+            raise ConfigError("train.compile is not supported with FSDP2 here yet; drop --train.compile")
+
+
+class _NoMetrics:
+    """What ranks other than 0 log: nothing."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DistributedRun:
+    """The trainer's data-parallel side (see the module docstring); in one process every method is the plain
+    thing. Build it with :func:`start_run`."""
+
+    def __init__(self, cfg: Config, topo: Topology, device: torch.device | None, owns_group: bool) -> None:
+        self.cfg = cfg
+        self.topo = topo
+        self.device = device
+        """The rank's device under data parallel (``cuda:LOCAL_RANK`` or cpu); None in one process."""
+        self.owns_group = owns_group
+        self.comm: Any = None  # the DDP comm hook's state (bytes on the wire)
+        self._steps = 0  # optimizer steps since the last log line (for comm bytes per step)
+
+    # ---------------------------------------------------------------- who and where
+    @property
+    def enabled(self) -> bool:
+        return self.topo.parallel.mode != "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.topo.is_main
+
+    @property
+    def dp_size(self) -> int:
+        return self.topo.dp_size if self.enabled else 1
+
+    def place(self, device: torch.device) -> torch.device:
+        """The device this rank computes on (``--train.device`` in one process)."""
+        return self.device if self.device is not None else device
+
+    def same_on_all(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (the run directory's default name, a timestamp)."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _sum(self, values: list[float]) -> list[float]:
+        """Host numbers summed over ranks (over the gloo side of the group: no device sync)."""
+        if not self.enabled:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when it is True on any (a stop signal that reached some ranks stops all)."""
+        return bool(self._sum([float(flag)])[0]) if self.enabled else flag
+
+    # ---------------------------------------------------------------- data
+    def data_slice(self) -> dict[str, int]:
+        """This rank's part of every global batch (keywords of ``build_dataloader``)."""
+        return {"dp_rank": self.topo.dp_rank, "dp_size": self.dp_size} if self.enabled else {}
+
+    def eval_loader(self, dataset: Any, batch_size: int, num_batches: int, collate: Callable) -> Any:
+        """The validation batches: in one process the first ``num_batches`` global batches; under data parallel
+        each rank takes its consecutive share of the same samples (a multiple of the ranks, so that every rank
+        runs as many forwards: FSDP2 all-gathers in each), in batches of ``batch_size / dp``."""
+        from elbowroom.train import data as D
+
+        if not self.enabled:
+            return D.build_eval_loader(dataset, batch_size=batch_size, num_batches=num_batches, collate_fn=collate)
+        from torch.utils.data import DataLoader
+
+        n = min(len(dataset), batch_size * num_batches)
+        n -= n % self.dp_size
+        share = n // self.dp_size
+        lo = self.topo.dp_rank * share
+        return DataLoader(dataset, batch_size=batch_size // self.dp_size, sampler=range(lo, lo + share),
+                          drop_last=False, collate_fn=collate, generator=torch.Generator().manual_seed(0))
+
+    def reduce_eval(self, total: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+        """The validation loss sum and target tokens over all ranks."""
+        if not self.enabled:
+            return total, n
+        s, count = self._sum([total.item(), float(n)])  # host-device sync: evaluation result
+        return torch.tensor(s, dtype=torch.float64), int(count)
+
+    # ---------------------------------------------------------------- model and optimizer
+    def wrap(self, model: nn.Module, build_optimizer: Callable[..., Any] | None = None,
+             optimizer: Any = None) -> tuple[nn.Module, Any]:
+        """Wrap ``model`` for data parallel and build (or take) its optimizer.
+
+        Args:
+            model: the model, memory policies applied.
+            build_optimizer: ``build_optimizer(model, overlap_forward)``; or pass ``optimizer`` already built
+                (DDP only: FSDP2 must shard before the optimizer sees the parameters).
+
+        Returns:
+            ``(model to call, optimizer)``; ``model`` itself stays the module whose state is saved.
+        """
+        mode = self.topo.parallel.mode
+        if mode == "single":
+            return model, optimizer if optimizer is not None else build_optimizer(model, True)
+        if mode == "ddp":
+            if optimizer is None:
+                optimizer = build_optimizer(model, True)
+            then = optimizer.after_reduction() if hasattr(optimizer, "after_reduction") else None
+            wrapped, self.comm = apply_data_parallel(model, self.topo, seed=self.cfg.train.seed, after_reduction=then)
+            return wrapped, optimizer
+        assert optimizer is None, "FSDP2 shards the parameters before the optimizer is built"
+        from elbowroom.activations.recompute import find_blocks
+
+        mp = _fsdp_param_dtype(self.cfg, self.place(torch.device("cpu")))
+        blocks = find_blocks(model)
+        apply_data_parallel(model, self.topo, blocks=blocks or None, param_dtype=mp)
+        # the CPU steps must have landed before FSDP2's pre-forward all-gather reads the shards: step() waits
+        return model, build_optimizer(model, False)
+
+    def plan_once(self, plan_fn: Callable[..., Any], apply_fn: Callable[..., Any], model: nn.Module,
+                  sample: dict[str, Any], cfg: Config, **kwargs: Any) -> tuple[nn.Module, Any, Any]:
+        """``--budget`` on several ranks: rank 0 profiles and plans (``plan_fn``, the trainer's
+        ``plan_for_budget``), every other rank applies the same plan (``apply_fn``), so that all ranks hold the
+        same layout (measured timings differ from rank to rank; a plan of another precision would not reduce).
+        Under DDP every rank holds the whole model, so one rank's plan is each rank's."""
+        if not self.enabled:
+            return plan_fn(model, sample, cfg, **kwargs)
+        from elbowroom.plan import Plan
+
+        made = error = None
+        if self.is_main:
+            try:
+                model, optimizer, plan = plan_fn(model, sample, cfg, **kwargs)
+                made = plan.to_dict()
+            except ConfigError as e:
+                error = str(e)
+        made, error = self.same_on_all((made, error))
+        if error is not None:
+            raise ConfigError(error)
+        if self.is_main:
+            return model, optimizer, plan
+        plan = Plan.from_dict(made)
+        model, optimizer = apply_fn(model, plan, cfg)
+        return model, optimizer, plan
+
+    def accumulate(self, fn: Callable[..., torch.Tensor], model: nn.Module, micro: list[dict[str, Any]],
+                   *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``fn(model, micro, ...)`` (the trainer's ``accumulate_gradients``) as one data-parallel step.
+
+        ``fn`` divides each micro-batch's summed loss by the sum of the micro-batches' ``num_tokens``; here
+        that sum is made the global step's target tokens over the data-parallel size (one tiny all-reduce of
+        host counts), so the gradients DDP/FSDP2 average equal one process's over the global batch. Gradient
+        sync is off from the forward of every micro-batch but the last through its backward.
+
+        Returns:
+            This rank's share of the step's loss (summed over ranks it is the step's loss: :meth:`global_loss`).
+        """
+        self._steps += 1
+        if not self.enabled:
+            return fn(model, micro, *args, **kwargs)
+        local_tokens = sum(b["num_tokens"] for b in micro)
+        (global_tokens,) = self._sum([float(local_tokens)])
+        share = global_tokens / loss_scale(self.topo)
+        micro = [{**b, "num_tokens": share if i == 0 else 0} for i, b in enumerate(micro)]
+        with self._sync_on_last(model, len(micro)):
+            return fn(model, micro, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _sync_on_last(self, model: nn.Module, n: int) -> Iterator[None]:
+        """Gradient sync only for the ``n``-th forward's micro-batch: each forward sets the flag its backward
+        reads (DDP decides in forward, FSDP2 in backward, so the flag holds from one forward to the next)."""
+        calls = [0]
+        state: dict[str, Any] = {}
+        wrapper = getattr(model, "_orig_mod", model)  # under torch.compile: the DDP / FSDP2 module it compiled
+
+        def before_forward(module: nn.Module, args: Any) -> None:
+            calls[0] += 1
+            if "ctx" in state:
+                state.pop("ctx").__exit__(None, None, None)
+            if calls[0] < n:
+                ctx = gradient_sync(wrapper, False)
+                ctx.__enter__()
+                state["ctx"] = ctx
+
+        handle = model.register_forward_pre_hook(before_forward)
+        try:
+            yield
+        finally:
+            handle.remove()
+            if "ctx" in state:
+                state.pop("ctx").__exit__(None, None, None)
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The step's loss from each rank's share (a host-device sync: logging asks for it)."""
+        value = loss.item()
+        return self._sum([value])[0] / loss_scale(self.topo) if self.enabled else value
+
+    def norm_value(self, norm: torch.Tensor | None) -> float | None:
+        """A logged gradient norm as a number (FSDP2's is a DTensor: its global value)."""
+        if norm is None:
+            return None
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return norm.item()
+
+    def log_numbers(self, tokens: int) -> dict[str, Any]:
+        """At a log line: the tokens of every rank since the last one, and the comm hook's bytes per step."""
+        (total,) = self._sum([float(tokens)])
+        steps, self._steps = max(self._steps, 1), 0
+        out: dict[str, Any] = {"tokens_all_ranks": int(total)}
+        if self.comm is not None:
+            out["comm_bytes_per_step"] = self.comm.take_bytes() / steps
+        return out
+
+    # ---------------------------------------------------------------- checkpoints
+    def check_resume(self, loaded: Loaded | None, global_batch: int) -> None:
+        """Refuse a data position that cannot be carried over: another data-parallel size with another
+        global batch."""
+        if loaded is None:
+            return
+        saved_dp = loaded.state.get("dp_size", 1)
+        saved_batch = loaded.state.get("global_batch", ((loaded.meta.get("config") or {}).get("data") or {})
+                                       .get("batch_size", global_batch))
+        if saved_dp != self.dp_size and saved_batch != global_batch:
+            raise CheckpointError(
+                f"checkpoint {loaded.path} was written by {saved_dp} data-parallel rank(s) at a global batch of "
+                f"{saved_batch}; at {self.dp_size} rank(s) its data position carries over only with the same global "
+                f"batch: resume with --data.batch_size {saved_batch}"
+            )
+
+    def restore(self, loaded: Loaded, model: nn.Module, optimizer: Any) -> None:
+        """Load a checkpoint's model and optimizer state, whichever world wrote it."""
+        from elbowroom.train import sharded_checkpoint as S
+
+        if loaded.state.get("sharded"):
+            S.load_sharded(loaded.path, model, optimizer)
+        elif self.enabled:
+            S.load_full(loaded.state, model, optimizer)
+        else:
+            model.load_state_dict(loaded.state["model"])
+            optimizer.load_state_dict(loaded.state["optimizer"])
+
+    def save(self, ckpts: CheckpointManager, step: int, model: nn.Module, optimizer: Any,
+             extra: dict[str, Any], meta: dict[str, Any]) -> Path | None:
+        """Save a checkpoint (every rank calls this); returns its path on rank 0 (None elsewhere).
+
+        Args:
+            extra: the state besides the model and optimizer (schedule, scaler, RNG, data position).
+        """
+        if not self.enabled:
+            return ckpts.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}, meta)
+        from elbowroom.train import sharded_checkpoint as S
+
+        extra = {**extra, "dp_size": self.dp_size, "global_batch": self.cfg.data.batch_size}
+        return S.save_sharded(ckpts, step, model, optimizer, extra, meta, is_main=self.is_main)
+
+    def metrics(self, out: Path, **kwargs: Any) -> Any:
+        """The metrics logger: rank 0's, nothing elsewhere."""
+        from elbowroom.train.metrics import MetricsLogger
+
+        return MetricsLogger(out, **kwargs) if self.is_main else _NoMetrics()
+
+
+def _fsdp_param_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """FSDP2's compute dtype: the run's autocast dtype (bf16 on CUDA by default), fp32 stays fp32."""
+    from elbowroom.train.trainer import resolve_dtype
+
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    return None if dtype == torch.float32 else dtype
+
+
+@contextlib.contextmanager
+def start_run(cfg: Config, launch: Launch | None, environ: Mapping[str, str]) -> Iterator[DistributedRun]:
+    """Check the set-up, start the process group if this run needs one, and give it back when the run ends.
+
+    Args:
+        cfg: the run's config (``[parallel]``, ``data.batch_size``).
+        launch: where this process sits, or None (see :func:`resolve_launch`).
+        environ: the environment, for torchrun's variables when no launch is given.
+
+    Raises:
+        ConfigError: a bad set-up (the message says which flag to change), before anything starts.
+    """
+    launch = resolve_launch(launch, environ)
+    check_setup(cfg, launch)
+    p = cfg.parallel
+    if p.mode == "single":
+        yield DistributedRun(cfg, Topology(parallel=p), None, False)
+        return
+    assert launch is not None or p.world_size == 1
+    launch = launch or Launch()
+    want = cfg.train.device
+    cuda = want.startswith("cuda") or (want == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", launch.local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    owns = not dist.is_initialized()
+    if owns and launch.world_size == 1 and "MASTER_ADDR" not in environ:
+        # FSDP2 at world size 1 (e.g. its CPUOffloadPolicy, for comparison) needs a group of one: no rendezvous
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    try:
+        topo = init_distributed(p, rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
+                                device=device)
+    except ValueError as e:
+        if owns:
+            shutdown()
+        raise ConfigError(str(e)) from None
+    run = DistributedRun(cfg, topo, device, owns)
+    if run.is_main:
+        log.info("data parallel: %s over %d processes (mesh dp_replicate %d x dp_shard %d), %s",
+                 p.mode.upper(), launch.world_size, p.dp_replicate, p.dp_shard, device)
+    t0 = time.perf_counter()
+    try:
+        yield run
+    finally:
+        if owns:
+            shutdown()
+        log.debug("distributed run ended after %.1f s", time.perf_counter() - t0)

@@ -1,0 +1,239 @@
+"""The trainer under data parallel (2 gloo processes): the same losses as one process over the same global batch.
+
+Every distributed run happens in one spawn (CI has two cores); the single-process references run in the test
+process. fp32, no dropout, clipping on (the global norm is compared too): the ranks' losses must equal the
+single process's within 1e-5 relative (only the order of the gradient sums differs); a resumed run continues
+the uninterrupted curve within 1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from elbowroom import config as C
+from elbowroom.cli import main
+from elbowroom.train.checkpoint import CheckpointManager
+from tests.distributed_utils import run_ranks
+
+BASE = [
+    "--model.dim", "32", "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.n_layers", "2",
+    "--data.seq_len", "32", "--data.batch_size", "4", "--data.num_workers", "0", "--train.dtype", "fp32",
+    "--train.device", "cpu", "--train.eval_every", "3", "--train.eval_batches", "2", "--logging.progress", "false",
+    "--log-every", "1", "--scheduler.warmup_steps", "2", "--optimizer.lr", "1e-2", "--steps", "6",
+    "--checkpoint.every", "3",
+]
+DDP, FSDP = ["--parallel.dp_replicate", "2"], ["--parallel.dp_shard", "2"]
+HSDP = ["--parallel.data_parallel", "hsdp"]  # FSDP2 on the 2-D mesh, whichever dimension is 2
+ACCUM = ["--train.gradient_accumulation_steps", "2"]
+RECOMPUTE = ["--activations.checkpoint", "full"]
+OFFLOAD = ["--optimizer.offload_fraction", "0.5"]
+FIRST_HALF = ["--steps", "3", "--scheduler.decay_steps", "6"]  # stopped at 3 on the 6-step schedule
+
+CASES = {
+    "ddp": DDP, "fsdp": FSDP, "ddp_accum": DDP + ACCUM, "fsdp_accum": FSDP + ACCUM,
+    "ddp_recompute": DDP + RECOMPUTE, "fsdp_recompute": FSDP + RECOMPUTE + ACCUM,
+    "ddp_offload": DDP + OFFLOAD + ACCUM, "fsdp_offload": FSDP + OFFLOAD,
+    "hsdp_2x1": DDP + HSDP, "hsdp_1x2_offload": FSDP + HSDP + OFFLOAD,
+}
+
+
+def _config(out: Path, *args: str):
+    cfg = C.resolve(None, [*BASE, "--out", str(out), *args])
+    return replace(cfg, data=replace(cfg.data, cache_dir=os.environ["ELBOWROOM_CACHE"]))
+
+
+def _train(out: Path, *args: str) -> dict:
+    from elbowroom.train.trainer import train
+
+    r = train(_config(out, *args))
+    return {"losses": r.losses, "val": r.val_losses, "step": r.step}
+
+
+def _offload_after_reduction(rank: int) -> dict:
+    """DDP + CPUOffloadOptimizer by hand: gradients reach the host once, from the comm hook after the all-reduce."""
+    import torch.nn.functional as F
+
+    from elbowroom.distributed.config import ParallelConfig
+    from elbowroom.distributed.data_parallel import apply_data_parallel, init_distributed
+    from elbowroom.models import ModelConfig, build_model
+    from elbowroom.optim import CPUOffloadOptimizer
+
+    topo = init_distributed(ParallelConfig(dp_replicate=2), rank=rank, world_size=2, local_rank=rank,
+                            device=torch.device("cpu"))
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16))
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, offload_fraction=1.0)
+    ddp, _ = apply_data_parallel(model, topo, after_reduction=opt.after_reduction())
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randint(0, 64, (2, 17), generator=g)
+        F.cross_entropy(ddp(x[:, :-1]).reshape(-1, 64), x[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {"step_in_backward": opt.step_in_backward, "d2h": opt.stats()["d2h_bytes"],
+           "grad_bytes": 4 * sum(p.numel() for p in model.parameters()),
+           "params": [p.detach().clone() for p in model.parameters()]}
+    opt.close()
+    return out
+
+
+def _ranks(rank: int, world: int, tmp: str) -> dict:
+    """Each case on 2 ranks, inside one process group (``train(cfg)`` joins it); then the resume halves."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tmp_path = Path(tmp)
+    res = {name: _train(tmp_path / name, *args) for name, args in CASES.items()}  # one run directory for all ranks
+    res["ddp_fp16"] = _train(tmp_path / "ddp_fp16", *DDP, "--parallel.comm_hook", "fp16")
+    res["after_reduction"] = _offload_after_reduction(rank)
+    # ws2 -> ws1: the first half under FSDP2 with the optimizer half on the host; the parent continues it
+    res["half"] = _train(tmp_path / "ws2", *FSDP, *OFFLOAD, *FIRST_HALF)
+    # ws1 -> ws2: the parent's single-process first half, continued here under FSDP2
+    res["resumed"] = _train(tmp_path / "ws1", *FSDP, "--resume")
+    return res
+
+
+def _close(a: dict[int, float], b: dict[int, float], rel: float, what: str = "") -> None:
+    assert a.keys() == b.keys(), what
+    assert list(a.values()) == pytest.approx(list(b.values()), rel=rel), what
+
+
+@pytest.mark.slow
+def test_trainer_data_parallel_equals_one_process(tmp_path: Path, capsys) -> None:
+    ref = {
+        "plain": _train(tmp_path / "ref", ),
+        "accum": _train(tmp_path / "ref-accum", *ACCUM),
+        "offload": _train(tmp_path / "ref-offload", *OFFLOAD),
+    }
+    ws1_half = _train(tmp_path / "ws1", *FIRST_HALF)
+    assert ws1_half["step"] == 3
+
+    r0, r1 = run_ranks(_ranks, str(tmp_path))
+
+    if os.environ.get("DEBUG_DP"):
+        for name, args in CASES.items():
+            want = ref["accum" if ACCUM[0] in args else "plain"]["losses"]
+            print(name, max(abs(a / b - 1) for a, b in zip(r0[name]["losses"].values(), want.values())))
+    for name, args in CASES.items():
+        want = ref["accum" if ACCUM[0] in args else "plain"]
+        got = r0[name]
+        _close(got["losses"], want["losses"], 1e-5, name)  # the global loss, logged by rank 0
+        _close(got["val"], want["val"], 1e-5, name)  # validation all-reduced: the single process's
+        assert r1[name]["losses"] == got["losses"], name  # every rank agrees on the loss it reports
+    # a comm hook's bytes on the wire per step: fp16, 2 bytes per gradient element
+    from elbowroom.models import build_model
+    from elbowroom.train.trainer import resolve_model_config
+
+    n_params = sum(p.numel() for p in build_model(resolve_model_config(_config(tmp_path / "x"), 256)).parameters())
+    fp16_rows = [json.loads(line) for line in (tmp_path / "ddp_fp16" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["comm_bytes_per_step"] for r in fp16_rows if "loss" in r] == [2 * n_params] * 6
+    _close(r0["ddp_fp16"]["losses"], ref["plain"]["losses"], 1e-3, "fp16")
+    # DDP + CPUOffloadOptimizer: each step copies the reduced gradients once (no re-copy of gradients the all-reduce
+    # changed after a post-accumulate hook took them), so the CPU steps may start during backward
+    for r in (r0, r1):
+        assert r["after_reduction"]["step_in_backward"] is True
+        assert r["after_reduction"]["d2h"] == r["after_reduction"]["grad_bytes"]
+    for a, b in zip(r0["after_reduction"]["params"], r1["after_reduction"]["params"]):
+        assert torch.equal(a, b)  # the ranks stepped on the same (reduced) gradients
+
+    # rank 0 alone writes the metrics: one row per step and evaluation, not two
+    assert len((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()) == 6 + 2
+
+    # ws2 -> ws1: continue the FSDP2 + offload checkpoint of step 3 in one process
+    sharded = tmp_path / "ws2" / "checkpoints" / "step_00000003"
+    assert (sharded / ".metadata").is_file() and CheckpointManager(sharded.parent).validate(sharded)["format"] == 2
+    before = sorted(p.name for p in (tmp_path / "ws2").rglob("*"))
+    # its data position is a count of samples of global batches of 4: at another dp size only with that batch
+    assert main(["train", *BASE, "--out", str(tmp_path / "ws2"), *OFFLOAD, "--resume", "--data.batch_size", "8"]) == 2
+    assert "resume with --data.batch_size 4" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "ws2").rglob("*")) == before
+    resumed = _train(tmp_path / "ws2", *OFFLOAD, "--resume")
+    _close({s: v for s, v in resumed["losses"].items() if s > 3},
+           {s: v for s, v in ref["offload"]["losses"].items() if s > 3}, 1e-6)
+    # ws1 -> ws2: the single-process checkpoint of step 3 continued under FSDP2 on two ranks
+    _close({s: v for s, v in r0["resumed"]["losses"].items() if s > 3},
+           {s: v for s, v in ref["plain"]["losses"].items() if s > 3}, 1e-6)
+
+
+def test_sharded_checkpoint_verification_finds_a_flipped_byte(tmp_path: Path) -> None:
+    """A sharded checkpoint is verified file by file, as a single file is: a flipped byte is found."""
+    from elbowroom.train.sharded_checkpoint import save_sharded
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    ckpts = CheckpointManager(tmp_path / "checkpoints", keep=1)
+    for step in (1, 2):
+        save_sharded(ckpts, step, model, opt, {"samples_seen": step}, {}, is_main=True)
+    assert [s for s, _ in ckpts.checkpoints()] == [2]  # rotation keeps the newest
+    assert not list(ckpts.directory.glob(".tmp-*"))
+    path = ckpts.directory / "step_00000002"
+    assert ckpts.load_latest().state == {"samples_seen": 2, "sharded": True}
+    shard = next(path.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        CheckpointManager(ckpts.directory).validate(path)
+
+
+# ---------------------------------------------------------------- bad set-ups: exit 2, a sentence, nothing written
+@pytest.mark.parametrize(
+    "world, args, message",
+    [
+        (None, DDP, "not started by torchrun (no WORLD_SIZE); launch it with `torchrun --nproc-per-node 2"),
+        ("2", ["--parallel.dp_shard", "4"], "the world size is 2; launch with `torchrun --nproc-per-node 4`"),
+        ("2", [], "set --parallel.dp_replicate 2 (DDP) or --parallel.dp_shard 2 (FSDP2)"),
+        ("2", [*DDP, "--data.batch_size", "3"], "must divide by the data-parallel size 2"),
+        ("2", [*FSDP, "--train.fused_loss"], "drop --train.fused_loss under data parallel"),
+        ("2", [*DDP, *OFFLOAD, "--optimizer.offload_gradients"], "DDP keeps them in its own buckets"),
+        ("2", [*FSDP, "--parallel.fsdp_cpu_offload", *OFFLOAD], "choose one"),
+        ("2", [*FSDP, "--budget", "1GiB"], "does not count FSDP2's shards yet"),
+        ("2", [*FSDP, "--parallel.comm_hook", "fp16"], "set --parallel.dp_shard 1 or --parallel.comm_hook none"),
+        ("2", ["--parallel.tp", "2"], "not in the trainer yet"),
+        ("2", [*DDP, "--distill.teacher", "runs/teacher"], "drop --distill.teacher under data parallel"),
+    ],
+)
+def test_bad_setups_exit_2(tmp_path: Path, monkeypatch, capsys, world: str | None, args: list[str],
+                           message: str) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    if world is not None:
+        monkeypatch.setenv("WORLD_SIZE", world)
+        monkeypatch.setenv("RANK", "0")
+    out = tmp_path / "run"
+    assert main(["train", *BASE, "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- --budget under FSDP2: the per-rank seam
+def test_per_rank_plan_counts_shards() -> None:
+    """A rank of FSDP2 over 4 holds a quarter of the model states: the per-rank profile's model-state bytes (and
+    only they) shrink by the shard factor, whatever the layout the planner picks."""
+    import dataclasses
+
+    from test_plan_support import make_profile
+
+    from elbowroom.plan import cost
+    from elbowroom.train.planning import per_rank_profile
+
+    p = make_profile(n_layers=4, dim=256, ffn=512, vocab=1024, seq_len=128)
+    n = len(p.blocks)
+    whole = cost.Decisions(micro_batch=4, options=(cost.Option(),) * n, offload_blocks=(False,) * n)
+    rank = per_rank_profile(p, 4)
+    assert cost.state_bytes(rank, whole) * 4 == cost.state_bytes(p, whole)
+    assert rank.num_params * 4 == p.num_params
+    assert [b.saved_bytes for b in rank.blocks] == [b.saved_bytes for b in p.blocks]  # the rank's own activations
+    assert per_rank_profile(p, 1) is p
+    half = dataclasses.replace(whole, layout="bf16")
+    assert cost.state_bytes(rank, half) < cost.state_bytes(p, half) / 3
