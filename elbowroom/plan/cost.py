@@ -132,7 +132,6 @@ embedding behaves so, an untied output head would hide better, and the profile d
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -791,14 +790,3 @@ def predict(
         host_bytes=g.host_bytes + pool,
     )
 
-
-def scale_of(profile: Profile, micro_batch: int) -> float:
-    return micro_batch / profile.micro_batch
-
-
-def signature_groups(blocks: Sequence[BlockProfile]) -> dict[str, list[int]]:
-    """Block indices by signature (identical blocks)."""
-    out: dict[str, list[int]] = {}
-    for b in blocks:
-        out.setdefault(b.signature, []).append(b.index)
-    return out
