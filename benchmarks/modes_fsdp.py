@@ -12,7 +12,8 @@
   block (selective, or full recompute), beside ``ours_selective`` / ``ours_ckpt`` on the bare model.
 - ``fsdp2_ours_offload+ours_ckpt_inputs``: FSDP2 with our ``CPUOffloadOptimizer`` stepping every shard on the host
   (``offload_fraction=1.0``, bf16 device copies) and full recompute with the block inputs offloaded: our offload
-  under FSDP2, against ``fsdp2_cpu_offload+ckpt`` (torch's ``CPUOffloadPolicy``).
+  under FSDP2, against ``fsdp2_cpu_offload+ckpt`` (torch's ``CPUOffloadPolicy``); ``fsdp2_ours_offload_bf16+...``
+  keeps bf16 device copies of the weights (``param_dtype``), fp32 masters on the host.
 
 The process group is made here when none exists (one rank; NCCL on CUDA, gloo elsewhere). The fused loss
 (``+fl``) does not apply: it reads the head's weight outside the head's forward, where FSDP2 keeps it sharded.
@@ -66,7 +67,8 @@ def _fsdp2(model: torch.nn.Module, args: Any, *, offload: bool, ckpt: bool) -> S
     return Setup(opt, notes={"fsdp2": {"cpu_offload": offload, "checkpoint": ckpt, "world_size": 1}})
 
 
-def _fsdp2_ours(model: torch.nn.Module, args: Any, *, policy: dict[str, Any], offload_optimizer: bool) -> Setup:
+def _fsdp2_ours(model: torch.nn.Module, args: Any, *, policy: dict[str, Any], offload_optimizer: bool,
+                bf16: bool = False) -> Setup:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from elbowroom.activations import apply_activation_policy
@@ -80,7 +82,8 @@ def _fsdp2_ours(model: torch.nn.Module, args: Any, *, policy: dict[str, Any], of
     if offload_optimizer:
         from elbowroom.optim import CPUOffloadOptimizer
 
-        opt: Any = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, offload_fraction=1.0)
+        kw: dict[str, Any] = {"param_dtype": torch.bfloat16} if bf16 else {}
+        opt: Any = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, offload_fraction=1.0, **kw)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     stats = (lambda: {"host_GiB": round(opt.stats()["host_bytes"] / 2**30, 2)}) if offload_optimizer else None
@@ -94,6 +97,8 @@ MODES: dict[str, Callable[..., Setup]] = {
     "fsdp2+ours_ckpt": lambda m, a: _fsdp2_ours(m, a, policy={"checkpoint": "full"}, offload_optimizer=False),
     "fsdp2_ours_offload+ours_ckpt_inputs": lambda m, a: _fsdp2_ours(
         m, a, policy={"checkpoint": "full", "offload_checkpoint_inputs": True}, offload_optimizer=True),
+    "fsdp2_ours_offload_bf16+ours_ckpt_inputs": lambda m, a: _fsdp2_ours(
+        m, a, policy={"checkpoint": "full", "offload_checkpoint_inputs": True}, offload_optimizer=True, bf16=True),
     "fsdp2": lambda m, a: _fsdp2(m, a, offload=False, ckpt=False),
     "fsdp2_cpu_offload": lambda m, a: _fsdp2(m, a, offload=True, ckpt=False),
     "fsdp2_cpu_offload+ckpt": lambda m, a: _fsdp2(m, a, offload=True, ckpt=True),

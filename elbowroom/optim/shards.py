@@ -34,6 +34,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_sharded(t) else t
 
 
+def _mesh_key(mesh: Any) -> tuple:
+    return mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names
+
+
 def norm_group(params: list[torch.Tensor]) -> Any:
     """The process group over which sharded ``params`` hold different elements, or None (no ``DTensor``).
 
@@ -41,7 +45,9 @@ def norm_group(params: list[torch.Tensor]) -> Any:
         ValueError: the parameters are sharded over different meshes or mesh dimensions (one optimizer, one
             FSDP2 layout).
     """
-    layouts = {(id(p.device_mesh), tuple(i for i, pl in enumerate(p.placements) if pl.is_shard()))
+    # meshes compared by what they are (device type, ranks, names), not by object: fully_shard without a mesh
+    # makes a new default mesh for each call
+    layouts = {(_mesh_key(p.device_mesh), tuple(i for i, pl in enumerate(p.placements) if pl.is_shard()))
                for p in params if is_sharded(p)}
     if not layouts:
         return None
