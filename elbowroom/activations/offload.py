@@ -337,8 +337,13 @@ class OffloadEngine:
             return
         ptrs = set()
         for t in (*mod.parameters(), *mod.buffers()):
-            if t.device.type != "meta" and t.numel():
-                ptrs.add(t.untyped_storage().data_ptr())
+            if t.device.type == "meta" or not t.numel():
+                continue
+            local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+            try:
+                ptrs.add(local.untyped_storage().data_ptr())
+            except RuntimeError:  # FSDP2's unsharded parameter between its all-gathers: its storage is freed
+                continue
         self._keep_ptrs = frozenset(ptrs)
 
     def _warn_once(self, key: str, msg: str) -> None:
