@@ -68,7 +68,7 @@ def _fsdp2(model: torch.nn.Module, args: Any, *, offload: bool, ckpt: bool) -> S
 
 
 def _fsdp2_ours(model: torch.nn.Module, args: Any, *, policy: dict[str, Any], offload_optimizer: bool,
-                bf16: bool = False) -> Setup:
+                bf16: bool = False, offload_gradients: bool = False) -> Setup:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from elbowroom.activations import apply_activation_policy
@@ -83,6 +83,8 @@ def _fsdp2_ours(model: torch.nn.Module, args: Any, *, policy: dict[str, Any], of
         from elbowroom.optim import CPUOffloadOptimizer
 
         kw: dict[str, Any] = {"param_dtype": torch.bfloat16} if bf16 else {}
+        if offload_gradients:
+            kw["offload_gradients"] = True  # each gradient leaves the device once copied
         opt: Any = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, offload_fraction=1.0, **kw)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -97,6 +99,9 @@ MODES: dict[str, Callable[..., Setup]] = {
     "fsdp2+ours_ckpt": lambda m, a: _fsdp2_ours(m, a, policy={"checkpoint": "full"}, offload_optimizer=False),
     "fsdp2_ours_offload+ours_ckpt_inputs": lambda m, a: _fsdp2_ours(
         m, a, policy={"checkpoint": "full", "offload_checkpoint_inputs": True}, offload_optimizer=True),
+    "fsdp2_ours_offload_og+ours_ckpt_inputs": lambda m, a: _fsdp2_ours(
+        m, a, policy={"checkpoint": "full", "offload_checkpoint_inputs": True}, offload_optimizer=True,
+        offload_gradients=True),
     "fsdp2_ours_offload_bf16+ours_ckpt_inputs": lambda m, a: _fsdp2_ours(
         m, a, policy={"checkpoint": "full", "offload_checkpoint_inputs": True}, offload_optimizer=True, bf16=True),
     "fsdp2": lambda m, a: _fsdp2(m, a, offload=False, ckpt=False),
