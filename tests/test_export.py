@@ -376,3 +376,38 @@ def test_existing_out_and_missing_extra_exit_2(runs, tmp_path, capsys, monkeypat
     assert cmd_export(["hf", str(runs["llama"]), "--out", str(tmp_path / "hf")]) == 2
     assert "pip install 'elbowroom[export]'" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@needs["transformers"]
+@needs["safetensors"]
+def test_export_from_a_sharded_checkpoint(runs, llama, tmp_path, capsys):
+    # a run on several processes saves torch.distributed.checkpoint shards; export reads them in one process
+    from transformers import AutoModelForCausalLM
+
+    from elbowroom.train.checkpoint import CheckpointManager
+    from elbowroom.train.sharded_checkpoint import save_sharded
+
+    run = tmp_path / "sharded-run"
+    model = llama.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    meta = {k: v for k, v in llama.meta.items() if k not in ("step", "sha256", "size", "format", "files")}
+    save_sharded(CheckpointManager(run / "checkpoints"), llama.step, model, opt, {"samples_seen": 0}, meta,
+                 is_main=True)
+    again = load_source(run)
+    assert again.path.name == llama.path.name
+    for (k, a), (k2, b) in zip(model.state_dict().items(), again.model.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    out = tmp_path / "hf"
+    assert cmd_export(["hf", str(run), "--out", str(out)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, llama.config.vocab_size, (2, 29))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-4, rtol=0)
+    # a flipped byte in a shard: the checkpoint does not verify, exit 2, nothing written
+    shard = next(f for f in sorted(again.path.iterdir()) if f.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    bad = tmp_path / "hf-bad"
+    assert cmd_export(["hf", str(again.path), "--out", str(bad)]) == 2
+    assert not bad.exists() and "does not verify" in capsys.readouterr().err

@@ -3,7 +3,8 @@ validation split, and an output path that is written all at once or not at all.
 
 A source is either a run directory (``RUN/checkpoints/step_*``: the newest checkpoint that verifies is
 used, corrupt ones are skipped with a warning as on ``--resume``) or one checkpoint directory
-(``step_NNNNNNNN/{state.pt,meta.json}``, or an export that writes the same layout, such as ``prune``),
+(``step_NNNNNNNN/{state.pt,meta.json}``, a run on several processes' sharded torch.distributed.checkpoint
+directory, or an export that writes the same layout, such as ``prune``),
 which must verify. The validation loss is measured on the run's own validation split (the run's config
 is in the checkpoint's metadata), the first ``eval_batches`` batches in order, as the trainer measures it.
 """
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elbowroom.models import DecoderLM, ModelConfig, build_model
-from elbowroom.train.checkpoint import CheckpointManager
+from elbowroom.train.checkpoint import SHARDED_FORMAT, CheckpointManager
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,20 @@ def _model_config(meta: dict[str, Any], path: Path) -> ModelConfig:
         raise ExportError(f"{path}: the model config in meta.json is not valid ({e})") from None
 
 
+def _sharded_weights(ckpt: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full weights from a sharded checkpoint, read in this one process (DCP gathers the shards of
+    every rank that wrote them; the optimizer state in the same files is not read)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    except Exception as e:  # noqa: BLE001 - DCP's errors name missing keys or unreadable shards
+        raise ExportError(f"{ckpt}: the sharded checkpoint's weights do not fit the model config in meta.json "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return state["model"]
+
+
 def load_source(path: str | os.PathLike[str]) -> Source:
     """Read a trained model from a run directory or a checkpoint directory.
 
@@ -87,7 +102,8 @@ def load_source(path: str | os.PathLike[str]) -> Source:
             meta = manager.validate(p)
         except ValueError as e:
             raise ExportError(f"checkpoint {p} does not verify: {e}") from None
-        state = torch.load(p / "state.pt", map_location="cpu", weights_only=True)
+        state = {"sharded": True} if meta.get("format") == SHARDED_FORMAT else torch.load(
+            p / "state.pt", map_location="cpu", weights_only=True)
         ckpt = p
     elif p.is_dir():
         run_ckpts = p / "checkpoints" if (p / "checkpoints").is_dir() else p
@@ -98,10 +114,13 @@ def load_source(path: str | os.PathLike[str]) -> Source:
     else:
         raise ExportError(f"{p} does not exist; give a run directory or a checkpoint directory step_NNNNNNNN")
     cfg = _model_config(meta, ckpt)
-    weights = state.get("model") if isinstance(state, dict) else None
-    if not isinstance(weights, dict):
-        raise ExportError(f"{ckpt}: state.pt holds no model weights under 'model'")
     model = build_model(cfg)
+    if isinstance(state, dict) and state.get("sharded"):
+        weights = _sharded_weights(ckpt, model)  # a run on several processes: torch.distributed.checkpoint
+    else:
+        weights = state.get("model") if isinstance(state, dict) else None
+        if not isinstance(weights, dict):
+            raise ExportError(f"{ckpt}: state.pt holds no model weights under 'model'")
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
