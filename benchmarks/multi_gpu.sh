@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The multi-GPU set of the scaling issue in one device call on a host with N GPUs (2 or 4), each configuration in
+# its own process group, single-GPU baselines on the same host. Logs and metrics go under ${OUT:-runs/multi-gpu}.
+#
+#   N=2 bash benchmarks/multi_gpu.sh          # on nvidia-h200-x2;  N=4 on nvidia-h200-x4
+#   N=2 PARTS="1 2 3" bash benchmarks/multi_gpu.sh; N=2 PARTS="4 5" ...   # split over calls of 10 minutes
+#
+# What each step prints is read from the trainer's metrics.jsonl (tokens/s of all ranks, peak GiB per GPU); the
+# per-step tokens/s after warm-up are summarised at the end by benchmarks/multi_gpu_summary.py.
+set -u
+N=${N:-2}
+PARTS=${PARTS:-1 2 3 4 5}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+OUT=${OUT:-runs/multi-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+W1="--config configs/w1.toml --steps 30 --train.eval_batches 0 --checkpoint.enabled false --logging.log_every 1 \
+    --logging.progress false"
+run() {  # name, nproc, args...
+  local name=$1 nproc=$2; shift 2
+  echo "== $name (nproc $nproc)"
+  timeout 900 torchrun --nproc-per-node "$nproc" -m elbowroom train $W1 --out "$OUT/$name" "$@" \
+    > "$OUT/$name.log" 2>&1
+  echo "   rc=$? $(tail -1 "$OUT/$name.log" | cut -c1-160)"
+}
+# 1. the link, and single-GPU W1: plain and the planner at 24 GiB (per-GPU budgets below are the same)
+if part 1; then
+  torchrun --nproc-per-node "$N" benchmarks/nccl_bandwidth.py | tee "$OUT/nccl.txt"
+  run single-plain 1 --data.batch_size 4
+  run single-budget24 1 --data.batch_size 4 --budget 24GiB --optimizer.param_dtype bfloat16
+fi
+# 2. DDP and FSDP2 on N GPUs at N x the single-GPU batch, without and with the memory engines; the profiler trace of
+#    steps 20-21 shows communication against backward (elbowroom report OUT/NAME)
+B=$((4 * N))
+if part 2; then
+run ddp "$N" --data.batch_size $B --parallel.dp_replicate "$N" --profile.steps 20-21
+run fsdp "$N" --data.batch_size $B --parallel.dp_shard "$N" --profile.steps 20-21
+run ddp-engines "$N" --data.batch_size $B --parallel.dp_replicate "$N" --activations.checkpoint full \
+  --activations.offload_checkpoint_inputs true --optimizer.offload_fraction 0.5
+run fsdp-engines "$N" --data.batch_size $B --parallel.dp_shard "$N" --activations.checkpoint full \
+  --activations.offload_checkpoint_inputs true
+fi
+# 3. FSDP2 with our optimizer offload against FSDP2's CPUOffloadPolicy (peak per GPU in metrics.jsonl)
+if part 3; then
+run fsdp-our-offload "$N" --data.batch_size $B --parallel.dp_shard "$N" --optimizer.offload_fraction 1.0 \
+  --activations.checkpoint full --activations.offload_checkpoint_inputs true
+run fsdp-cpu-offload-policy "$N" --data.batch_size $B --parallel.dp_shard "$N" --parallel.fsdp_cpu_offload \
+  --activations.checkpoint full
+fi
+# 4. TP 2 and PP 2 (8 micro-batches, 1F1B) on the 7B shape
+if part 4; then
+run 7b-tp2 2 --model.preset 7b --data.batch_size 1 --parallel.tp 2 --activations.checkpoint full --steps 10
+run 7b-pp2 2 --model.preset 7b --data.batch_size 8 --parallel.pp 2 --parallel.pp_schedule 1f1b \
+  --parallel.pp_microbatches 8 --activations.checkpoint full --steps 10
+fi
+# 5. gradient compression on DDP: bytes on the wire per step (comm_bytes_per_step), tokens/s, loss after 300 steps
+if part 5; then
+  for hook in none bf16 powersgd topk int8; do
+    run "ddp-hook-$hook" "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.comm_hook $hook --steps 300
+  done
+fi
+python3 benchmarks/multi_gpu_summary.py "$OUT"
