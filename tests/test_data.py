@@ -431,3 +431,18 @@ def test_device_prefetcher_on_cuda_matches_plain_copies():
     ds = D.ChunkDataset(np.arange(100, dtype=np.uint16), 8)
     finite = D.build_eval_loader(ds, 4, 2, D.collate, pin_memory=True)
     assert len(list(D.DevicePrefetcher(finite, "cuda"))) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinning_loader_leaves_the_training_thread_its_threads():
+    # the DataLoader's pinning thread sets torch's count to 1 for the process; the prefetcher gives it back
+    n = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        loader = make_loader(2)  # pin_memory=True
+        batches = iter(D.DevicePrefetcher(loader, "cuda"))
+        next(batches)
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(n)

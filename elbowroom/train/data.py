@@ -440,10 +440,16 @@ class DevicePrefetcher:
 
     def __next__(self) -> Any:
         if self._iterator is None:
+            threads = torch.get_num_threads()
             self._iterator = iter(self.iterable)
             if self._is_cuda:
                 self._stream = torch.cuda.Stream(self.device)
                 self._prefetch()
+                # a DataLoader's pinning thread sets torch's thread count to 1 for the whole process when it
+                # starts (it has, once the first batch came back pinned): the training thread's host work
+                # (host gradient norms, the optimizer's CPU-side calls) gets its threads back
+                if torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
         if not self._is_cuda:
             return _to_device(next(self._iterator), self.device)  # StopIteration ends us too
         batch = self._next
