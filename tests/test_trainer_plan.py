@@ -9,6 +9,7 @@ keeps every activation. On a CPU nothing is offloaded (no host link); recompute 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -102,6 +103,47 @@ def test_budget_below_the_minimum_names_it_and_writes_nothing(
     err = capsys.readouterr().err.strip()
     assert "below the minimum" in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("ooms", [1, 3], ids=["recovers", "gives-up"])
+def test_out_of_memory_in_the_first_step_replans_tighter(tmp_path: Path, budgets: tuple[int, int], ooms: int,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    # the first step of a --budget run runs out of memory: the run starts over under a plan for 90% of the budget
+    # (nothing was written yet), at most twice; then it fails with the error and the OOM report
+    from elbowroom.train import trainer
+
+    budget = max(budgets[1], math.ceil(budgets[0] / 0.8))  # two re-plans at 90% each stay above the minimum
+    calls = {"n": 0}
+    real = trainer.accumulate_gradients
+
+    def oom_first(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] <= ooms:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "accumulate_gradients", oom_first)
+    out = tmp_path / "oom"
+    no_decay = ("--optimizer.weight_decay", "0")
+    with caplog.at_level("WARNING"):
+        if ooms <= 2:
+            assert run(out, "--steps", "4", "--budget", str(budget), *no_decay) == 0
+        else:
+            with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+                run(out, "--steps", "4", "--budget", str(budget), *no_decay)
+    assert caplog.text.count("planning again for") == min(ooms, 2)
+    if ooms > 2:  # the third try fails as any run does: the OOM report, no trained state
+        assert "out of memory:" in caplog.text and (out / "oom_report.txt").is_file()
+        assert not (out / "metrics.jsonl").exists() and not (out / "plan.json").exists()
+        return
+    saved = json.loads((out / "plan.json").read_text())
+    assert saved["budget_bytes"] == int(budget * 0.9)  # the tighter plan is the run's plan, and its config's
+    assert "budget = " in (out / "config.toml").read_text()
+    # the run that follows is the one a fresh run under the tighter budget gives
+    monkeypatch.setattr(trainer, "accumulate_gradients", real)
+    assert run(tmp_path / "direct", "--steps", "4", "--budget", str(int(budget * 0.9)), *no_decay) == 0
+    assert train_losses(out) == train_losses(tmp_path / "direct")
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -202,3 +203,38 @@ def per_rank_profile(profile: Any, shard_factor: int) -> Any:
     head = dataclasses.replace(profile.head, num_params=shard(profile.head.num_params),
                                param_bytes=shard(profile.head.param_bytes))
     return dataclasses.replace(profile, blocks=blocks, head=head)
+
+
+REPLAN_FACTOR = 0.9
+"""After an out-of-memory in the first step, the budget is planned again at this share of the last one."""
+
+MAX_REPLANS = 2
+"""Re-plans after an out-of-memory in the first step before the run fails with it."""
+
+
+class FirstStepOutOfMemory(Exception):
+    """The first step of a run planned for ``--budget`` ran out of memory, before anything was written."""
+
+    def __init__(self, out: Path, budget_bytes: int, message: str) -> None:
+        super().__init__(message)
+        self.out, self.budget_bytes, self.message = out, budget_bytes, message
+
+
+def replan_after_oom(cfg: Config, e: FirstStepOutOfMemory) -> Config:
+    """The config of the run started over with a tighter budget (a wider margin for what the plan did not
+    foresee), with a warning. The trainer asks at most :data:`MAX_REPLANS` times; after that the run fails with
+    the out-of-memory error and its report, as any run does.
+
+    The run starts over from its seed (model, data position, RNG): its first step never finished, so nothing
+    was trained and nothing was written, and the run that follows is the one a user would get with the tighter
+    budget. The run directory keeps its name.
+    """
+    import gc
+
+    tighter = int(e.budget_bytes * REPLAN_FACTOR)
+    log.warning("the first step ran out of memory under the plan for %s (%s): planning again for %s and starting "
+                "over", _size_at_least(e.budget_bytes), e.message, _size_at_least(tighter))
+    gc.collect()  # the failed step's model and optimizer, before the new plan profiles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return replace(cfg, out=str(e.out), budget=str(tighter))

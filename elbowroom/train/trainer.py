@@ -48,11 +48,14 @@ from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions,
 from elbowroom.train.metrics import check_tensorboard, peak_flops, peak_memory
 from elbowroom.train.objectives import Distillation, load_distillation, micro_batch_loss, token_loss_sum
 from elbowroom.train.planning import (
+    MAX_REPLANS,
     PLAN_FILE,
+    FirstStepOutOfMemory,
     apply_plan,
     check_plan,
     plan_for_budget,
     plan_to_follow,
+    replan_after_oom,
 )
 from elbowroom.train.qat import apply_qat, resolve_qat
 from elbowroom.train.schedule import build_scheduler, sync_lr
@@ -398,10 +401,15 @@ def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
         A :class:`TrainResult` with the logged training and validation losses.
     """
     with _restored_global_state(), start_run(cfg, launch, os.environ) as run:
-        return _train(cfg, run)
+        for replans in itertools.count():
+            try:
+                # the last try fails as any run does: with the OOM report, what was live against the plan
+                return _train(cfg, run, may_replan=replans < MAX_REPLANS)
+            except FirstStepOutOfMemory as e:
+                cfg = replan_after_oom(cfg, e)
 
 
-def _train(cfg: Config, run: DistributedRun) -> TrainResult:
+def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainResult:
     if cfg.out is None:
         cfg = replace(cfg, out=run.same_on_all(time.strftime("runs/%Y%m%d-%H%M%S")))
     out = Path(cfg.out)
@@ -517,7 +525,8 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
 
     # --- the memory layout and the optimizer: planned for --budget, a saved plan, or the [activations] and
     # [optimizer] switches
-    if cfg.budget is not None and plan is None:
+    planned_here = cfg.budget is not None and plan is None
+    if planned_here:
         first = next(batches)  # the plan is made for the run's own micro-batch, which step 1 then trains on
         batches = itertools.chain([first], batches)
         # the fused head + loss needs our own models' head, and runs outside torch.compile
@@ -543,6 +552,9 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
         fused_loss = cfg.train.fused_loss
     metrics = run.metrics(out, resume_step=loaded.step if loaded else None, tensorboard=cfg.logging.tensorboard)
     progress = recorder = None
+    # a plan searched here for --budget (one process) is searched again, tighter, if its first step runs out of
+    # memory: nothing is written before that step ends
+    replannable, started = may_replan and planned_here and not run.enabled, False
     try:  # from here on the optimizer (its host threads, pinned memory) is closed however the run ends
         scheduler = build_scheduler(
             optimizer,
@@ -707,6 +719,8 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
                     log.warning("stopped by signal at step %d; continue with --resume", step)
                     break
     except torch.OutOfMemoryError as e:  # leave what was live, against the plan's prediction, then fail as before
+        if replannable and not started:
+            raise FirstStepOutOfMemory(out, plan.budget_bytes, str(e).splitlines()[0] if str(e) else "") from None
         from elbowroom.report import write_oom_report
 
         report = write_oom_report(out, model, optimizer, plan=plan.to_dict() if plan is not None else None, error=e)
