@@ -140,10 +140,11 @@ def test_out_of_memory_in_the_first_step_replans_tighter(tmp_path: Path, budgets
     saved = json.loads((out / "plan.json").read_text())
     assert saved["budget_bytes"] == int(budget * 0.9)  # the tighter plan is the run's plan, and its config's
     assert "budget = " in (out / "config.toml").read_text()
-    # the run that follows is the one a fresh run under the tighter budget gives
+    # the run that follows is the one a fresh run under the tighter budget gives (its plan may differ by the
+    # profile's CPU timings; recompute and the fused loss change memory, not the math)
     monkeypatch.setattr(trainer, "accumulate_gradients", real)
     assert run(tmp_path / "direct", "--steps", "4", "--budget", str(int(budget * 0.9)), *no_decay) == 0
-    assert train_losses(out) == train_losses(tmp_path / "direct")
+    assert train_losses(out) == pytest.approx(train_losses(tmp_path / "direct"), rel=1e-5)
 
 
 @pytest.mark.parametrize(
