@@ -534,8 +534,11 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
     else:
         if bf16_params:
             model.to(torch.bfloat16)  # the optimizer keeps fp32 masters of these values
-        apply_activations(model, cfg)
+        if run.model_ranks == 1:  # (tensor and pipeline parallel apply them per stage, after the split)
+            apply_activations(model, cfg)
         fwd_model, optimizer = run.wrap(model, lambda m, overlap: build_optimizer(m, cfg, device, overlap))
+        if run.mp is not None:
+            model = fwd_model  # this rank's split model (its stages under pp): what checkpoints save and load
     if plan is not None:  # the plan decides the weights' dtype and the loss, whatever [optimizer] and [train] say
         bf16_params = plan.weight_dtype == "bfloat16"
         fused_loss = plan.fused_loss
@@ -626,9 +629,9 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
                 last = step + 1 == cfg.train.steps or run.any_rank(stop.received is not None)
                 log_now = (step + 1) % cfg.logging.log_every == 0 or step == 0 or last
                 if cfg.train.max_grad_norm:
-                    grad_norm = clip_gradients(params, optimizer, cfg.train.max_grad_norm)
+                    grad_norm = run.gradient_norm(clip_gradients, params, optimizer, cfg.train.max_grad_norm)
                 elif log_now:  # without clipping the norm is read only when it is logged, and read-only
-                    grad_norm = gradient_norm(params, optimizer)
+                    grad_norm = run.gradient_norm(gradient_norm, params, optimizer, None)
                 else:
                     grad_norm = None
                 lr = optimizer.param_groups[0]["lr"]
@@ -689,7 +692,7 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
                 if eval_loader is not None and not stopping and (
                     (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last
                 ):
-                    val = evaluate(fwd_model, eval_loader, device, autocast, run.reduce_eval)
+                    val = evaluate(run.eval_model(fwd_model), eval_loader, device, autocast, run.reduce_eval)
                     if val is not None:
                         result.val_losses[step] = val
                         metrics.write({"step": step, "val_loss": val})

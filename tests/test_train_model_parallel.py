@@ -1,0 +1,128 @@
+"""The trainer under tensor and pipeline parallel (2 gloo processes): the same losses as one process.
+
+Every distributed run happens in one spawn (CI has two cores); the single-process references run in the test
+process. fp32, no dropout, clipping on: the ranks' losses (and, under tensor parallel, validation losses) must
+equal the single process's within 1e-5 relative. A tensor-parallel checkpoint resumes in one process on the
+uninterrupted curve. Bad layouts exit 2 with a sentence and write nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from elbowroom import config as C
+from elbowroom.cli import main
+from tests.distributed_utils import run_ranks
+
+BASE = [
+    "--model.dim", "32", "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.n_layers", "2",
+    "--data.seq_len", "32", "--data.batch_size", "4", "--data.num_workers", "0", "--train.dtype", "fp32",
+    "--train.device", "cpu", "--train.eval_every", "3", "--train.eval_batches", "2", "--logging.progress", "false",
+    "--log-every", "1", "--scheduler.warmup_steps", "2", "--optimizer.lr", "1e-2", "--steps", "6",
+    "--checkpoint.every", "3",
+]
+TP = ["--parallel.tp", "2"]
+NO_EVAL = ["--train.eval_batches", "0"]  # validation is refused under pipeline parallel
+PP_1F1B = ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--parallel.pp_microbatches", "4", *NO_EVAL]
+ACCUM = ["--train.gradient_accumulation_steps", "2"]
+PP_GPIPE_ACCUM = ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe", "--parallel.pp_microbatches", "2",
+                  *ACCUM, *NO_EVAL]
+RECOMPUTE = ["--activations.checkpoint", "full"]
+FIRST_HALF = ["--steps", "3", "--scheduler.decay_steps", "6"]  # stopped at 3 on the 6-step schedule
+
+CASES = {"tp": TP, "tp_recompute": TP + RECOMPUTE, "pp_1f1b": PP_1F1B, "pp_gpipe_accum": PP_GPIPE_ACCUM}
+BAD_HEADS = [*TP, "--model.dim", "48", "--model.n_heads", "3"]
+
+
+def _config(out: Path, *args: str):
+    cfg = C.resolve(None, [*BASE, "--out", str(out), *args])
+    return replace(cfg, data=replace(cfg.data, cache_dir=os.environ["ELBOWROOM_CACHE"]))
+
+
+def _train(out: Path, *args: str) -> dict:
+    from elbowroom.train.trainer import train
+
+    r = train(_config(out, *args))
+    return {"losses": r.losses, "val": r.val_losses, "step": r.step}
+
+
+def _ranks(rank: int, world: int, tmp: str) -> dict:
+    """Each case on 2 ranks inside one process group (``train(cfg)`` joins it); a TP first half; a bad layout."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tmp_path = Path(tmp)
+    res = {name: _train(tmp_path / name, *args) for name, args in CASES.items()}
+    res["half"] = _train(tmp_path / "tp-half", *TP, *FIRST_HALF)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", *BASE, "--out", str(tmp_path / "bad-heads"), *BAD_HEADS])
+    res["bad_heads"] = (code, err.getvalue())
+    return res
+
+
+def _close(a: dict[int, float], b: dict[int, float], rel: float, what: str = "") -> None:
+    assert a.keys() == b.keys(), what
+    assert list(a.values()) == pytest.approx(list(b.values()), rel=rel), what
+
+
+@pytest.mark.slow
+def test_trainer_model_parallel_equals_one_process(tmp_path: Path) -> None:
+    ref = {"plain": _train(tmp_path / "ref"), "accum": _train(tmp_path / "ref-accum", *ACCUM, *NO_EVAL)}
+
+    r0, r1 = run_ranks(_ranks, str(tmp_path))
+
+    for name, args in CASES.items():
+        want = ref["accum" if ACCUM[0] in args else "plain"]
+        got = r0[name]
+        _close(got["losses"], want["losses"], 1e-5, name)  # the global loss, logged by rank 0
+        assert r1[name]["losses"] == got["losses"], name  # every rank agrees on the loss it reports
+        if NO_EVAL[0] not in args:
+            _close(got["val"], want["val"], 1e-5, name)  # validation on whole logits, as in one process
+    # rank 0 alone writes the metrics: one row per step and evaluation
+    assert len((tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()) == 6 + 2
+
+    # tp 2 -> tp 1: the tensor-parallel checkpoint of step 3 continued in one process
+    assert r0["half"]["step"] == 3
+    resumed = _train(tmp_path / "tp-half", "--resume")
+    _close({s: v for s, v in resumed["losses"].items() if s > 3},
+           {s: v for s, v in ref["plain"]["losses"].items() if s > 3}, 1e-5, "resumed")
+
+    # a tp that does not divide the heads: exit 2 on every rank, a sentence, nothing written
+    for r in (r0, r1):
+        code, err = r["bad_heads"]
+        assert code == 2 and "model.n_heads = 3 must be divisible by parallel.tp = 2" in err, err
+        assert "Traceback" not in err
+    assert not (tmp_path / "bad-heads").exists()
+
+
+# ---------------------------------------------------------------- bad set-ups: exit 2, a sentence, nothing written
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([*TP, "--parallel.pp", "2"], "= 4 processes, but the world size is 2"),
+        (["--parallel.pp", "2", "--parallel.pp_microbatches", "1"], "fewer than the pipeline's 2 stages"),
+        ([*TP, "--budget", "1GiB"], "--budget does not run with --parallel.tp 2"),
+        ([*TP, "--optimizer.offload_fraction", "0.5"], "--optimizer.offload_fraction does not run with"),
+        ([*TP, "--train.qat", "int8"], "--train.qat does not run with"),
+        (["--parallel.pp", "2"], "pass --train.eval_batches 0"),
+        ([*PP_1F1B, "--train.fused_loss"], "drop --train.fused_loss"),
+    ],
+)
+def test_bad_model_parallel_setups_exit_2(tmp_path: Path, monkeypatch, capsys, args: list[str],
+                                          message: str) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", *BASE, "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+    assert not out.exists()
