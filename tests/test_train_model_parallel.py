@@ -62,11 +62,20 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     res = {name: _train(tmp_path / name, *args) for name, args in CASES.items()}
     res["half"] = _train(tmp_path / "tp-half", *TP, *FIRST_HALF)
     res["pp_half"] = _train(tmp_path / "pp-half", *PP_1F1B, *FIRST_HALF)
+    res["bad_heads"] = _cli(tmp_path / "bad-heads", *BAD_HEADS)
+    # the parent's single-process checkpoint of step 3: a pipeline stage refuses it, tensor parallel continues it
+    before = sorted(p.name for p in (tmp_path / "single-half").rglob("*"))
+    res["single_pp"] = (*_cli(tmp_path / "single-half", *PP_1F1B, "--resume"),
+                        sorted(p.name for p in (tmp_path / "single-half").rglob("*")) == before)
+    res["single_tp"] = _train(tmp_path / "single-half", *TP, "--resume")
+    return res
+
+
+def _cli(out: Path, *args: str) -> tuple[int, str]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = main(["train", *BASE, "--out", str(tmp_path / "bad-heads"), *BAD_HEADS])
-    res["bad_heads"] = (code, err.getvalue())
-    return res
+        code = main(["train", *BASE, "--out", str(out), *args])
+    return code, err.getvalue()
 
 
 def _close(a: dict[int, float], b: dict[int, float], rel: float, what: str = "") -> None:
@@ -77,6 +86,7 @@ def _close(a: dict[int, float], b: dict[int, float], rel: float, what: str = "")
 @pytest.mark.slow
 def test_trainer_model_parallel_equals_one_process(tmp_path: Path) -> None:
     ref = {"plain": _train(tmp_path / "ref"), "accum": _train(tmp_path / "ref-accum", *ACCUM, *NO_EVAL)}
+    _train(tmp_path / "single-half", *FIRST_HALF)
 
     r0, r1 = run_ranks(_ranks, str(tmp_path))
 
@@ -96,6 +106,13 @@ def test_trainer_model_parallel_equals_one_process(tmp_path: Path) -> None:
     for half, args in (("tp-half", []), ("pp-half", NO_EVAL)):
         resumed = _train(tmp_path / half, *args, "--resume")
         _close({s: v for s, v in resumed["losses"].items() if s > 3}, later, 1e-5, half)
+
+    # one process -> tp 2; one process -> pp 2 is refused before anything is written
+    _close({s: v for s, v in r0["single_tp"]["losses"].items()}, later, 1e-5, "single -> tp 2")
+    for r in (r0, r1):
+        code, err, unchanged = r["single_pp"]
+        assert code == 2 and "which a pipeline stage cannot pick its part of" in err and unchanged, err
+    assert r0["single_tp"]["step"] == 6
 
     # a tp that does not divide the heads: exit 2 on every rank, a sentence, nothing written
     for r in (r0, r1):

@@ -410,6 +410,12 @@ class DistributedRun:
         global batch."""
         if loaded is None:
             return
+        if self.topo.parallel.pp > 1 and not loaded.state.get("sharded"):
+            raise CheckpointError(
+                f"checkpoint {loaded.path} was written by one process (optimizer state by parameter index, for the "
+                "whole model), which a pipeline stage cannot pick its part of; resume it with --parallel.pp 1 (under "
+                "torchrun: its sharded checkpoints then load at any pp)"
+            )
         saved_dp = loaded.state.get("dp_size", 1)
         saved_batch = loaded.state.get("global_batch", ((loaded.meta.get("config") or {}).get("data") or {})
                                        .get("batch_size", global_batch))
@@ -500,8 +506,9 @@ def start_run(cfg: Config, launch: Launch | None, environ: Mapping[str, str]) ->
         raise ConfigError(str(e)) from None
     run = DistributedRun(cfg, topo, device, owns)
     if run.is_main:
-        log.info("data parallel: %s over %d processes (mesh dp_replicate %d x dp_shard %d), %s",
-                 p.mode.upper(), launch.world_size, p.dp_replicate, p.dp_shard, device)
+        log.info("data parallel: %s over %d processes (mesh pp %d x dp_replicate %d x dp_shard %d x tp %d), %s",
+                 p.mode.upper() if p.mode != "single" else "none", launch.world_size, p.pp, p.dp_replicate,
+                 p.dp_shard, p.tp, device)
     t0 = time.perf_counter()
     try:
         yield run
