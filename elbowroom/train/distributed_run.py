@@ -379,13 +379,17 @@ class DistributedRun:
             return self.mp.clip_grad_norm_(max_norm if max_norm is not None else float("inf"))
         return fn(params, optimizer) if max_norm is None else fn(params, optimizer, max_norm)
 
-    def eval_model(self, model: nn.Module) -> nn.Module:
-        """The module validation calls: whole logits under tensor parallel's sharded loss."""
-        if self.mp is not None and self.mp.loss_parallel:
-            from elbowroom.train.model_parallel_run import FullLogits
+    def evaluate(self, fn: Callable[..., float | None], model: nn.Module, loader: Any, device: torch.device,
+                 autocast: Any) -> float | None:
+        """The validation loss: ``fn`` (the trainer's ``evaluate``), summed over ranks; under tensor parallel on
+        whole logits, under pipeline parallel through the schedule."""
+        from elbowroom.train import model_parallel_run as M
 
-            return FullLogits(model)
-        return model
+        if self.mp is not None and self.mp.pipeline is not None:
+            return M.pipeline_evaluate(self, loader, device, autocast)
+        if self.mp is not None and self.mp.loss_parallel:
+            model = M.FullLogits(model)
+        return fn(model, loader, device, autocast, self.reduce_eval)
 
     def norm_value(self, norm: torch.Tensor | None) -> float | None:
         """A logged gradient norm as a number (FSDP2's is a DTensor: its global value)."""

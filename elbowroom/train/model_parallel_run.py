@@ -7,15 +7,17 @@ from a data-parallel one; the library is :mod:`elbowroom.distributed.model_paral
   (ConfigError, exit 2): ``--budget``/``--plan`` (the planner profiles one whole model), the CPU-offloaded
   optimizer and bf16 weights (they step plain tensors, not DTensor shards or a stage's subset), ``--train.compile``,
   fp16 (its GradScaler does not see the pipeline's backward), distillation and QAT, ``--model.hf`` models and tied
-  embeddings (:func:`~elbowroom.distributed.model_parallel.validate_layout`), the fused loss under pipeline
-  parallel (its last stage computes cross-entropy on whole logits), and validation under pipeline parallel (the
-  schedule runs forward only inside a training step here: pass ``--train.eval_batches 0``). Under tensor
-  parallel the fused loss falls back, with a warning, to torch's ``loss_parallel`` cross-entropy on the shards.
+  embeddings (:func:`~elbowroom.distributed.model_parallel.validate_layout`), and under pipeline parallel the
+  fused loss (its last stage computes cross-entropy on whole logits) and variable-length batches (a step's
+  micro-batches are joined into one batch). Under tensor parallel the fused loss falls back, with a warning, to
+  torch's ``loss_parallel`` cross-entropy on the shards.
 - **Wrapping** (:func:`wrap`): ``apply_model_parallel`` splits the seeded whole model (the same on every rank),
   applies ``[activations]`` per module and FSDP2 beside ``tp``; the optimizer steps this rank's parameters.
 - **A step**: without pipeline parallel the trainer's loop runs as under data parallel, the loss and its backward
   inside ``loss_context()``; with it, each data-parallel rank's whole step (batch x accumulation) goes through
   :func:`~elbowroom.distributed.pipeline.pipeline_step`, whose loss divides by the global step's target tokens.
+- **Validation**: under tensor parallel on whole logits (:class:`FullLogits`); under pipeline parallel through
+  torch's forward-only ``schedule.eval`` (:func:`pipeline_evaluate`), batches padded with ignored rows.
 - **Numbers**: every tensor-parallel rank holds its group's loss and every pipeline rank the last stage's, so
   sums over the world are divided by ``tp x pp``; clipping takes the norm over the whole model.
 - **Checkpoints**: DCP under the whole model's parameter names (:attr:`ModelParallel.checkpoint_module`), so a
@@ -65,11 +67,6 @@ def check_setup(cfg: Config) -> None:
         if cfg.data.variable_length:
             raise ConfigError("--data.variable_length pads each micro-batch to its own length, but a pipeline step "
                               "joins a step's micro-batches into one batch; drop --data.variable_length")
-        if cfg.train.eval_batches:
-            raise ConfigError(
-                "validation under pipeline parallel is not supported yet (torch's schedule runs the stages inside a "
-                "training step here); pass --train.eval_batches 0, or evaluate the checkpoint in one process"
-            )
 
 
 class FullLogits(nn.Module):
@@ -141,3 +138,43 @@ def pipeline_accumulate(run: Any, micro: list[dict[str, Any]], autocast: Any, gl
     targets = torch.cat([b["targets"] for b in micro])
     with autocast:
         return pipeline_step(run.mp.pipeline, inputs, targets)
+
+
+@torch.no_grad()
+def pipeline_evaluate(run: Any, loader: Any, device: torch.device, autocast: Any) -> float | None:
+    """Mean validation loss per target token through the pipeline (torch's forward-only ``schedule.eval``).
+
+    Every batch is padded to the loader's batch size, rounded up to a multiple of the micro-batches, with rows
+    whose targets are all ignored (-100): the stages see one shape throughout and the padding adds neither loss
+    nor tokens, so the value is the single process's over the same samples.
+    """
+    import torch.distributed as dist
+
+    from elbowroom.train import data as D
+
+    pipe, m = run.mp.pipeline, run.topo.parallel.pp_num_microbatches
+    rows = -(-loader.batch_size // m) * m
+    run.pipeline_divisor = 1.0  # the schedule's loss is then the micro-batch's summed token loss
+    for module in run.mp.modules:
+        module.eval()
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    n = 0
+    for b in D.DevicePrefetcher(loader, device):
+        x, y = b["input_ids"], b["targets"]
+        pad = rows - x.shape[0]
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+            y = torch.cat([y, y.new_full((pad, y.shape[1]), -100)])
+        losses: list[torch.Tensor] = []
+        with autocast:
+            pipe.schedule.eval(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None,
+                               losses=losses if pipe.has_last else None)
+        loss = (torch.stack([v.float() for v in losses]).sum() if pipe.has_last
+                else torch.zeros((), device=device))
+        dist.broadcast(loss, group=pipe.group, group_src=pipe.last_rank)
+        total += loss.double()
+        n += b["num_tokens"]
+    for module in run.mp.modules:
+        module.train()
+    total, n = run.reduce_eval(total, n)
+    return total.item() / n if n else None  # host-device sync: evaluation result

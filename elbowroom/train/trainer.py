@@ -692,7 +692,7 @@ def _train(cfg: Config, run: DistributedRun) -> TrainResult:
                 if eval_loader is not None and not stopping and (
                     (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last
                 ):
-                    val = evaluate(run.eval_model(fwd_model), eval_loader, device, autocast, run.reduce_eval)
+                    val = run.evaluate(evaluate, fwd_model, eval_loader, device, autocast)
                     if val is not None:
                         result.val_losses[step] = val
                         metrics.write({"step": step, "val_loss": val})
