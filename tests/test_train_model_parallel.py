@@ -143,3 +143,31 @@ def test_bad_model_parallel_setups_exit_2(tmp_path: Path, monkeypatch, capsys, a
     assert message in err, err
     assert "Traceback" not in err
     assert not out.exists()
+
+
+def test_dcp_load_restores_the_learning_rate(tmp_path: Path) -> None:
+    """DCP loads tensors in place but puts plain values (a scheduled learning rate) into the dict it is given:
+    the loaders copy those back, so a resumed optimizer steps with the saved LR, not its constructor's."""
+    import torch
+
+    from elbowroom.distributed import checkpoint as DC
+    from elbowroom.train import sharded_checkpoint as S
+    from elbowroom.train.checkpoint import CheckpointManager
+
+    def fresh(lr: float):
+        model = torch.nn.Linear(4, 3)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+    model, opt = fresh(0.5)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.123  # as a scheduler leaves it
+    DC.save(tmp_path / "dcp", model, opt, extra={"step": 1})
+    S.save_sharded(CheckpointManager(tmp_path / "ckpts"), 1, model, opt, {}, {}, is_main=True)
+    for load in (lambda m, o: DC.load(tmp_path / "dcp", m, o),
+                 lambda m, o: S.load_sharded(tmp_path / "ckpts" / "step_00000001", m, o)):
+        m, o = fresh(0.5)
+        load(m, o)
+        assert o.param_groups[0]["lr"] == 0.123
+        assert torch.equal(o.state[o.param_groups[0]["params"][0]]["exp_avg"],
+                           opt.state[opt.param_groups[0]["params"][0]]["exp_avg"])

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-from elbowroom.distributed.checkpoint import state_for_save
+from elbowroom.distributed.checkpoint import load_state, state_for_save
 from elbowroom.distributed.data_parallel import unwrap
 from elbowroom.distributed.tensor_parallel import checkpoint_view
 from elbowroom.train.checkpoint import CheckpointManager
@@ -67,21 +67,9 @@ def load_sharded(directory: Path, model: nn.Module, optimizer: Any) -> None:
     """Load a sharded checkpoint's model and optimizer state into this world (resharding as needed)."""
     with _learning_kept(optimizer):
         state = state_for_save(model, optimizer)
-        view = checkpoint_view(state)  # a new dict: tensors load in place, other values (the LR) into it
-        dcp.load(view, checkpoint_id=str(directory), no_dist=not _distributed())
-        _values_back(state, view)
+        load_state(state, directory)  # tensors in place (tensor-parallel strides too), the learning rates
         set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(strict=True))
-
-
-def _values_back(state: Any, view: Any) -> None:
-    """Copy what DCP loaded as values, not into tensors (learning rates, betas), from ``view`` into ``state``."""
-    items = state.items() if isinstance(state, dict) else enumerate(state)
-    for k, v in list(items):
-        if isinstance(v, (dict, list)):
-            _values_back(v, view[k])
-        elif not isinstance(v, torch.Tensor):
-            state[k] = view[k]
 
 
 def load_full(state: dict[str, Any], model: nn.Module, optimizer: Any) -> None:
