@@ -21,6 +21,9 @@ reads the same either way.
 - **Agreement**: the logged loss, validation loss and tokens/s are sums over ranks; a stop signal seen by
   any rank stops all of them at the same step; rank 0 alone writes logs, metrics and checkpoint metadata,
   while every rank writes its shards of a checkpoint (torch.distributed.checkpoint).
+- **Tensor and pipeline parallel** (``--parallel.tp``, ``--parallel.pp``): the same calls, answered by
+  :mod:`elbowroom.train.model_parallel_run` (the split, the loss context or the pipeline step, the norm over the
+  whole model, validation through the schedule); ranks that share a data-parallel rank's batch count once.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ precision; the loop then follows the plan (its fused loss, its weight dtype, its
 applies a saved plan instead, and ``--resume`` re-applies the run's own ``OUT/plan.toml``, so a resumed run
 has the layout, and the loss curve, of the run it continues.
 
-Under torchrun (``--parallel.dp_replicate`` / ``--parallel.dp_shard``) the same loop runs on every rank; what
+Under torchrun (``--parallel.dp_replicate`` / ``dp_shard`` / ``tp`` / ``pp``) the same loop runs on every rank; what
 differs there (each rank's slice of the global batch, gradient sync, sums over ranks, sharded checkpoints) is
 :class:`~elbowroom.train.distributed_run.DistributedRun`, called at the few places where ranks differ.
 """
