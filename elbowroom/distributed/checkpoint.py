@@ -78,10 +78,28 @@ def save(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
     return final
 
 
+def load_state(state: dict[str, Any], directory: str | os.PathLike) -> None:
+    """DCP-load ``directory`` into ``state`` (from :func:`state_for_save`), in place: tensors through
+    :func:`~elbowroom.distributed.tensor_parallel.checkpoint_view` (a new dict over the same memory), then the
+    values DCP puts in the dict itself (learning rates, betas) copied back from it."""
+    view = checkpoint_view(state)
+    dcp.load(view, checkpoint_id=str(directory), no_dist=not _distributed())
+    _values_back(state, view)
+
+
+def _values_back(state: Any, view: Any) -> None:
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    for k, v in list(items):
+        if isinstance(v, (dict, list)):
+            _values_back(v, view[k])
+        elif not isinstance(v, torch.Tensor):
+            state[k] = view[k]
+
+
 def load(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load a DCP checkpoint into ``model`` and ``optimizer`` (resharding to this world); returns ``extra``."""
     state = state_for_save(model, optimizer)
-    dcp.load(checkpoint_view(state), checkpoint_id=str(directory), no_dist=not _distributed())  # into `state`
+    load_state(state, directory)
     set_state_dict(
         unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
         options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True),

@@ -21,6 +21,9 @@ reads the same either way.
 - **Agreement**: the logged loss, validation loss and tokens/s are sums over ranks; a stop signal seen by
   any rank stops all of them at the same step; rank 0 alone writes logs, metrics and checkpoint metadata,
   while every rank writes its shards of a checkpoint (torch.distributed.checkpoint).
+- **Tensor and pipeline parallel** (``--parallel.tp``, ``--parallel.pp``): the same calls, answered by
+  :mod:`elbowroom.train.model_parallel_run` (the split, the loss context or the pipeline step, the norm over the
+  whole model, validation through the schedule); ranks that share a data-parallel rank's batch count once.
 """
 
 from __future__ import annotations
@@ -85,14 +88,10 @@ def resolve_launch(launch: Launch | None, environ: Mapping[str, str]) -> Launch 
 def check_setup(cfg: Config, launch: Launch | None) -> None:
     """Refuse a set-up that cannot work, before anything starts (ConfigError: exit 2, nothing written)."""
     p = cfg.parallel
-    if p.tp > 1 or p.pp > 1:
-        raise ConfigError(
-            "parallel.tp and parallel.pp (tensor and pipeline parallel) are in the library "
-            "(elbowroom.distributed.model_parallel) but not in the trainer yet; set them to 1 for `elbowroom train`"
-        )
     world = launch.world_size if launch is not None else 1
-    mesh = (f"--parallel.dp_replicate {p.dp_replicate} x --parallel.dp_shard {p.dp_shard} = "
-            f"{p.world_size} processes")
+    mesh = (f"--parallel.dp_replicate {p.dp_replicate} x --parallel.dp_shard {p.dp_shard}"
+            + "".join(f" x --parallel.{k} {v}" for k, v in (("tp", p.tp), ("pp", p.pp)) if v > 1)
+            + f" = {p.world_size} processes")
     if launch is None and p.world_size > 1:
         raise ConfigError(
             f"{mesh}, but this process was not started by torchrun (no WORLD_SIZE); launch it with "
@@ -107,6 +106,10 @@ def check_setup(cfg: Config, launch: Launch | None) -> None:
             f"data.batch_size {cfg.data.batch_size} is the global batch of one micro-step and must divide by the "
             f"data-parallel size {p.dp_size}; use a multiple of {p.dp_size}"
         )
+    if p.tp > 1 or p.pp > 1:
+        from elbowroom.train import model_parallel_run
+
+        model_parallel_run.check_setup(cfg)
     mode = p.mode
     if mode == "single":
         return
@@ -167,12 +170,18 @@ class DistributedRun:
         """The rank's device under data parallel (``cuda:LOCAL_RANK`` or cpu); None in one process."""
         self.owns_group = owns_group
         self.comm: Any = None  # the DDP comm hook's state (bytes on the wire)
+        self.mp: Any = None  # the ModelParallel under tensor or pipeline parallel
+        self.model_ranks = topo.parallel.tp * topo.parallel.pp
+        """Ranks that hold the same data-parallel rank's numbers (its loss, its tokens): sums over the world
+        are divided by it."""
+        self.pipeline_divisor = 1.0  # the pipeline loss's divisor for the current step (global tokens / scale)
+        self._warned_fused = False
         self._steps = 0  # optimizer steps since the last log line (for comm bytes per step)
 
     # ---------------------------------------------------------------- who and where
     @property
     def enabled(self) -> bool:
-        return self.topo.parallel.mode != "single"
+        return self.topo.parallel.mode != "single" or self.topo.parallel.world_size > 1
 
     @property
     def is_main(self) -> bool:
@@ -233,7 +242,7 @@ class DistributedRun:
         if not self.enabled:
             return total, n
         s, count = self._sum([total.item(), float(n)])  # host-device sync: evaluation result
-        return torch.tensor(s, dtype=torch.float64), int(count)
+        return torch.tensor(s / self.model_ranks, dtype=torch.float64), round(count / self.model_ranks)
 
     # ---------------------------------------------------------------- model and optimizer
     def wrap(self, model: nn.Module, build_optimizer: Callable[..., Any] | None = None,
@@ -249,6 +258,11 @@ class DistributedRun:
             ``(model to call, optimizer)``; ``model`` itself stays the module whose state is saved.
         """
         mode = self.topo.parallel.mode
+        if self.model_ranks > 1:
+            from elbowroom.train import model_parallel_run
+
+            self.mp, module, optimizer = model_parallel_run.wrap(self, model, build_optimizer)
+            return module, optimizer
         if mode == "single":
             return model, optimizer if optimizer is not None else build_optimizer(model, True)
         if mode == "ddp":
@@ -309,10 +323,26 @@ class DistributedRun:
             return fn(model, micro, *args, **kwargs)
         local_tokens = sum(b["num_tokens"] for b in micro)
         (global_tokens,) = self._sum([float(local_tokens)])
+        global_tokens /= self.model_ranks  # tensor- and pipeline-parallel ranks read the same batch
+        if self.mp is not None and self.mp.pipeline is not None:
+            from elbowroom.train.model_parallel_run import pipeline_accumulate
+
+            return pipeline_accumulate(self, micro, args[0], global_tokens)  # args[0]: the autocast
         share = global_tokens / loss_scale(self.topo)
         micro = [{**b, "num_tokens": share if i == 0 else 0} for i, b in enumerate(micro)]
-        with self._sync_on_last(model, len(micro)):
-            return fn(model, micro, *args, **kwargs)
+        if self.mp is None:
+            with self._sync_on_last(model, len(micro)):
+                return fn(model, micro, *args, **kwargs)
+        if kwargs.get("fused_loss"):
+            from elbowroom.distributed.tensor_parallel import fused_loss_applies
+
+            if not self._warned_fused:  # the fallback is logged once
+                fused_loss_applies(self.topo.parallel.tp, True)
+                self._warned_fused = True
+            kwargs["fused_loss"] = False
+        with self._sync_on_last(model, len(micro)), self.mp.loss_context():
+            loss = fn(model, micro, *args, **kwargs)
+        return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
     @contextlib.contextmanager
     def _sync_on_last(self, model: nn.Module, n: int) -> Iterator[None]:
@@ -342,7 +372,27 @@ class DistributedRun:
     def global_loss(self, loss: torch.Tensor) -> float:
         """The step's loss from each rank's share (a host-device sync: logging asks for it)."""
         value = loss.item()
-        return self._sum([value])[0] / loss_scale(self.topo) if self.enabled else value
+        return self._sum([value])[0] / loss_scale(self.topo) / self.model_ranks if self.enabled else value
+
+    def gradient_norm(self, fn: Callable[..., Any], params: list[torch.Tensor], optimizer: Any,
+                      max_norm: float | None) -> Any:
+        """``fn(params, optimizer[, max_norm])`` (the trainer's ``clip_gradients`` or ``gradient_norm``); under
+        tensor or pipeline parallel the norm over the whole model (clipped to ``max_norm`` unless None)."""
+        if self.mp is not None:
+            return self.mp.clip_grad_norm_(max_norm if max_norm is not None else float("inf"))
+        return fn(params, optimizer) if max_norm is None else fn(params, optimizer, max_norm)
+
+    def evaluate(self, fn: Callable[..., float | None], model: nn.Module, loader: Any, device: torch.device,
+                 autocast: Any) -> float | None:
+        """The validation loss: ``fn`` (the trainer's ``evaluate``), summed over ranks; under tensor parallel on
+        whole logits, under pipeline parallel through the schedule."""
+        from elbowroom.train import model_parallel_run as M
+
+        if self.mp is not None and self.mp.pipeline is not None:
+            return M.pipeline_evaluate(self, loader, device, autocast)
+        if self.mp is not None and self.mp.loss_parallel:
+            model = M.FullLogits(model)
+        return fn(model, loader, device, autocast, self.reduce_eval)
 
     def norm_value(self, norm: torch.Tensor | None) -> float | None:
         """A logged gradient norm as a number (FSDP2's is a DTensor: its global value)."""
@@ -356,7 +406,7 @@ class DistributedRun:
         """At a log line: the tokens of every rank since the last one, and the comm hook's bytes per step."""
         (total,) = self._sum([float(tokens)])
         steps, self._steps = max(self._steps, 1), 0
-        out: dict[str, Any] = {"tokens_all_ranks": int(total)}
+        out: dict[str, Any] = {"tokens_all_ranks": round(total / self.model_ranks)}
         if self.comm is not None:
             out["comm_bytes_per_step"] = self.comm.take_bytes() / steps
         return out
@@ -367,6 +417,12 @@ class DistributedRun:
         global batch."""
         if loaded is None:
             return
+        if self.topo.parallel.pp > 1 and not loaded.state.get("sharded"):
+            raise CheckpointError(
+                f"checkpoint {loaded.path} was written by one process (optimizer state by parameter index, for the "
+                "whole model), which a pipeline stage cannot pick its part of; resume it with --parallel.pp 1 (under "
+                "torchrun: its sharded checkpoints then load at any pp)"
+            )
         saved_dp = loaded.state.get("dp_size", 1)
         saved_batch = loaded.state.get("global_batch", ((loaded.meta.get("config") or {}).get("data") or {})
                                        .get("batch_size", global_batch))
@@ -433,7 +489,7 @@ def start_run(cfg: Config, launch: Launch | None, environ: Mapping[str, str]) ->
     launch = resolve_launch(launch, environ)
     check_setup(cfg, launch)
     p = cfg.parallel
-    if p.mode == "single":
+    if p.mode == "single" and p.world_size == 1:
         yield DistributedRun(cfg, Topology(parallel=p), None, False)
         return
     assert launch is not None or p.world_size == 1
@@ -457,8 +513,9 @@ def start_run(cfg: Config, launch: Launch | None, environ: Mapping[str, str]) ->
         raise ConfigError(str(e)) from None
     run = DistributedRun(cfg, topo, device, owns)
     if run.is_main:
-        log.info("data parallel: %s over %d processes (mesh dp_replicate %d x dp_shard %d), %s",
-                 p.mode.upper(), launch.world_size, p.dp_replicate, p.dp_shard, device)
+        log.info("data parallel: %s over %d processes (mesh pp %d x dp_replicate %d x dp_shard %d x tp %d), %s",
+                 p.mode.upper() if p.mode != "single" else "none", launch.world_size, p.pp, p.dp_replicate,
+                 p.dp_shard, p.tp, device)
     t0 = time.perf_counter()
     try:
         yield run

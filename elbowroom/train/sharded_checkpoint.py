@@ -22,8 +22,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-from elbowroom.distributed.checkpoint import state_for_save
+from elbowroom.distributed.checkpoint import load_state, state_for_save
 from elbowroom.distributed.data_parallel import unwrap
+from elbowroom.distributed.tensor_parallel import checkpoint_view
 from elbowroom.train.checkpoint import CheckpointManager
 
 
@@ -51,7 +52,8 @@ def save_sharded(ckpts: CheckpointManager, step: int, model: nn.Module, optimize
         if tmp.exists():
             shutil.rmtree(tmp)
     _barrier()
-    dcp.save(state_for_save(model, optimizer), checkpoint_id=str(tmp), no_dist=not _distributed())
+    # tensor-parallel weights split in strides are written as contiguous chunks: they load at another tp
+    dcp.save(checkpoint_view(state_for_save(model, optimizer)), checkpoint_id=str(tmp), no_dist=not _distributed())
     _barrier()  # every rank's shards are on disk before rank 0 hashes and publishes them
     path = None
     if is_main:
@@ -65,7 +67,7 @@ def load_sharded(directory: Path, model: nn.Module, optimizer: Any) -> None:
     """Load a sharded checkpoint's model and optimizer state into this world (resharding as needed)."""
     with _learning_kept(optimizer):
         state = state_for_save(model, optimizer)
-        dcp.load(state, checkpoint_id=str(directory), no_dist=not _distributed())
+        load_state(state, directory)  # tensors in place (tensor-parallel strides too), the learning rates
         set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(strict=True))
 

@@ -17,7 +17,7 @@ precision; the loop then follows the plan (its fused loss, its weight dtype, its
 applies a saved plan instead, and ``--resume`` re-applies the run's own ``OUT/plan.toml``, so a resumed run
 has the layout, and the loss curve, of the run it continues.
 
-Under torchrun (``--parallel.dp_replicate`` / ``--parallel.dp_shard``) the same loop runs on every rank; what
+Under torchrun (``--parallel.dp_replicate`` / ``dp_shard`` / ``tp`` / ``pp``) the same loop runs on every rank; what
 differs there (each rank's slice of the global batch, gradient sync, sums over ranks, sharded checkpoints) is
 :class:`~elbowroom.train.distributed_run.DistributedRun`, called at the few places where ranks differ.
 """
@@ -543,8 +543,11 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
     else:
         if bf16_params:
             model.to(torch.bfloat16)  # the optimizer keeps fp32 masters of these values
-        apply_activations(model, cfg)
+        if run.model_ranks == 1:  # (tensor and pipeline parallel apply them per stage, after the split)
+            apply_activations(model, cfg)
         fwd_model, optimizer = run.wrap(model, lambda m, overlap: build_optimizer(m, cfg, device, overlap))
+        if run.mp is not None:
+            model = fwd_model  # this rank's split model (its stages under pp): what checkpoints save and load
     if plan is not None:  # the plan decides the weights' dtype and the loss, whatever [optimizer] and [train] say
         bf16_params = plan.weight_dtype == "bfloat16"
         fused_loss = plan.fused_loss
@@ -638,9 +641,9 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
                 last = step + 1 == cfg.train.steps or run.any_rank(stop.received is not None)
                 log_now = (step + 1) % cfg.logging.log_every == 0 or step == 0 or last
                 if cfg.train.max_grad_norm:
-                    grad_norm = clip_gradients(params, optimizer, cfg.train.max_grad_norm)
+                    grad_norm = run.gradient_norm(clip_gradients, params, optimizer, cfg.train.max_grad_norm)
                 elif log_now:  # without clipping the norm is read only when it is logged, and read-only
-                    grad_norm = gradient_norm(params, optimizer)
+                    grad_norm = run.gradient_norm(gradient_norm, params, optimizer, None)
                 else:
                     grad_norm = None
                 lr = optimizer.param_groups[0]["lr"]
@@ -701,7 +704,7 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
                 if eval_loader is not None and not stopping and (
                     (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last
                 ):
-                    val = evaluate(fwd_model, eval_loader, device, autocast, run.reduce_eval)
+                    val = run.evaluate(evaluate, fwd_model, eval_loader, device, autocast)
                     if val is not None:
                         result.val_losses[step] = val
                         metrics.write({"step": step, "val_loss": val})
