@@ -243,14 +243,14 @@ def test_writing_the_recording_is_not_counted_as_training_time(tmp_path: Path,
     stop = Recorder._stop
 
     def slow_stop(self: Recorder) -> None:
-        time.sleep(0.6 if self._active else 0.0)
+        time.sleep(3.0 if self._active else 0.0)  # far longer than a step of this model, even on a busy machine
         stop(self)
 
     monkeypatch.setattr(Recorder, "_stop", slow_stop)
     out = tmp_path / "recorded"
     assert run(out, "--steps", "3", "--profile.steps", "2", "--logging.log_every", "1") == 0
     rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
-    assert rows[2]["elapsed_s"] < 0.5, rows[2]
+    assert rows[2]["elapsed_s"] < 2.0, rows[2]
 
 
 def test_profile_steps_are_validated() -> None:
