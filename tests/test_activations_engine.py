@@ -174,18 +174,11 @@ def test_a_graph_freed_on_another_thread_returns_its_slots_under_the_lock() -> N
 def test_offload_inside_fsdp2_blocks_runs_like_plain(monkeypatch: pytest.MonkeyPatch) -> None:
     # FSDP2 frees a block's unsharded parameters between its all-gathers: the engine's set of storages never
     # to offload skips them instead of reading a freed storage's address
-    import socket
-
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    from tests.distributed_utils import one_process_group
+
+    with one_process_group(monkeypatch):
         ref_loss, ref = step(tiny_model())
         model = tiny_model()
         apply_activation_policy(model, checkpoint="full", offload_checkpoint_inputs=True, min_offload_bytes=0,
@@ -200,5 +193,3 @@ def test_offload_inside_fsdp2_blocks_runs_like_plain(monkeypatch: pytest.MonkeyP
             torch.testing.assert_close(a.full_tensor() if hasattr(a, "full_tensor") else a, b, rtol=1e-4,
                                        atol=1e-6)
         assert get_offload_engine(model).stats().offloaded_tensors > 0
-    finally:
-        dist.destroy_process_group()

@@ -1401,18 +1401,11 @@ def test_a_closed_optimizer_refuses_new_work_instead_of_hanging() -> None:
 
 def test_fsdp2_layers_sharded_without_a_mesh_step_like_plain(monkeypatch: pytest.MonkeyPatch) -> None:
     # fully_shard without mesh= makes a new default mesh for each call: the optimizer takes equal meshes as one
-    import socket
-
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    from tests.distributed_utils import one_process_group
+
+    with one_process_group(monkeypatch):
         plain = make_model()
         ref = torch.optim.AdamW(plain.parameters(), **OPTIMS["adamw"][1])
         model = make_model()
@@ -1428,5 +1421,3 @@ def test_fsdp2_layers_sharded_without_a_mesh_step_like_plain(monkeypatch: pytest
         opt.close()
         for a, b in zip(plain.parameters(), model.parameters()):
             torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6)
-    finally:
-        dist.destroy_process_group()

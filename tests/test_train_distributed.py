@@ -10,24 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from elbowroom import config as C
 from elbowroom.cli import main
 from elbowroom.train.checkpoint import CheckpointManager
-from tests.distributed_utils import run_ranks
+from tests.distributed_utils import TINY_RUN, assert_close_curves, run_ranks, train_losses, trainer_config
 
-BASE = [
-    "--model.dim", "32", "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.n_layers", "2",
-    "--data.seq_len", "32", "--data.batch_size", "4", "--data.num_workers", "0", "--train.dtype", "fp32",
-    "--train.device", "cpu", "--train.eval_every", "3", "--train.eval_batches", "2", "--logging.progress", "false",
-    "--log-every", "1", "--scheduler.warmup_steps", "2", "--optimizer.lr", "1e-2", "--steps", "6",
-    "--checkpoint.every", "3",
-]
+BASE = TINY_RUN  # the same tiny run whatever the layout: its single-process curve is the reference
 DDP, FSDP = ["--parallel.dp_replicate", "2"], ["--parallel.dp_shard", "2"]
 HSDP = ["--parallel.data_parallel", "hsdp"]  # FSDP2 on the 2-D mesh, whichever dimension is 2
 ACCUM = ["--train.gradient_accumulation_steps", "2"]
@@ -44,15 +36,11 @@ CASES = {
 
 
 def _config(out: Path, *args: str):
-    cfg = C.resolve(None, [*BASE, "--out", str(out), *args])
-    return replace(cfg, data=replace(cfg.data, cache_dir=os.environ["ELBOWROOM_CACHE"]))
+    return trainer_config(BASE, out, *args)
 
 
 def _train(out: Path, *args: str) -> dict:
-    from elbowroom.train.trainer import train
-
-    r = train(_config(out, *args))
-    return {"losses": r.losses, "val": r.val_losses, "step": r.step}
+    return train_losses(BASE, out, *args)
 
 
 def _offload_after_reduction(rank: int) -> dict:
@@ -99,9 +87,7 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     return res
 
 
-def _close(a: dict[int, float], b: dict[int, float], rel: float, what: str = "") -> None:
-    assert a.keys() == b.keys(), what
-    assert list(a.values()) == pytest.approx(list(b.values()), rel=rel), what
+_close = assert_close_curves
 
 
 @pytest.mark.slow
