@@ -95,6 +95,14 @@ def test_budget_plans_then_trains(tmp_path: Path, budgets: tuple[int, int], capl
     assert losses == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("dtype,profiled", [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_the_plan_profiles_the_step_in_the_runs_own_dtype(tmp_path: Path, budgets: tuple[int, int], dtype: str,
+                                                          profiled: str) -> None:
+    out = tmp_path / dtype
+    assert run(out, "--steps", "2", "--budget", str(budgets[1]), "--train.dtype", dtype) == 0
+    assert json.loads((out / "plan.json").read_text())["profile"]["compute_dtype"] == profiled
+
+
 def test_budget_below_the_minimum_names_it_and_writes_nothing(
     tmp_path: Path, budgets: tuple[int, int], capsys: pytest.CaptureFixture
 ) -> None:

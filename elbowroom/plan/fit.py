@@ -75,6 +75,7 @@ def fit(
     source: str = "auto",
     machine: Any = None,
     cache_dir: str | None = None,
+    compute_dtype: torch.dtype | None = None,
     blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     grad_clipping: bool = True,
@@ -117,6 +118,8 @@ def fit(
         machine: a device name of ``elbowroom.plan.devices`` (or a MachineProfile) for analytic profiles.
         cache_dir: where the measured machine's numbers are cached (measured once per machine and torch version;
             None: measured every time).
+        compute_dtype: the dtype the loop computes in (its autocast dtype, or the weights' dtype without
+            autocast); None: bf16 on CUDA, the weights' dtype elsewhere (see ``elbowroom.profile``'s ``dtype``).
         blocks: the repeated blocks when they cannot be found (a dotted path such as "model.layers", or modules).
         loss_fn: ``loss_fn(model, batch) -> loss`` for the profile, when ``model(batch)`` is not enough.
         grad_clipping: the loop clips gradients (the planner assumes the host step then waits for the backward).
@@ -138,7 +141,8 @@ def fit(
     resolve_blocks(model, blocks)  # no repeated blocks: say so before profiling
     from elbowroom.plan.profiler import profile as take_profile  # the profiler: imported when first needed
 
-    prof_kwargs: dict[str, Any] = {"source": source, "machine": machine, "blocks": blocks, "cache_dir": cache_dir}
+    prof_kwargs: dict[str, Any] = {"source": source, "machine": machine, "blocks": blocks, "cache_dir": cache_dir,
+                                   "dtype": compute_dtype}
     if loss_fn is not None:
         prof_kwargs["loss_fn"] = loss_fn
     prof = take_profile(model, sample_batch, **prof_kwargs)

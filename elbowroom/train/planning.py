@@ -113,13 +113,6 @@ def plan_for_budget(
     """
     from elbowroom.plan import BudgetError, fit
 
-    # fit profiles in bf16 on CUDA and in the weights' dtype elsewhere; it takes no compute dtype to follow ours
-    profiled = torch.bfloat16 if sample["input_ids"].device.type == "cuda" else torch.float32
-    if amp_dtype != profiled:
-        log.warning("the planner profiles this step in %s but it runs in %s: the plan's memory predictions are "
-                    "those of %s", str(profiled).removeprefix("torch."), str(amp_dtype).removeprefix("torch."),
-                    str(profiled).removeprefix("torch."))
-
     # measuring the machine draws random matrices from the global RNG (the profile itself restores it): the
     # run's dropout stream must be the one an unplanned run with this seed draws
     rng = torch.get_rng_state()
@@ -134,6 +127,7 @@ def plan_for_budget(
             grad_clipping=bool(cfg.train.max_grad_norm),
             # the machine's numbers, measured once per machine and torch, beside the corpus cache
             cache_dir=str(cfg.data.cache_dir or default_cache_dir()),
+            compute_dtype=amp_dtype,  # the profile runs the step as the training loop will
             offload_config=cfg.offload,
             param_groups=_groups(cfg),
             **_adamw_kwargs(cfg),
