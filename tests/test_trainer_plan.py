@@ -110,6 +110,8 @@ def test_budget_below_the_minimum_names_it_and_writes_nothing(
     assert run(out, "--steps", "2", "--budget", str(budgets[0] // 2)) == 2
     err = capsys.readouterr().err.strip()
     assert "below the minimum" in err and len(err.splitlines()) == 1
+    # the hints name the trainer's flags, not fit()'s arguments
+    assert "global_batch=" not in err and "--train.gradient_accumulation_steps" in err
     assert not out.exists()
 
 

@@ -133,14 +133,28 @@ def plan_for_budget(
             **_adamw_kwargs(cfg),
         )
     except BudgetError as e:  # its message names the minimum in GiB; a small model's needs finer units
+        text = " ".join(str(e).split())
+        for api, flag in _CLI_HINTS.items():  # the planner's hints name fit()'s arguments; a trainer user has flags
+            text = text.replace(api, flag)
         raise ConfigError(
-            f"{' '.join(str(e).split())}; the minimum is {e.minimum_bytes:,} bytes: pass --budget "
-            f"{_size_at_least(e.minimum_bytes)} or more"
+            f"{text}; the minimum is {e.minimum_bytes:,} bytes: pass --budget {_size_at_least(e.minimum_bytes)} "
+            "or more"
         ) from None
     except ValueError as e:  # a model the planner cannot read
         raise ConfigError(" ".join(str(e).split())) from None
     finally:
         torch.set_rng_state(rng)
+
+
+_CLI_HINTS = {
+    "global_batch= lets the planner split the batch into micro-batches":
+        "a smaller --data.batch_size with more --train.gradient_accumulation_steps lowers it",
+    "precision='bf16' allows bf16 device weights": "--optimizer.param_dtype bfloat16 allows bf16 device weights",
+    "fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss":
+        "--train.fused_loss true shrinks the head and loss",
+    "(elbowroom plan --host-memory)": "",
+}
+"""The BudgetError hints in the trainer's terms."""
 
 
 def _size_at_least(n: int) -> str:
