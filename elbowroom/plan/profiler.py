@@ -344,10 +344,13 @@ def _profile_recomputed(model: nn.Module, block_list: list[nn.Module], block_pat
         selective = meta_runner.trace(mode="selective")
     with runner.preserved():
         full = runner.time_modes(warmup, iters, modes=("full",))["full"]
+    # a recomputed block's backward is its backward plus one forward: the plain backward is what is left (never
+    # below zero, which a noisy measurement of a tiny block could give), and the recompute is the forward
+    bwd = [max(0.0, b - f) for f, b in zip(full["fwd"], full["bwd"])]
     timings = {
-        None: {"fwd": full["fwd"], "bwd": [max(0.0, b - f) for f, b in zip(full["fwd"], full["bwd"])],
+        None: {"fwd": full["fwd"], "bwd": bwd,
                "total_fwd": full["total_fwd"], "total_bwd": max(0.0, full["total_bwd"] - sum(full["fwd"]))},
-        "full": full,
+        "full": {**full, "bwd": [b + f for f, b in zip(full["fwd"], bwd)]},
     }
     return _assemble(model, block_list, block_path, plain, selective, timings, meta_step.vocab, machine, "measured",
                      micro_batch, seq_len, dtype, param_dtype, 0, 0)
