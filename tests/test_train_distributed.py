@@ -223,3 +223,20 @@ def test_per_rank_plan_counts_shards() -> None:
     assert per_rank_profile(p, 1) is p
     half = dataclasses.replace(whole, layout="bf16")
     assert cost.state_bytes(rank, half) < cost.state_bytes(p, half) / 3
+
+
+def test_the_library_reads_no_environment(tmp_path: Path, monkeypatch) -> None:
+    # torchrun's variables reach the trainer through the CLI (or a Launch the caller builds), never by itself
+    from elbowroom.train.distributed_run import Launch
+    from elbowroom.train.trainer import train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    out = tmp_path / "env"
+    from elbowroom.config import ConfigError
+
+    with pytest.raises(ConfigError, match="not started by torchrun"):
+        train(_config(out, *DDP))
+    assert not out.exists()
+    assert Launch.from_environment(os.environ) == Launch(0, 2, 0, rendezvous=True)

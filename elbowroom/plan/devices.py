@@ -129,3 +129,14 @@ def allocator_settings_setter() -> Any:
     if setter is None:
         setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     return setter
+
+
+def expandable_segments_on() -> bool | None:
+    """Whether the CUDA caching allocator runs with ``expandable_segments:True`` now (the environment's
+    ``PYTORCH_CUDA_ALLOC_CONF`` as torch parsed it, or a run-time setting); None when this torch cannot say."""
+    import torch
+
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is None:
+        return None
+    return "expandable_segments:true" in str(getter()).replace(" ", "").lower()

@@ -53,7 +53,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -66,7 +65,7 @@ from torch.utils._pytree import tree_map
 from elbowroom.activations import _wrap
 from elbowroom.activations.recompute import checkpoint, find_blocks, uncheckpoint
 from elbowroom.plan._trace import HEAD, KINDS, Clock, MetaEmulation, OpRecorder, Tracer, skey
-from elbowroom.plan.devices import allocator_settings_setter, get_device
+from elbowroom.plan.devices import allocator_settings_setter, expandable_segments_on, get_device
 from elbowroom.plan.machine import measure_machine
 from elbowroom.plan.types import BlockProfile, HeadProfile, MachineProfile, Profile
 
@@ -497,13 +496,13 @@ class _Runner:
         """Reserved minus allocated at a plain step's peak with ``expandable_segments:True`` (then set back).
 
         A plan may choose the setting; the overhead of the default allocator says little of it (one mapping grows
-        instead of many segments that do not fit a larger tensor). 0 when this torch cannot switch at run time.
+        instead of many segments that do not fit a larger tensor). 0 when this torch cannot tell the setting or
+        switch it at run time (a setting the run chose is never switched off).
         """
-        setter = allocator_settings_setter()
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
-        if "expandable_segments:true" in conf.replace(" ", "").lower():
+        setter, on = allocator_settings_setter(), expandable_segments_on()
+        if on:
             return self.allocator_overhead  # the run already uses it: the plain measurement is this one
-        if setter is None:
+        if setter is None or on is None:
             return 0
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # new segments only: the cached ones stay as they were made

@@ -61,28 +61,31 @@ class Launch:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    rendezvous: bool = False
+    """The launcher gave a rendezvous (``MASTER_ADDR``): the process group starts from it (``env://``)."""
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> Launch | None:
-        """torchrun's variables, or None when they are absent (a plain ``python``/``elbowroom`` process)."""
+        """torchrun's variables, or None when they are absent (a plain ``python``/``elbowroom`` process). The CLI
+        reads them; from Python, pass ``Launch.from_environment(os.environ)`` to ``train`` under torchrun, or
+        initialise the process group first."""
         if "WORLD_SIZE" not in environ:
             return None
         try:
-            return cls(int(environ.get("RANK", "0")), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")))
+            return cls(int(environ.get("RANK", "0")), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")),
+                       rendezvous="MASTER_ADDR" in environ)
         except ValueError:
             raise ConfigError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (torchrun sets them)") from None
 
 
-def resolve_launch(launch: Launch | None, environ: Mapping[str, str]) -> Launch | None:
-    """The launch to use: the one given, else an initialised process group's, else torchrun's environment
-    (read here, as ``torch.distributed``'s own ``env://`` does, so that ``train(cfg)`` works under torchrun)."""
+def resolve_launch(launch: Launch | None) -> Launch | None:
+    """The launch to use: the one given, else an initialised process group's, else None (one process)."""
     if launch is not None:
         return launch
     if dist.is_available() and dist.is_initialized():
-        env = Launch.from_environment(environ)
-        local = env.local_rank if env is not None else dist.get_rank() % max(torch.cuda.device_count(), 1)
-        return Launch(dist.get_rank(), dist.get_world_size(), local)
-    return Launch.from_environment(environ)
+        return Launch(dist.get_rank(), dist.get_world_size(), dist.get_rank() % max(torch.cuda.device_count(), 1),
+                      rendezvous=True)
+    return None
 
 
 def check_setup(cfg: Config, launch: Launch | None) -> None:
@@ -95,7 +98,8 @@ def check_setup(cfg: Config, launch: Launch | None) -> None:
     if launch is None and p.world_size > 1:
         raise ConfigError(
             f"{mesh}, but this process was not started by torchrun (no WORLD_SIZE); launch it with "
-            f"`torchrun --nproc-per-node {p.world_size} -m elbowroom train ...`, or drop the --parallel flags"
+            f"`torchrun --nproc-per-node {p.world_size} -m elbowroom train ...` (from Python: initialise the process "
+            "group, or pass train(cfg, Launch.from_environment(os.environ))), or drop the --parallel flags"
         )
     if world != p.world_size:
         hint = (f"set --parallel.dp_replicate {world} (DDP) or --parallel.dp_shard {world} (FSDP2)"
@@ -475,18 +479,17 @@ def _fsdp_param_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
 
 
 @contextlib.contextmanager
-def start_run(cfg: Config, launch: Launch | None, environ: Mapping[str, str]) -> Iterator[DistributedRun]:
+def start_run(cfg: Config, launch: Launch | None) -> Iterator[DistributedRun]:
     """Check the set-up, start the process group if this run needs one, and give it back when the run ends.
 
     Args:
         cfg: the run's config (``[parallel]``, ``data.batch_size``).
         launch: where this process sits, or None (see :func:`resolve_launch`).
-        environ: the environment, for torchrun's variables when no launch is given.
 
     Raises:
         ConfigError: a bad set-up (the message says which flag to change), before anything starts.
     """
-    launch = resolve_launch(launch, environ)
+    launch = resolve_launch(launch)
     check_setup(cfg, launch)
     p = cfg.parallel
     if p.mode == "single" and p.world_size == 1:
@@ -500,7 +503,7 @@ def start_run(cfg: Config, launch: Launch | None, environ: Mapping[str, str]) ->
     if cuda:
         torch.cuda.set_device(device)
     owns = not dist.is_initialized()
-    if owns and launch.world_size == 1 and "MASTER_ADDR" not in environ:
+    if owns and launch.world_size == 1 and not launch.rendezvous:
         # FSDP2 at world size 1 (e.g. its CPUOffloadPolicy, for comparison) needs a group of one: no rendezvous
         dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)

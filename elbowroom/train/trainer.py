@@ -394,13 +394,14 @@ def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
 
     Args:
         cfg: the resolved run configuration (see ``elbowroom.config.Config``).
-        launch: this process's rank and world size (default: the initialised process group's, else torchrun's
-            environment, else one process).
+        launch: this process's rank and world size (default: the initialised process group's, else one process;
+            under torchrun from Python, pass ``Launch.from_environment(os.environ)``: the library reads no
+            environment).
 
     Returns:
         A :class:`TrainResult` with the logged training and validation losses.
     """
-    with _restored_global_state(), start_run(cfg, launch, os.environ) as run:
+    with _restored_global_state(), start_run(cfg, launch) as run:
         for replans in itertools.count():
             try:
                 # the last try fails as any run does: with the OOM report, what was live against the plan
