@@ -390,3 +390,24 @@ def test_gradient_accumulation_is_forward_then_backward_twice(tmp_path: Path) ->
     rec.step_end(1)
     phases = [s["phase"] for s in _memory_rows(tmp_path) if s["kind"] == "sample" and s["block"] == 0]
     assert phases == ["forward", "forward", "backward", "backward"] * 2
+
+
+def test_categories_count_fsdp2_shards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2's parameters are DTensors, whose own storage cannot be read: the categories count the shards they
+    wrap (the recorder crashed at its first sample of an FSDP2 run)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from elbowroom.report.categories import sum_storages
+    from tests.distributed_utils import one_process_group
+
+    model = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16))
+    expected = sum(p.numel() * p.element_size() for p in model.parameters())
+    with one_process_group(monkeypatch):
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        params = list(model.parameters())
+        assert all(type(p).__name__ == "DTensor" for p in params)
+        seen: set = set()
+        assert sum_storages(params, "cpu", seen) == expected
+        assert sum_storages(params, "cpu", seen) == 0  # each shard counted once

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -71,13 +71,19 @@ def process_rss_bytes() -> int | None:
     return int(psutil.Process().memory_info().rss)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    s = t.untyped_storage()
-    return (str(t.device), s.data_ptr())
+def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors that own memory behind ``t``: itself, or the inner tensors of a wrapper subclass such as
+    FSDP2's ``DTensor`` parameters (whose own storage is no memory and cannot be read)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-
-def _storage_nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):  # a DTensor also names its mesh
+                yield from _plain_tensors(inner)
+    else:
+        yield t
 
 
 def sum_storages(tensors: Iterable[torch.Tensor], device_type: str, seen: set) -> int:
@@ -95,11 +101,13 @@ def sum_storages(tensors: Iterable[torch.Tensor], device_type: str, seen: set) -
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.device.type != device_type:
             continue
-        key = _storage_key(t)
-        if key in seen or key[1] == 0:
-            continue
-        seen.add(key)
-        total += _storage_nbytes(t)
+        for inner in _plain_tensors(t):
+            storage = inner.untyped_storage()
+            key = (str(inner.device), storage.data_ptr())
+            if key in seen or key[1] == 0:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
     return total
 
 
