@@ -110,6 +110,13 @@ def test_resume_continues_the_exact_loss_curve(tmp_path: Path, extra: list[str])
     assert sorted(b) == list(range(1, 21))
     assert a == b  # bit-identical on CPU
     assert [r["lr"] for r in rows(full) if "lr" in r] == [r["lr"] for r in rows(part) if "lr" in r]
+    train_rows = [r for r in rows(full) if "loss" in r]
+    offloaded = "--optimizer.offload_fraction" in extra
+    # the host optimizer's own figures are logged where there is one: the CPU time of its step is real work
+    assert all(("host_step_s" in r) == offloaded for r in train_rows)
+    if offloaded:
+        assert all(r["host_step_s"] >= 0 and r["host_wait_s"] >= 0 and r["host_threads"] >= 1 for r in train_rows)
+        assert sum(r["host_step_s"] for r in train_rows) > 0  # (a lazy step's figures lag one step)
 
 
 def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path: Path, caplog) -> None:

@@ -65,6 +65,20 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     return {"peak_memory_bytes": rss if sys.platform == "darwin" else rss * 1024}
 
 
+def host_step(optimizer: Any) -> dict[str, float]:
+    """The last step's host optimizer figures, for a CPU-offloaded optimizer (none for torch's own): the CPU
+    time of its host work (``host_step_s``) and how long the step waited for it (``host_wait_s``); a host step
+    longer than the GPU's work is the step's floor."""
+    stats = getattr(optimizer, "stats", None)
+    if not callable(stats):
+        return {}
+    s = stats()
+    if not s.get("offloaded_params"):
+        return {}
+    return {"host_step_s": float(s["cpu_step_s"]), "host_wait_s": float(s["cpu_wait_s"]),
+            "host_threads": int(s["cpu_threads"])}
+
+
 def check_tensorboard() -> None:
     """Raise ValueError naming the extra to install when TensorBoard logging cannot work here."""
     try:
@@ -168,4 +182,6 @@ def format_row(row: dict[str, Any]) -> str:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
     if "peak_memory_bytes" in row:
         parts.append(f"mem {row['peak_memory_bytes'] / 2**30:.2f}GiB")
+    if "host_step_s" in row:
+        parts.append(f"host step {row['host_step_s']:.2f}s (waited {row['host_wait_s']:.2f}s)")
     return "  ".join(parts)

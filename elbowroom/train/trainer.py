@@ -45,7 +45,7 @@ from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
 from elbowroom.train.distributed_run import DistributedRun, Launch, start_run
 from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
-from elbowroom.train.metrics import check_tensorboard, peak_flops, peak_memory
+from elbowroom.train.metrics import check_tensorboard, host_step, peak_flops, peak_memory
 from elbowroom.train.objectives import Distillation, load_distillation, micro_batch_loss, token_loss_sum
 from elbowroom.train.planning import (
     MAX_REPLANS,
@@ -690,6 +690,7 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
                         "tokens": samples_seen * seq_len,
                         "elapsed_s": now - t_log,
                         **peak_memory(device),
+                        **host_step(optimizer),
                         **ranks,
                     }
                     if not math.isfinite(loss_val):
