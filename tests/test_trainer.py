@@ -409,3 +409,25 @@ def test_bf16_parameters_with_fp32_masters(tmp_path: Path, fraction: str) -> Non
     ordered = decay + [n for n in names if n not in decay]
     for i, st in opt_state.items():
         torch.testing.assert_close(st["master_weight"].bfloat16(), weights[ordered[int(i)]], atol=0, rtol=0)
+
+
+def test_loader_workers_start_before_the_optimizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's first batch (its worker processes forked) comes before the optimizer allocates its host
+    state: workers forked after it slowed every host optimizer step 3-4x on the GPU host (BENCHMARKS.md)."""
+    import elbowroom.train.trainer as T
+
+    events: list[str] = []
+    real_next, real_build = T.D.DevicePrefetcher.__next__, T.build_optimizer
+
+    def spy_next(self):  # noqa: ANN001, ANN202
+        events.append("batch")
+        return real_next(self)
+
+    def spy_build(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        events.append("optimizer")
+        return real_build(*a, **k)
+
+    monkeypatch.setattr(T.D.DevicePrefetcher, "__next__", spy_next)
+    monkeypatch.setattr(T, "build_optimizer", spy_build)
+    assert run(tmp_path / "o", "--steps", "2", "--data.num_workers", "1", "--optimizer.offload_fraction", "0.5") == 0
+    assert events.index("batch") < events.index("optimizer"), events[:4]
