@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from elbowroom.optim import shards
+
 CHUNK_NUMEL = 1 << 21
 """Elements per chunk: 8 MiB of fp32 gradient and 8 MiB of master, split over the step's threads. A
 multiple of 64, so that chunk ends fall on vector boundaries: torch's kernel runs the tail of each range in
@@ -86,7 +88,9 @@ def step_chunked(
     chunk = chunk or CHUNK_NUMEL
     if chunk % 64:
         raise ValueError(f"chunk must be a multiple of 64 elements, got {chunk}")
-    a, e = span if span is not None else (0, master.numel())
+    # FSDP2: a sharded master, its moments, gradient and weight are stepped as this rank's shards
+    master_local, grad, out = shards.local(master), shards.local(grad), None if out is None else shards.local(out)
+    a, e = span if span is not None else (0, master_local.numel())
     if a % 64:
         raise ValueError(f"a span must start at a multiple of 64 elements, got {a}")
     st = adam_state(optimizer, master)
@@ -104,7 +108,7 @@ def step_chunked(
         "amsgrad": False,
         "maximize": bool(group.get("maximize", False)),
     }
-    p, m, v = (t.view(-1)[a:e] for t in (master, st["exp_avg"], st["exp_avg_sq"]))
+    p, m, v = (shards.local(t).view(-1)[a:e] for t in (master, st["exp_avg"], st["exp_avg_sq"]))
     g = grad.view(-1)
     if g.numel() != e - a:
         raise ValueError(f"grad has {g.numel()} elements for a span of {e - a}")

@@ -351,10 +351,11 @@ class Placement:
         dev: list[torch.Tensor] = []
         for j, p in enumerate(params):
             if id(p) in offloaded:
-                if shards.is_sharded(p) and (cfg.param_torch_dtype is not None or p.dtype != torch.float32):
+                if shards.is_sharded(p) and (cfg.param_torch_dtype is not None or
+                                             (p.dtype != torch.float32 and not cfg.uses_master_weights)):
                     raise ValueError(
-                        "CPUOffloadOptimizer steps FSDP2 shards in fp32 only; give FSDP2 a MixedPrecisionPolicy "
-                        "for low-precision compute instead of param_dtype / bf16 parameters"
+                        "CPUOffloadOptimizer steps FSDP2 shards of fp32 weights, or of bf16 weights with fp32 "
+                        "masters (master_weights=True), not device copies of another dtype (param_dtype)"
                     )
                 shard = shards.local(p)  # FSDP2: the host side steps this rank's shard
                 master = masters.host_master(

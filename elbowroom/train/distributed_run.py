@@ -129,15 +129,12 @@ def check_setup(cfg: Config, launch: Launch | None) -> None:
             "--optimizer.offload_gradients, or shard with --parallel.dp_shard"
         )
     if mode in ("fsdp", "hsdp"):
-        for flag, on in (
-            ("--optimizer.param_dtype bfloat16", cfg.optimizer.param_dtype != "float32"),
-            ("--optimizer.offload_param_dtype bfloat16", cfg.optimizer.offload_param_dtype != "float32"),
-        ):
-            if on:
-                raise ConfigError(
-                    f"{flag} casts the weights the optimizer steps, but FSDP2 shards fp32 weights and computes in "
-                    "--train.dtype (its MixedPrecisionPolicy); drop the flag"
-                )
+        if cfg.optimizer.offload_param_dtype != "float32":
+            raise ConfigError(
+                "--optimizer.offload_param_dtype bfloat16 swaps device copies in for fp32 weights, which FSDP2's "
+                "shards do not allow; shard bf16 weights with fp32 masters instead (--optimizer.param_dtype "
+                "bfloat16)"
+            )
         if p.fsdp_cpu_offload and cfg.optimizer.offload_fraction > 0:
             raise ConfigError(
                 "parallel.fsdp_cpu_offload and optimizer.offload_fraction both move the optimizer to the host; "
