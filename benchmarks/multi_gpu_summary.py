@@ -17,15 +17,17 @@ def main(out: str) -> None:
         tail = steps[len(steps) // 3:] or steps  # after warm-up
         rows.append((run.name, statistics.median(m["tokens_per_s"] for m in tail) if tail else 0.0,
                      max((m.get("peak_memory_bytes") or 0) for m in steps) / 2**30 if steps else 0.0,
+                     max((m.get("peak_reserved_bytes") or 0) for m in steps) / 2**30 if steps else 0.0,
                      steps[-1]["loss"] if steps else float("nan"),
                      steps[-1].get("comm_bytes_per_step") if steps else None))
     single = {name: tps for name, tps, *_ in rows if name.startswith("single")}
     base = single.get("single-plain")
-    print("| run | tokens/s | per GPU vs single plain | peak GiB/GPU | last loss | bytes on the wire/step |")
+    print("| run | tokens/s | per GPU vs single plain | peak GiB/GPU (alloc / reserved) | last loss | "
+          "bytes on the wire/step |")
     print("|---|---|---|---|---|---|")
-    for name, tps, peak, loss, comm in rows:
-        print(f"| {name} | {tps:,.0f} | {tps / base:.2f}x | {peak:.2f} | {loss:.4f} | {comm or ''} |"
-              if base else f"| {name} | {tps:,.0f} | | {peak:.2f} | {loss:.4f} | {comm or ''} |")
+    for name, tps, peak, reserved, loss, comm in rows:
+        ratio = f"{tps / base:.2f}x" if base else ""
+        print(f"| {name} | {tps:,.0f} | {ratio} | {peak:.2f} / {reserved:.2f} | {loss:.4f} | {comm or ''} |")
 
 
 if __name__ == "__main__":

@@ -78,12 +78,41 @@ def _by_hand(rank: int, offload_fraction: float) -> dict:
     return out
 
 
+def _unit_layout(rank: int) -> dict:
+    """Where the optimizer's forward waits go under FSDP2: on each unit, ahead of its all-gather."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from elbowroom.distributed.config import ParallelConfig
+    from elbowroom.distributed.data_parallel import apply_data_parallel, init_distributed
+    from elbowroom.models import ModelConfig, build_model
+    from elbowroom.optim import CPUOffloadOptimizer
+
+    topo = init_distributed(ParallelConfig(dp_shard=2), rank=rank, world_size=2, local_rank=rank,
+                            device=torch.device("cpu"))
+    out = {}
+    for tied in (False, True):
+        model = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16,
+                                        tie_embeddings=tied))
+        apply_data_parallel(model, topo)
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, offload_fraction=1.0)
+        opt.overlap_with_forward(model)
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        first_hooks = [next(iter(m._forward_pre_hooks.values())) for m in units]
+        out[tied] = {
+            "units": [type(m).__name__ for m in units],
+            "ours_first": [getattr(h, "__qualname__", "").startswith("forward_hook") for h in first_hooks],
+        }
+        opt.close()
+    return out
+
+
 def _ranks(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tmp_path = Path(tmp)
     res = {f"hand_{f}": _by_hand(rank, f) for f in (1.0, 0.5)}
+    res["units"] = _unit_layout(rank)
     res["host"] = train_losses(TINY_RUN, tmp_path / "host", *FSDP, *BF16, "--optimizer.offload_fraction", "1.0")
     res["device"] = train_losses(TINY_RUN, tmp_path / "device", *FSDP, *BF16)
     res["half"] = train_losses(TINY_RUN, tmp_path / "resumed", *FSDP, *BF16, "--optimizer.offload_fraction", "1.0",
@@ -109,6 +138,14 @@ def test_fsdp2_bf16_shards_with_fp32_masters(tmp_path: Path) -> None:
             # on the same gradients the sharded step is the unsharded one (the global norm summed in another
             # order: the masters within fp32 rounding, the bf16 weights cast from them)
             assert h["master_diff"] <= 1e-6 and h["param_diff"] <= 4e-3, (name, h)
+    # the embedding and the head are units of their own (all-gathered when they run, so the host step of the
+    # head may run behind the blocks' forward), except when tied; every unit's first pre-forward hook is the
+    # optimizer's wait, ahead of FSDP2's all-gather
+    units = r0["units"]
+    assert units[False]["units"].count("FSDPEmbedding") == 1 and units[False]["units"].count("FSDPLinear") == 1
+    assert "FSDPEmbedding" not in units[True]["units"]
+    assert units[False]["ours_first"] == [False] + [True] * 5  # the root holds no weight of its own then
+    assert all(units[True]["ours_first"]), units[True]  # the root holds the tied embedding
     # the trainer: the single-process curve of the same flags within bf16's rounding of the gradient sums
     assert_close_curves(r0["host"]["losses"], ref_host["losses"], 2e-3, "host masters")
     assert_close_curves(r0["device"]["losses"], ref_device["losses"], 2e-3, "device masters")

@@ -170,10 +170,32 @@ def apply_data_parallel(
                            if topo.parallel.fsdp_cpu_offload else OffloadPolicy()),
         "shard_placement_fn": shard_placement_fn,
     }
-    for blk in blocks if blocks is not None else find_blocks(model):
+    units = list(blocks if blocks is not None else find_blocks(model))
+    for blk in units:
         fully_shard(blk, **kw)
+    for part in _outer_units(model, units):
+        fully_shard(part, **kw)
     fully_shard(model, **kw)
     return model, None
+
+
+def _outer_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The root's children outside the blocks that hold parameters (embedding, final norm, head; a Hugging Face
+    model's inner model and head), each to be its own FSDP2 unit: each is all-gathered when its own forward
+    starts, not all at the root's, so the CPU-offloaded optimizer's step of the head may still run while the
+    blocks compute (the root would wait for every weight it holds before its first block). A child sharing a
+    parameter with another (tied embeddings) stays with the root."""
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    block_ids = {id(b) for b in blocks}
+    children = [c for c in model.children()
+                if id(c) not in block_ids and any(id(p) not in in_blocks for p in c.parameters())]
+    owners: dict[int, int] = {}
+    for i, c in enumerate(children):
+        for p in c.parameters():
+            if id(p) not in in_blocks:
+                owners.setdefault(id(p), i)
+    shared = {id(p) for i, c in enumerate(children) for p in c.parameters() if owners.get(id(p), i) != i}
+    return [c for c in children if not any(id(p) in shared for p in c.parameters())]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -93,6 +93,15 @@ class Handover:
         self.inflight: dict[Bucket, list[Job]] = {}  # lazy: last step's jobs not yet waited for
         self.lazy_wait_s = 0.0
         self._warned_unawaited = False
+        self._sharded: bool | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the offloaded parameters are FSDP2 shards (their copies must land before FSDP2's all-gather,
+        which runs on streams of its own)."""
+        if self._sharded is None and self.placement.hps:
+            self._sharded = any(shards.is_sharded(hp.owner) for hp in self.placement.hps)
+        return bool(self._sharded)
 
     def on_grad(self, hp: HostParam, kind: str, grad: torch.Tensor | None, early: bool = False) -> None:
         """Hand one gradient over (called by the hook during backward, or by step() for the rest).
@@ -350,7 +359,8 @@ class Handover:
             ValueError: an offloaded parameter is not owned by any module of ``model``.
         """
         owned: set[int] = set()
-        hooks = []
+        readers = _fsdp_readers(model)
+        waits: dict[int, tuple[torch.nn.Module, list[Bucket]]] = {}
         for mod in model.modules():
             buckets: list[Bucket] = []
             for p in mod.parameters(recurse=False):
@@ -360,7 +370,13 @@ class Handover:
                     if hp.bucket not in buckets:
                         buckets.append(hp.bucket)
             if buckets:
-                hooks.append(mod.register_forward_pre_hook(forward_hook(opt, buckets)))
+                # FSDP2 all-gathers a unit's shards in its own pre-forward hook, before any module inside it runs:
+                # the wait goes on the unit, ahead of that hook
+                reader = readers.get(id(mod), mod)
+                _, have = waits.setdefault(id(reader), (reader, []))
+                have.extend(b for b in buckets if b not in have)
+        hooks = [reader.register_forward_pre_hook(forward_hook(opt, buckets), prepend=_is_fsdp(reader))
+                 for reader, buckets in waits.values()]
         missing = [hp.index for hp in self.placement.hps if id(hp.owner) not in owned]
         if missing:
             for h in hooks:
@@ -375,6 +391,8 @@ class Handover:
         self.inflight.clear()
         if self.streams.cuda:
             torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)  # stream wait
+            if self.sharded:  # FSDP2's all-gather stream reads the shards, and waits for no stream of ours
+                self.streams.h2d.synchronize()  # host wait for the copies
 
     def await_buckets(self, buckets: list[Bucket]) -> None:
         """Lazy mode: wait until these buckets' last CPU steps are done and order the current stream after
@@ -396,6 +414,34 @@ class Handover:
             for b in buckets:
                 if b.h2d_event is not None:  # written by the step thread before the jobs finished (waited above)
                     cur.wait_event(b.h2d_event)  # stream wait: the forward reads the weights after their copy
+                    if self.sharded:
+                        # FSDP2 reads shards on its own all-gather stream, which waits for no stream of ours
+                        b.h2d_event.synchronize()  # host wait for this bucket's copy
+
+
+def _is_fsdp(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard`` gave its class FSDP2's methods)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _fsdp_readers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Module id -> the innermost FSDP2 unit around it (itself included), whose pre-forward hook all-gathers its
+    parameters; modules outside any unit are left out."""
+    readers: dict[int, torch.nn.Module] = {}
+
+    def walk(mod: torch.nn.Module, unit: torch.nn.Module | None) -> None:
+        unit = mod if _is_fsdp(mod) else unit
+        if unit is not None:
+            readers[id(mod)] = unit
+        for child in mod.children():
+            walk(child, unit)
+
+    walk(model, None)
+    return readers
 
 
 def forward_hook(opt: CPUOffloadOptimizer, buckets: list[Bucket]) -> Callable[..., None]:

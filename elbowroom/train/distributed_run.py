@@ -278,8 +278,9 @@ class DistributedRun:
         mp = _fsdp_param_dtype(self.cfg, self.place(torch.device("cpu")))
         blocks = find_blocks(model)
         apply_data_parallel(model, self.topo, blocks=blocks or None, param_dtype=mp)
-        # the CPU steps must have landed before FSDP2's pre-forward all-gather reads the shards: step() waits
-        return model, build_optimizer(model, False)
+        # step() returns at once; each FSDP2 unit waits for its own shards' CPU steps (and their copies) before
+        # its pre-forward all-gather reads them
+        return model, build_optimizer(model, True)
 
     def plan_once(self, plan_fn: Callable[..., Any], apply_fn: Callable[..., Any], model: nn.Module,
                   sample: dict[str, Any], cfg: Config, **kwargs: Any) -> tuple[nn.Module, Any, Any]:

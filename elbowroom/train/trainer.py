@@ -181,7 +181,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, overlap
         )
         # step() returns at once; each block waits for its own updated weights in the next forward, so
         # the CPU step of the late blocks hides behind the forward of the early ones even with clipping
-        if overlap_forward:  # (not under FSDP2, whose all-gather reads the shards before any forward pre-hook)
+        if overlap_forward:  # (under FSDP2 the wait goes ahead of each unit's all-gather)
             opt.overlap_with_forward(model)
         return opt
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=o.fused or None)
