@@ -212,11 +212,11 @@ def plan_ranks(model: nn.Module, sample: dict[str, Any], cfg: Config, parallel: 
             continue
         plans.append(replace(plan, layout=layout_label(parallel, r, rows, cfg.data.seq_len)))
     if short:
-        who = "; ".join(f"{f'pipeline rank {r} ({n} blocks)' if parallel.pp > 1 else 'each rank'} needs at least "
-                        f"{low:,} bytes" for r, n, low in short)
+        who = "; ".join(f"{f'pipeline rank {r} ({n} block' + 's' * (n != 1) + ')' if parallel.pp > 1 else 'a rank'}"
+                        f" needs at least {low:,} bytes" for r, n, low in short)
         top = max(low for _, _, low in short)
-        raise ConfigError(f"--budget {cfg.budget} is each rank's budget and is below the minimum: {who} "
-                          f"(recomputing every block); pass --budget {_size_at_least(top)} or more")
+        raise ConfigError(f"--budget {cfg.budget} is each rank's budget and is below the minimum: {who}; "
+                          f"pass --budget {_size_at_least(top)} or more")
     return RankPlans(tuple(plans))
 
 
