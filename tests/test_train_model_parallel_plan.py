@@ -1,11 +1,11 @@
 """``--budget`` under tensor and pipeline parallel (2 gloo processes, one spawn): each rank's plan.
 
 The budget is the planner's own: a run with a budget of one byte exits 2 naming each rank's minimum, writing
-nothing, and the planned runs take the largest of those minima (the pipeline a set share above), so that at least one block
-recomputes. A planned
-run trains the same losses as the unplanned run of its layout within 1e-5 relative (recompute does not change the
-numbers; fp32, no dropout). Under 1F1B the first stage holds two micro-batches and the last one, so with the same
-budget the first stage recomputes where the last keeps. A run's plans applied to another layout exit 2; ``--resume`` follows them.
+nothing, and the planned runs take the largest of those minima (the pipeline a set share above), so that at least
+one block recomputes. A planned run trains the same losses as the unplanned run of its layout within 1e-5 relative
+(recompute does not change the numbers; fp32, no dropout). Under 1F1B the first stage holds two micro-batches and the last one, so with the same
+budget the first stage recomputes where the last keeps. A run's plans applied to another layout exit 2;
+``--resume`` follows them.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from tests.distributed_utils import TINY_RUN, assert_close_curves, run_ranks, tr
 
 BASE = [*TINY_RUN, "--steps", "10", "--train.eval_every", "5", "--checkpoint.every", "5"]
 TP = ["--parallel.tp", "2"]
-PP = ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--parallel.pp_microbatches", "4", "--model.n_layers", "4",
-      "--data.seq_len", "64", "--data.batch_size", "8"]  # 2 blocks a stage; activations outweigh the weights
+PP = ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--parallel.pp_microbatches", "4",
+      "--model.n_layers", "4", "--data.seq_len", "64", "--data.batch_size", "8"]  # 2 blocks a stage
 MINIMUM = re.compile(r"needs at least ([\d,]+) bytes")
 
 

@@ -4,8 +4,8 @@
 from a data-parallel one; the library is :mod:`elbowroom.distributed.model_parallel`.
 
 - **Set-up** (:func:`check_setup`): what the trainer cannot run split is refused before anything starts
-  (ConfigError, exit 2): the CPU-offloaded optimizer and bf16 weights (they step plain tensors, not DTensor shards or a stage's subset), ``--train.compile``,
-  fp16 (its GradScaler does not see the pipeline's backward), distillation and QAT, ``--model.hf`` models and tied
+  (ConfigError, exit 2): the CPU-offloaded optimizer and bf16 weights (they step plain tensors, not DTensor
+  shards or a stage's subset), ``--train.compile``, fp16 (its GradScaler does not see the pipeline's backward), distillation and QAT, ``--model.hf`` models and tied
   embeddings (:func:`~elbowroom.distributed.model_parallel.validate_layout`), and under pipeline parallel the
   fused loss (its last stage computes cross-entropy on whole logits) and variable-length batches (a step's
   micro-batches are joined into one batch). Under tensor parallel the fused loss falls back, with a warning, to
