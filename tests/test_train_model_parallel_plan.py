@@ -3,9 +3,9 @@
 The budget is the planner's own: a run with a budget of one byte exits 2 naming each rank's minimum, writing
 nothing, and the planned runs take the largest of those minima (the pipeline a set share above), so that at least
 one block recomputes. A planned run trains the same losses as the unplanned run of its layout within 1e-5 relative
-(recompute does not change the numbers; fp32, no dropout). Under 1F1B the first stage holds two micro-batches and the last one, so with the same
-budget the first stage recomputes where the last keeps. A run's plans applied to another layout exit 2;
-``--resume`` follows them.
+(recompute does not change the numbers; fp32, no dropout). Under 1F1B the first stage holds two micro-batches and
+the last one, so with the same budget the first stage recomputes where the last keeps. A run's plans applied to
+another layout exit 2; ``--resume`` follows them.
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@
 from a data-parallel one; the library is :mod:`elbowroom.distributed.model_parallel`.
 
 - **Set-up** (:func:`check_setup`): what the trainer cannot run split is refused before anything starts
-  (ConfigError, exit 2): the CPU-offloaded optimizer and bf16 weights (they step plain tensors, not DTensor
-  shards or a stage's subset), ``--train.compile``, fp16 (its GradScaler does not see the pipeline's backward), distillation and QAT, ``--model.hf`` models and tied
-  embeddings (:func:`~elbowroom.distributed.model_parallel.validate_layout`), and under pipeline parallel the
-  fused loss (its last stage computes cross-entropy on whole logits) and variable-length batches (a step's
-  micro-batches are joined into one batch). Under tensor parallel the fused loss falls back, with a warning, to
-  torch's ``loss_parallel`` cross-entropy on the shards.
+  (ConfigError, exit 2): the CPU-offloaded optimizer and bf16 weights (they step plain tensors, not DTensor shards
+  or a stage's subset), ``--train.compile``, fp16 (its GradScaler does not see the pipeline's backward),
+  distillation and QAT, ``--model.hf`` models and tied embeddings
+  (:func:`~elbowroom.distributed.model_parallel.validate_layout`), and under pipeline parallel the fused loss (its
+  last stage computes cross-entropy on whole logits) and variable-length batches (a step's micro-batches are joined
+  into one batch). Under tensor parallel the fused loss falls back, with a warning, to torch's ``loss_parallel``
+  cross-entropy on the shards.
 - **Wrapping** (:func:`wrap`): ``apply_model_parallel`` splits the seeded whole model (the same on every rank),
   applies ``[activations]`` per module and FSDP2 beside ``tp``; the optimizer steps this rank's parameters.
 - **Planning** (:func:`plan_and_wrap`): ``--budget B`` is every rank's budget. Rank 0 profiles the whole model
