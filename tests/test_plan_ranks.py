@@ -9,6 +9,7 @@ ranks splits the model for real); and a tighter per-rank budget never predicts a
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -152,9 +153,10 @@ def test_rank_plans_save_and_load(tmp_path) -> None:
         for i, r in enumerate(rank_profiles(prof, model, parallel))))
     for name in ("plans.toml", "plans.json"):
         path = tmp_path / name
-        path.write_text(plans.to_toml() if name.endswith("toml") else plans.to_json())
+        path.write_text(plans.to_toml() if name.endswith("toml") else json.dumps(plans.to_dict()))
         assert RankPlans.load(path) == plans
     assert "pipeline rank 1" in plans.plans[1].layout and "pipeline rank 1:" in plans.table()
+    assert Plan.from_json(plans.to_json()) == plans.plans[0]  # the report's copy: the rank whose peak is logged
     whole = tmp_path / "whole.toml"
     plans.plans[0].save(whole)  # one whole model's plan is not a model-parallel run's
     with pytest.raises(ValueError, match="not the plans of a model-parallel run"):

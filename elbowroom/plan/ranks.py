@@ -182,7 +182,7 @@ def rank_profiles(profile: Profile, model: Any, parallel: Any) -> list[Profile]:
 class RankPlans:
     """The plans of a model-parallel run: one per pipeline rank (one in all without a pipeline), each made for
     that rank's blocks and layout (:attr:`Plan.layout`). Tensor- and data-parallel ranks of one pipeline rank
-    follow the same plan. Saved as TOML (``[[ranks]]`` tables, each a plan) or JSON."""
+    follow the same plan. Saved as TOML (``[[ranks]]`` tables, each a plan)."""
 
     plans: tuple[Plan, ...]
 
@@ -202,7 +202,9 @@ class RankPlans:
         return {"ranks": [p.to_dict() for p in self.plans]}
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+        """The report's copy (``OUT/plan.json``): pipeline rank 0's plan, the rank whose peak the run logs (every
+        rank's plan is in the TOML; ``json.dumps(to_dict())`` holds them all and loads back too)."""
+        return self.plans[0].to_json(indent)
 
     def to_toml(self) -> str:
         """Each plan's own TOML under ``[[ranks]]``: its tables become ``[ranks.x]``, its rows ``[[ranks.x]]``."""
