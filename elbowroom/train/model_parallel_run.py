@@ -230,9 +230,13 @@ def plan_and_wrap(run: Any, model: nn.Module, build_optimizer: Any, plans: Any, 
     Returns:
         ``(module to call, optimizer, RankPlans)``.
     """
+    from elbowroom.distributed.model_parallel import validate_layout
     from elbowroom.plan.ranks import RankPlans, layout_label
 
     cfg, parallel = run.cfg, run.topo.parallel
+    # a layout that cannot run is refused before the profile (apply_model_parallel checks it again)
+    validate_layout(parallel, getattr(model, "config", None), run.topo.world_size, seq_len=cfg.data.seq_len,
+                    batch_size=cfg.data.batch_size // parallel.dp_size * cfg.train.gradient_accumulation_steps)
     if plans is None:
         made = error = None
         if run.is_main:
