@@ -98,24 +98,33 @@ def _reference(cfg: ModelConfig) -> list[float]:
     return [norm, *_train(_plain(model), opt, STEPS)]
 
 
-def _build(rank: int, world: int, cfg: ModelConfig, parallel: ParallelConfig, recompute: str | None = None):
-    """The model split for ``parallel`` on this rank, its optimizer, and its step function."""
-    from elbowroom.activations import ActivationConfig
+def _build(rank: int, world: int, cfg: ModelConfig, parallel: ParallelConfig,
+           recompute: str | tuple[str, ...] | None = None):
+    """The model split for ``parallel`` on this rank, its optimizer, and its step function. ``recompute``: one
+    policy for every block, or one per block of the whole model (a plan's, installed on this rank's blocks)."""
+    from elbowroom.activations import ActivationConfig, BlockPolicy
     from elbowroom.distributed.data_parallel import init_distributed, loss_scale
     from elbowroom.distributed.model_parallel import apply_model_parallel
+    from elbowroom.distributed.pipeline import stage_blocks, stage_ids
 
     topo = init_distributed(parallel, rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     torch.manual_seed(0)
+    per_block = None
+    if isinstance(recompute, tuple):
+        own = ([i for s in stage_ids(parallel, topo.mesh.get_local_rank("pp"))
+                for i in stage_blocks(parallel, cfg.n_layers, s)] if parallel.pp > 1 else range(cfg.n_layers))
+        per_block, recompute = [BlockPolicy(recompute[i]) for i in own], None
     mp = apply_model_parallel(build_model(cfg), topo, device=torch.device("cpu"),
                               loss_fn=lambda logits, y: _loss_fn(logits, y) * loss_scale(topo),
                               activations=ActivationConfig(checkpoint=recompute) if recompute else None,
-                              seq_len=SEQ, batch_size=BATCH // parallel.dp_size)
+                              block_policies=per_block, seq_len=SEQ, batch_size=BATCH // parallel.dp_size)
     return mp, torch.optim.AdamW(mp.parameters(), lr=1e-2), _parallel(mp, topo)
 
 
 def _ranks_train(rank: int, world: int, cases: dict, ckpt_dir: str) -> dict:
     """Every case's 10-step losses; then the checkpoint round trip of the first case's layout: continue the
     single process's step-5 checkpoint, and write this layout's own step-5 checkpoint."""
+    from elbowroom.activations.policy import get_block_policies
     from elbowroom.distributed import checkpoint as C
 
     out = {}
@@ -126,6 +135,8 @@ def _ranks_train(rank: int, world: int, cases: dict, ckpt_dir: str) -> dict:
         opt.zero_grad(set_to_none=True)
         out[name] = _train(step, opt, STEPS)
         out[name, "share"] = local / count_params(build_model(cfg))
+        out[name, "policies"] = [None if (got := get_block_policies(m)) is None else tuple(p.checkpoint for p in got)
+                                 for m in mp.modules]
     cfg, parallel, _ = next(iter(cases.values()))
     mp, opt, step = _build(rank, world, cfg, parallel)
     extra = C.load(Path(ckpt_dir, "single"), mp.checkpoint_module, opt)
@@ -139,6 +150,7 @@ def _ranks_train(rank: int, world: int, cases: dict, ckpt_dir: str) -> dict:
 def _check(cases: dict, tmp_path: Path, world: int = 2) -> None:
     """Run ``cases`` on ``world`` ranks against single-process references, and the checkpoint round trips."""
     from elbowroom.distributed import checkpoint as C
+    from elbowroom.distributed.pipeline import stage_blocks, stage_ids
 
     cfg = next(iter(cases.values()))[0]
     model, opt = _fresh(cfg)
@@ -154,6 +166,14 @@ def _check(cases: dict, tmp_path: Path, world: int = 2) -> None:
         assert r0[name, "norm"][1] == pytest.approx(norm, rel=1e-5) == r1[name, "norm"][1], name  # the global norm
         assert r1[name] == r0[name], name  # every rank reports the same loss
         assert r0[name, "share"] < 0.6 and r1[name, "share"] < 0.6, name  # and holds about half the weights
+        policies = cases[name][2]
+        if isinstance(policies, tuple):  # a plan's: each rank's blocks got their own (an all-kept stage: none)
+            parallel = cases[name][1]
+            for rank, r in enumerate((r0, r1)):
+                stages = ([stage_blocks(parallel, case_cfg.n_layers, s) for s in stage_ids(parallel, rank)]
+                          if parallel.pp > 1 else [range(case_cfg.n_layers)])
+                want = [tuple(policies[i] for i in ids) for ids in stages]
+                assert r[name, "policies"] == [None if set(w) == {"none"} else w for w in want], name
     ref = refs[cfg][1:]
     assert r0["resumed"] == pytest.approx(ref[5:], rel=1e-5)  # single process -> 2 ranks
     model, opt = _fresh(cfg)
@@ -163,8 +183,8 @@ def _check(cases: dict, tmp_path: Path, world: int = 2) -> None:
 
 @pytest.mark.slow
 def test_tensor_parallel_equals_single_process(tmp_path) -> None:
-    """TP 2 on both architectures, fused and separate q/k/v, with recompute, with FSDP2 on the 2-D mesh;
-    checkpoints move between TP 2 and TP 1 both ways."""
+    """TP 2 on both architectures, fused and separate q/k/v, with recompute (for all blocks, or a plan's per block),
+    with FSDP2 on the 2-D mesh; checkpoints move between TP 2 and TP 1 both ways."""
     tp = ParallelConfig(tp=2)
     cases = {
         "llama": (LLAMA, tp, None),
@@ -173,6 +193,7 @@ def test_tensor_parallel_equals_single_process(tmp_path) -> None:
         "gpt2_qkv_apart_gathered_logits": (replace(GPT2, fused_qkv=False), ParallelConfig(tp=2, tp_loss_parallel=False),
                                            None),
         "llama_recompute": (LLAMA, tp, "full"),
+        "llama_per_block": (LLAMA, tp, ("none", "selective", "full", "none")),  # a plan's policies
         "llama_fsdp": (LLAMA, ParallelConfig(tp=2, data_parallel="fsdp"), "selective"),
     }
     _check(cases, tmp_path)
@@ -189,6 +210,9 @@ def test_pipeline_parallel_equals_single_process(tmp_path) -> None:
         "gpt2_1f1b": (GPT2, ParallelConfig(pp=2, pp_schedule="1f1b", pp_microbatches=2), None),
         "zero_bubble": (LLAMA, ParallelConfig(pp=2, pp_schedule="zero_bubble", pp_microbatches=4), None),
         "1f1b_recompute": (LLAMA, ParallelConfig(pp=2, pp_microbatches=2), "full"),
+        # a plan's policies, block by block, on the rank's stages 0 and 2 (or 1 and 3)
+        "interleaved_per_block": (LLAMA, ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_microbatches=4),
+                                  ("full", "none", "selective", "full")),
         "gpipe_fsdp": (LLAMA, ParallelConfig(pp=2, pp_schedule="gpipe", pp_microbatches=2, data_parallel="fsdp"),
                        None),
     }

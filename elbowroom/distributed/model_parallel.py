@@ -2,7 +2,8 @@
 apply the activation policy per module, and wrap the result in FSDP2.
 
 The order is torchtitan's: pipeline split (each stage a module of its own), tensor parallel (per stage),
-recompute and offload (per stage: a stage's memory plan is its own), FSDP2 (per block and per stage, on the
+recompute and offload (per stage: a stage's memory plan is its own; a plan's per-block policies, or one
+``[activations]`` policy for every block), FSDP2 (per block and per stage, on the
 ``dp_shard`` or ``dp_replicate x dp_shard`` mesh beside ``tp``), then the pipeline schedule.
 
     topo = init_distributed(parallel, rank=..., world_size=..., local_rank=..., device=device)
@@ -152,6 +153,7 @@ def apply_model_parallel(
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     activations: Any = None,
+    block_policies: Any = None,
     seq_len: int | None = None,
     batch_size: int | None = None,
     **data_parallel_kwargs: Any,
@@ -166,6 +168,8 @@ def apply_model_parallel(
         loss_fn: ``loss_fn(logits, targets)`` per micro-batch; needed with pipeline parallel, whose schedule
             computes the loss on the last stage.
         activations: an ``ActivationConfig`` (recompute, offload) applied to each module's blocks; None for none.
+        block_policies: one ``BlockPolicy`` per block this rank holds, in stage order (a rank's plan, see
+            :mod:`elbowroom.plan.ranks`), instead of ``activations``.
         seq_len, batch_size: checked against the layout when given (see :func:`validate_layout`).
         **data_parallel_kwargs: passed to ``apply_data_parallel`` (``param_dtype``, ``reduce_dtype``, ...).
 
@@ -176,6 +180,7 @@ def apply_model_parallel(
         ConfigError: the layout does not fit the world, the model or the batch.
     """
     from elbowroom.activations import apply_activation_policy
+    from elbowroom.activations.policy import apply_block_policies
     from elbowroom.distributed.data_parallel import apply_data_parallel
 
     parallel: ParallelConfig = topo.parallel
@@ -184,11 +189,23 @@ def apply_model_parallel(
         raise ConfigError("pipeline parallel computes the loss inside its schedule: pass loss_fn")
     modules = split_model(model, parallel, topo.mesh.get_local_rank("pp")) if parallel.pp > 1 else [model]
     loss_parallel = parallel.tp > 1 and parallel.tp_loss_parallel and parallel.pp == 1
+    if block_policies is not None:
+        if activations is not None:
+            raise ValueError("pass activations (one policy for every block) or block_policies, not both")
+        block_policies = list(block_policies)
+        held = sum(len(m.blocks) for m in modules)
+        if len(block_policies) != held:
+            raise ConfigError(f"{len(block_policies)} block policies for the {held} blocks this rank holds: the "
+                              "plan was made for another layout; plan again")
     wrapped = []
     for module in modules:
         if parallel.tp > 1:
             apply_tensor_parallel(module, topo.mesh["tp"], loss_parallel=loss_parallel)
-        if activations is not None:
+        if block_policies is not None:  # this rank's plan: each block its own policy
+            n = len(module.blocks)
+            apply_block_policies(module, block_policies[:n])
+            block_policies = block_policies[n:]
+        elif activations is not None:
             apply_activation_policy(module, activations)
         if parallel.mode != "single":
             if parallel.tp > 1:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from elbowroom.distributed.config import ParallelConfig
 
 __all__ = ["Pipeline", "PipelineStageModule", "StageBlocks", "bubble_fraction", "build_pipeline",
-           "pipeline_step", "rank_module", "split_model", "stage_ids"]
+           "pipeline_step", "rank_module", "split_model", "stage_blocks", "stage_ids"]
 
 
 class StageBlocks(nn.ModuleList):
@@ -99,13 +99,19 @@ def split_model(model: nn.Module, parallel: ParallelConfig, pp_rank: int) -> lis
         One :class:`PipelineStageModule` per stage this rank runs.
     """
     n_stages = parallel.pp_num_stages
-    n_layers = len(model.blocks)
-    assert n_layers % n_stages == 0, "validate_layout checks that the blocks split evenly"
-    per_stage = n_layers // n_stages
     return [
-        PipelineStageModule(model, range(s * per_stage, (s + 1) * per_stage), first=s == 0, last=s == n_stages - 1)
+        PipelineStageModule(model, stage_blocks(parallel, len(model.blocks), s), first=s == 0,
+                            last=s == n_stages - 1)
         for s in stage_ids(parallel, pp_rank)
     ]
+
+
+def stage_blocks(parallel: ParallelConfig, n_layers: int, stage: int) -> range:
+    """The blocks of pipeline stage ``stage`` (an even split of ``n_layers`` blocks, in order)."""
+    n_stages = parallel.pp_num_stages
+    assert n_layers % n_stages == 0, "validate_layout checks that the blocks split evenly"
+    per_stage = n_layers // n_stages
+    return range(stage * per_stage, (stage + 1) * per_stage)
 
 
 def rank_module(stages: list[nn.Module]) -> nn.Module:

@@ -57,6 +57,7 @@ __all__ = [
     "fused_loss_applies",
     "loss_context",
     "tp_bytes_per_block",
+    "tp_local_numel",
 ]
 
 
@@ -272,6 +273,37 @@ def checkpoint_view(state: Any) -> Any:
     if isinstance(state, DTensor) and any(isinstance(p, _StridedShard) for p in state.placements):
         return _as_chunks(state)
     return state
+
+
+# ---------------------------------------------------------------- what one rank holds (for the planner)
+def tp_local_numel(model: nn.Module, tp: int) -> tuple[list[int], int, int]:
+    """Parameters one rank holds under :func:`apply_tensor_parallel` at degree ``tp``, worked out from the same
+    plan without splitting anything: colwise layers (q/k/v, fused or not; the MLP's input projections; the head)
+    hold ``1/tp`` of their weight and bias, rowwise ones (attention out, MLP out) ``1/tp`` of their weight and
+    the whole bias, the embeddings ``1/tp`` of their rows, the norms all of theirs.
+
+    Args:
+        model: a whole ``DecoderLM`` (or a stage of one), before tensor parallel.
+        tp: the degree (it divides every split dimension, as ``validate_layout`` checks).
+
+    Returns:
+        ``(per block, embeddings, final norm and output head)``: parameter counts of one rank.
+    """
+    def count(module: nn.Module | None, plan: dict[str, Any]) -> int:
+        n = 0
+        for name, p in (module.named_parameters() if module is not None else ()):
+            owner, _, leaf = name.rpartition(".")
+            style = plan.get(owner)
+            split = isinstance(style, (ColwiseParallel, FusedColwiseParallel)) or (
+                isinstance(style, RowwiseParallel) and leaf == "weight")
+            n += p.numel() // tp if split else p.numel()
+        return n
+
+    whole = {"": ColwiseParallel()}  # the embeddings' rows and the head's outputs: every parameter split
+    blocks = [count(b, _block_plan(b)) for b in model.blocks]
+    embeddings = sum(count(getattr(model, k, None), whole) for k in ("tok_emb", "pos_emb"))
+    head = count(getattr(model, "norm", None), {}) + count(getattr(model, "output", None), whole)
+    return blocks, embeddings, head
 
 
 # ---------------------------------------------------------------- expected traffic (for the docs)

@@ -62,7 +62,8 @@ what it kept is ``e_i = S_i - k_i``. Phases (``M`` model states and staging)::
 
     optimizer step:     M
 
-(``M'``: ``M`` less the resident gradients when they come and go with the backward, as above; else ``M``.)
+(``M'``: ``M`` less the resident gradients when they come and go with the backward, as above; else ``M``. A pipeline
+stage adds to all but the last ``(Profile.inflight_microbatches - 1) (sum_j k_j + head saved)``: other micro-batches.)
 The peak is the largest of these plus the allocator margin: ``Profile.allocator_overhead_bytes`` when measured,
 else :data:`ALLOCATOR_MARGIN` (a fraction of the budget). ``C`` is autocast's weight cache, which holds a bf16
 copy of every fp32 block weight to the forward's end only when no block has a policy (an all-default plan
@@ -684,13 +685,14 @@ def _phases(profile: Profile, g: Globals, d: Decisions, idx: np.ndarray, window:
     inp = np.ceil(s * sums.input_each).astype(np.int64)
     cache = g.cache if not idx.any() else 0  # OPTIONS[0] is Option(): no block has a policy
     grad_t = g.backward_work - int(math.ceil(s * (2 * sums.in_max + sums.largest)))
-    before = np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64)
+    held = (profile.inflight_microbatches - 1) * (int(kept.sum()) + math.ceil(s * profile.head.saved_bytes))
+    before = np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64) + held  # + other micro-batches in flight
     inflight = np.concatenate(([0], off[:-1])).astype(np.int64)
     work_fwd = saved + largest
     fwd = before + work_fwd + inflight
     nz = np.flatnonzero(off)
     last_off = int(off[nz[-1]]) if nz.size else 0
-    total_kept = int(kept.sum())
+    total_kept = int(kept.sum()) + held
     end = {"activations kept": total_kept, "copies in flight": last_off, "head and loss": g.head,
            "autocast weight cache": cache}
     fwd_end = total_kept + last_off + g.head + cache

@@ -135,6 +135,9 @@ class Plan:
     """The profile the plan was made from."""
     notes: tuple[str, ...] = ()
     """Why some choices were left out."""
+    layout: str = ""
+    """The model-parallel layout and pipeline rank the plan was made for (``elbowroom.plan.ranks``); empty: one
+    whole model."""
     version: int = PLAN_VERSION
     """Format version of the saved plan."""
 
@@ -230,6 +233,8 @@ class Plan:
             f"batch: micro-batch {self.micro_batch} x {p.seq_len} tokens, accumulation "
             f"{self.gradient_accumulation_steps} ({tokens:,} tokens per step)",
         ]
+        if self.layout:
+            lines.append(f"layout: {self.layout}")
         weights = ("bf16 weights, fp32 masters in the optimizer (no autocast)" if self.weight_dtype == "bfloat16"
                    else "fp32 weights under autocast")
         if self.weight_dtype == "float32" and self.offload_param_dtype == "bfloat16" and self.offloads_optimizer:
@@ -274,6 +279,8 @@ class Plan:
         d = dataclasses.asdict(self)
         d["blocks"] = [dataclasses.asdict(b) for b in self.blocks]
         d["notes"] = list(self.notes)
+        if not self.layout:  # a whole model's plan reads as it always did
+            del d["layout"]
         return d
 
     @classmethod

@@ -334,7 +334,9 @@ def plan_for(
     alloc_opts = [False, True] if cuda_like else [False]
     k_opts = _offload_counts(n) if opt_ok else [0]
     other_opts = [False, True] if opt_ok else [False]
-    slack = n + 16  # bytes lost to rounding each block's bytes up separately
+    # a pipeline stage holds the kept bytes (and its head's or output's) of ``k`` micro-batches: k x sum_j k_j
+    k_in = profile.inflight_microbatches
+    slack = (n + 16) * k_in  # bytes lost to rounding each block's bytes up separately
 
     best: tuple[float, _Outer, int, int, float, _Knapsack] | None = None  # (seconds, outer, level, capacity, w, ks)
     minimum: tuple[int, _Outer, dict[str, int]] | None = None
@@ -367,8 +369,9 @@ def plan_for(
                                     continue
                                 fixed = g.states + _bound_extra(g, s, e, ks.level_off[li], li == 0,
                                                                 prefetch_window_bytes) + slack
+                                fixed += (k_in - 1) * math.ceil(s * profile.head.saved_bytes)
                                 outer = _Outer(layout, k, other, mb, acc, fused, expandable)
-                                need = fixed + ks.min_units[li] * ks.unit0 * s
+                                need = fixed + k_in * ks.min_units[li] * ks.unit0 * s
                                 need_budget = _min_budget(profile, need, expandable)
                                 if minimum is None or need_budget < minimum[0]:
                                     minimum = (need_budget, outer, {"model states and optimizer buffers": g.states,
@@ -376,7 +379,7 @@ def plan_for(
                                                                     "head, loss and working memory": int(
                                                                         fixed - g.states)})
                                 margin = cost.margin_bytes(profile, budget, expandable)
-                                cap = int(math.floor((budget - margin - fixed) / (ks.unit0 * s)))
+                                cap = int(math.floor((budget - margin - fixed) / (k_in * ks.unit0 * s)))
                                 if cap < ks.min_units[li]:
                                     continue
                                 if best is not None and floor_s >= best[0]:

@@ -139,6 +139,9 @@ class Profile:
     """Measured reserved minus allocated at the peak (fragmentation), 0 when unknown."""
     allocator_overhead_expandable_bytes: int = 0
     """The same with ``expandable_segments:True`` (a plain step measured under it), 0 when unknown."""
+    inflight_microbatches: int = 1
+    """Micro-batches whose kept activations (and head or stage output) one pipeline stage holds at once (GPipe:
+    all, 1F1B: the stages to the end; 1 without a pipeline): counted that many times, one block's working set once."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form details (the trace's kernel split, versions) that are shown, never planned on."""
 

@@ -4,15 +4,22 @@
 from a data-parallel one; the library is :mod:`elbowroom.distributed.model_parallel`.
 
 - **Set-up** (:func:`check_setup`): what the trainer cannot run split is refused before anything starts
-  (ConfigError, exit 2): ``--budget``/``--plan`` (the planner profiles one whole model), the CPU-offloaded
-  optimizer and bf16 weights (they step plain tensors, not DTensor shards or a stage's subset), ``--train.compile``,
-  fp16 (its GradScaler does not see the pipeline's backward), distillation and QAT, ``--model.hf`` models and tied
-  embeddings (:func:`~elbowroom.distributed.model_parallel.validate_layout`), and under pipeline parallel the
-  fused loss (its last stage computes cross-entropy on whole logits) and variable-length batches (a step's
-  micro-batches are joined into one batch). Under tensor parallel the fused loss falls back, with a warning, to
-  torch's ``loss_parallel`` cross-entropy on the shards.
+  (ConfigError, exit 2): the CPU-offloaded optimizer and bf16 weights (they step plain tensors, not DTensor shards
+  or a stage's subset), ``--train.compile``, fp16 (its GradScaler does not see the pipeline's backward),
+  distillation and QAT, ``--model.hf`` models and tied embeddings
+  (:func:`~elbowroom.distributed.model_parallel.validate_layout`), and under pipeline parallel the fused loss (its
+  last stage computes cross-entropy on whole logits) and variable-length batches (a step's micro-batches are joined
+  into one batch). Under tensor parallel the fused loss falls back, with a warning, to torch's ``loss_parallel``
+  cross-entropy on the shards.
 - **Wrapping** (:func:`wrap`): ``apply_model_parallel`` splits the seeded whole model (the same on every rank),
   applies ``[activations]`` per module and FSDP2 beside ``tp``; the optimizer steps this rank's parameters.
+- **Planning** (:func:`plan_and_wrap`): ``--budget B`` is every rank's budget. Rank 0 profiles the whole model
+  once on one (pipeline) micro-batch, derives each pipeline rank's profile (:mod:`elbowroom.plan.ranks`: its
+  blocks, its tensor-parallel shares, its micro-batches in flight) and plans each into ``B``; every rank follows
+  its pipeline rank's plan (recompute per block, installed before FSDP2 wraps the blocks). A budget below a
+  rank's minimum exits 2 naming the rank and its minimum. The plans (:class:`~elbowroom.plan.ranks.RankPlans`)
+  record the layout they were made for and are written to ``OUT/plan.toml``; ``--plan FILE`` of another layout is
+  refused, and ``--resume`` follows the run's own.
 - **A step**: without pipeline parallel the trainer's loop runs as under data parallel, the loss and its backward
   inside ``loss_context()``; with it, each data-parallel rank's whole step (batch x accumulation) goes through
   :func:`~elbowroom.distributed.pipeline.pipeline_step`, whose loss divides by the global step's target tokens.
@@ -27,6 +34,7 @@ from a data-parallel one; the library is :mod:`elbowroom.distributed.model_paral
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,9 +50,6 @@ def check_setup(cfg: Config) -> None:
     p, o = cfg.parallel, cfg.optimizer
     what = " and ".join(f"--parallel.{k} {v}" for k, v in (("tp", p.tp), ("pp", p.pp)) if v > 1)
     refused = (
-        ("--budget", cfg.budget is not None, "the planner profiles one whole model, not a shard or a stage; set the "
-                                             "[activations] switches by hand"),
-        ("--plan", cfg.plan is not None, "a plan is made for one whole model, not a shard or a stage"),
         ("--optimizer.offload_fraction", o.offload_fraction > 0 or o.offload_gradients,
          "the CPU-offloaded optimizer steps plain tensors, not tensor-parallel shards or one stage's parameters"),
         ("--optimizer.param_dtype bfloat16", o.param_dtype != "float32" or o.offload_param_dtype != "float32",
@@ -82,7 +87,8 @@ class FullLogits(nn.Module):
         return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
-def wrap(run: Any, model: nn.Module, build_optimizer: Any) -> tuple[Any, nn.Module, Any]:
+def wrap(run: Any, model: nn.Module, build_optimizer: Any,
+         block_policies: list[Any] | None = None) -> tuple[Any, nn.Module, Any]:
     """Split ``model`` for the run's layout and build the optimizer on this rank's parameters.
 
     Args:
@@ -90,6 +96,7 @@ def wrap(run: Any, model: nn.Module, build_optimizer: Any) -> tuple[Any, nn.Modu
             loss's divisor, :attr:`pipeline_divisor`).
         model: the whole model, seeded identically on every rank.
         build_optimizer: ``build_optimizer(module, overlap_forward)``.
+        block_policies: one ``BlockPolicy`` per block of this rank (a plan's), instead of ``[activations]``.
 
     Returns:
         ``(ModelParallel, module to call, optimizer)``: the module is the split model (or this rank's stages
@@ -110,9 +117,9 @@ def wrap(run: Any, model: nn.Module, build_optimizer: Any) -> tuple[Any, nn.Modu
     rows = cfg.data.batch_size // topo.dp_size * cfg.train.gradient_accumulation_steps
     from elbowroom.activations.policy import ActivationConfig
 
-    acts = cfg.activations if cfg.activations != ActivationConfig() else None
+    acts = cfg.activations if cfg.activations != ActivationConfig() and block_policies is None else None
     mp = apply_model_parallel(model, topo, device=device, loss_fn=pipeline_loss, activations=acts,
-                              seq_len=cfg.data.seq_len, batch_size=rows, **kwargs)
+                              block_policies=block_policies, seq_len=cfg.data.seq_len, batch_size=rows, **kwargs)
     module = mp.modules[0] if mp.pipeline is None else mp.checkpoint_module
     if run.is_main:
         log.info("model parallel: tp %d x pp %d%s over %d processes (dp_replicate %d x dp_shard %d)",
@@ -120,6 +127,138 @@ def wrap(run: Any, model: nn.Module, build_optimizer: Any) -> tuple[Any, nn.Modu
                  f" ({topo.parallel.pp_schedule}, {topo.parallel.pp_num_microbatches} micro-batches)"
                  if topo.parallel.pp > 1 else "", topo.world_size, topo.parallel.dp_replicate, topo.parallel.dp_shard)
     return mp, module, build_optimizer(module, False)
+
+
+# ---------------------------------------------------------------- planning: --budget, --plan, --resume
+def plan_to_follow(cfg: Config, out: Path) -> Any:
+    """The saved plans a model-parallel run follows (a :class:`~elbowroom.plan.ranks.RankPlans`): on ``--resume``
+    the run's own ``OUT/plan.toml``, else ``--plan FILE``; None when there are none."""
+    from elbowroom.config import memory_overrides
+    from elbowroom.train.planning import PLAN_FILE
+
+    saved = out / PLAN_FILE
+    if cfg.resume and saved.is_file():
+        plans = _load(saved)
+        if memory_overrides(cfg):
+            raise ConfigError(f"{out} was trained under its plans {saved}, which decide these; drop "
+                              f"{', '.join(memory_overrides(cfg))} to resume it")
+        if cfg.plan is not None and _load(cfg.plan) != plans:
+            raise ConfigError(f"--resume continues under the run's own plans {saved}; drop --plan {cfg.plan}")
+        log.info("resuming under the run's plans %s (not planning again)", saved)
+        return plans
+    if cfg.resume and (cfg.budget is not None or cfg.plan is not None):
+        flag = "--budget" if cfg.budget is not None else "--plan"
+        raise ConfigError(f"--resume: {out} was trained without a plan (no {saved.name}); drop {flag} to continue "
+                          "it as it was trained")
+    return _load(cfg.plan) if cfg.plan is not None else None
+
+
+def _load(path: str | Path) -> Any:
+    from elbowroom.plan.ranks import RankPlans
+
+    try:
+        return RankPlans.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"plan file {path} does not exist; pass the OUT/plan.toml of a model-parallel run of this "
+                          "layout, or plan with --budget") from None
+    except (ValueError, TypeError, OSError) as e:
+        raise ConfigError(f"{e}; under tensor or pipeline parallel pass the OUT/plan.toml of a run of the same "
+                          "layout, or plan again with --budget") from None
+
+
+def _micro_batch(cfg: Config, parallel: Any) -> int:
+    """Rows of one forward on a rank: the loop's micro-batch, or the pipeline's (a step's rows / micro-batches)."""
+    rows = cfg.data.batch_size // parallel.dp_size
+    if parallel.pp == 1:
+        return rows
+    return rows * cfg.train.gradient_accumulation_steps // parallel.pp_num_microbatches
+
+
+def plan_ranks(model: nn.Module, sample: dict[str, Any], cfg: Config, parallel: Any, amp_dtype: torch.dtype) -> Any:
+    """Profile the whole ``model`` on one micro-batch of ``sample`` and plan every pipeline rank into ``--budget``.
+
+    Raises:
+        ConfigError: the budget is below a rank's minimum (naming the rank and the minimum); a model the planner
+            cannot read.
+    """
+    from dataclasses import replace
+
+    from elbowroom.plan import BudgetError, parse_budget
+    from elbowroom.plan.profiler import profile as take_profile
+    from elbowroom.plan.ranks import RankPlans, layout_label, rank_profiles
+    from elbowroom.plan.search import plan_for
+    from elbowroom.train.planning import _size_at_least
+    from elbowroom.train.tokens import default_cache_dir
+
+    budget = parse_budget(cfg.budget)
+    rows = _micro_batch(cfg, parallel)
+    ids, targets = sample["input_ids"], sample["targets"]
+    reps = -(-rows // ids.shape[0])  # a pipeline micro-batch may span several of the loop's
+    batch = (ids.repeat(reps, 1)[:rows], targets.repeat(reps, 1)[:rows])
+    rng = torch.get_rng_state()  # the profile and the machine's measurement draw random numbers
+    try:
+        prof = take_profile(model, batch, dtype=amp_dtype, cache_dir=str(cfg.data.cache_dir or default_cache_dir()))
+    except ValueError as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+    finally:
+        torch.set_rng_state(rng)
+    plans, short = [], []
+    for r, rank_prof in enumerate(rank_profiles(prof, model, parallel)):
+        try:
+            plan = plan_for(rank_prof, budget, precision="fp32", fused_loss_allowed=False, offload_allowed=False,
+                            grad_clipping=bool(cfg.train.max_grad_norm), allocator_allowed=False,
+                            offload_config=cfg.offload)
+        except BudgetError as e:
+            short.append((r, len(rank_prof.blocks), e.minimum_bytes))
+            continue
+        plans.append(replace(plan, layout=layout_label(parallel, r, rows, cfg.data.seq_len)))
+    if short:
+        who = "; ".join(f"{f'pipeline rank {r} ({n} block' + 's' * (n != 1) + ')' if parallel.pp > 1 else 'a rank'}"
+                        f" needs at least {low:,} bytes" for r, n, low in short)
+        top = max(low for _, _, low in short)
+        raise ConfigError(f"--budget {cfg.budget} is each rank's budget and is below the minimum: {who}; "
+                          f"pass --budget {_size_at_least(top)} or more")
+    return RankPlans(tuple(plans))
+
+
+def plan_and_wrap(run: Any, model: nn.Module, build_optimizer: Any, plans: Any, sample: dict[str, Any],
+                  amp_dtype: torch.dtype) -> tuple[nn.Module, Any, Any]:
+    """``--budget`` / ``--plan`` / a planned ``--resume`` under tensor or pipeline parallel: plan (rank 0, shared
+    with every rank, unless ``plans`` are given), check the plans' layout, split and wrap ``model`` with this
+    rank's plan. Sets ``run.mp``.
+
+    Returns:
+        ``(module to call, optimizer, RankPlans)``.
+    """
+    from elbowroom.distributed.model_parallel import validate_layout
+    from elbowroom.plan.ranks import RankPlans, layout_label
+
+    cfg, parallel = run.cfg, run.topo.parallel
+    # a layout that cannot run is refused before the profile (apply_model_parallel checks it again)
+    validate_layout(parallel, getattr(model, "config", None), run.topo.world_size, seq_len=cfg.data.seq_len,
+                    batch_size=cfg.data.batch_size // parallel.dp_size * cfg.train.gradient_accumulation_steps)
+    if plans is None:
+        made = error = None
+        if run.is_main:
+            try:
+                made = plan_ranks(model, sample, cfg, parallel, amp_dtype).to_dict()
+            except ConfigError as e:
+                error = str(e)
+        made, error = run.same_on_all((made, error))
+        if error is not None:
+            raise ConfigError(error)
+        plans = RankPlans.from_dict(made)
+    want = [layout_label(parallel, r, _micro_batch(cfg, parallel), cfg.data.seq_len) for r in range(parallel.pp)]
+    got = [p.layout for p in plans.plans]
+    if got != want:
+        raise ConfigError(f"the plans were made for {' | '.join(got) or 'one whole model'}, and this run is "
+                          f"{' | '.join(want)}; run with the layout they were made for, or plan again with --budget")
+    pp_rank = run.topo.mesh.get_local_rank("pp") if parallel.pp > 1 else 0
+    plan = plans.plans[pp_rank]
+    run.mp, module, optimizer = wrap(run, model, build_optimizer, block_policies=plan.to_block_policies())
+    if run.is_main:
+        log.info("%s", plans.table())
+    return module, optimizer, plans
 
 
 def pipeline_accumulate(run: Any, micro: list[dict[str, Any]], autocast: Any, global_tokens: float) -> torch.Tensor:

@@ -46,6 +46,8 @@ from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loade
 from elbowroom.train.distributed_run import DistributedRun, Launch, start_run
 from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
 from elbowroom.train.metrics import check_tensorboard, host_step, peak_flops, peak_memory
+from elbowroom.train.model_parallel_run import plan_and_wrap
+from elbowroom.train.model_parallel_run import plan_to_follow as mp_plan_to_follow
 from elbowroom.train.objectives import Distillation, load_distillation, micro_batch_loss, token_loss_sum
 from elbowroom.train.planning import (
     MAX_REPLANS,
@@ -489,8 +491,8 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
     schedule_steps = schedule_length(cfg, loaded)
     cfg = replace(cfg, scheduler=replace(cfg.scheduler, decay_steps=schedule_steps))  # recorded in config.toml
     # the memory layout to follow when it is saved (--plan, or the resumed run's own); --budget plans below
-    plan = plan_to_follow(cfg, out)
-    if plan is not None:
+    plan = (mp_plan_to_follow if run.model_ranks > 1 else plan_to_follow)(cfg, out)  # (tp/pp: one per stage)
+    if plan is not None and run.model_ranks == 1:
         check_plan(plan, cfg, amp_dtype)
 
     # the frozen teacher of --distill.teacher, loaded before the seed: the student starts as a plain run would
@@ -531,7 +533,11 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
     # --- the memory layout and the optimizer: planned for --budget, a saved plan, or the [activations] and
     # [optimizer] switches
     planned_here = cfg.budget is not None and plan is None
-    if planned_here:  # the plan is made for the run's own first micro-batch, which step 1 then trains on
+    if run.model_ranks > 1 and (planned_here or plan is not None):  # tp/pp: each pipeline rank's own plan
+        model, optimizer, plan = plan_and_wrap(run, model, lambda m, overlap: build_optimizer(m, cfg, device, overlap),
+                                               plan, first, amp_dtype)
+        fwd_model = model
+    elif planned_here:  # the plan is made for the run's own first micro-batch, which step 1 then trains on
         # the fused head + loss needs our own models' head, and runs outside torch.compile
         fused_ok = model_cfg is not None and not cfg.train.compile and not run.enabled  # (DDP would not see it)
         model, optimizer, plan = run.plan_once(plan_for_budget, apply_plan, model, first, cfg, fused_loss=fused_ok,

@@ -1,0 +1,241 @@
+"""Per-rank planning under tensor and pipeline parallel: what one rank of a split model holds and costs.
+
+The model is profiled once, whole, on one micro-batch (:func:`elbowroom.plan.profiler.profile`); each rank's
+profile is derived from it, so that ``--budget B`` is every rank's budget and each pipeline rank gets a plan of
+its own (its own blocks, its own micro-batches in flight):
+
+- **Tensor parallel** (:func:`tensor_parallel_profile`), degree ``t``, from the plan of
+  :mod:`elbowroom.distributed.tensor_parallel` (Megatron's split with sequence parallel, both architectures):
+
+  ==========================================  =========================================================
+  what                                        one rank holds
+  ==========================================  =========================================================
+  block parameters                            the rank's real shards (:func:`tp_local_numel`): colwise
+                                              weights and biases ``/ t``, rowwise weights ``/ t``, their
+                                              biases and the norms whole
+  block input, norm outputs, residual         ``/ t`` (sequence parallel: ``seq / t`` positions)
+  q/k/v, attention, MLP inner outputs         ``/ t`` (the rank's heads and MLP columns)
+  the two gathered inputs of the colwise      whole: ``+ 2 In (1 - 1/t)`` per block, counted with the
+  groups (q/k/v's, the MLP's)                 pointwise bytes (selective and full recompute redo the
+                                              gather, so they do not keep them)
+  head saved bytes and logits transient       ``/ t`` with ``loss_parallel`` (logits sharded), whole
+                                              without (under pipeline parallel)
+  times and FLOPs                             ``/ t``, plus an *estimate* of the collectives: an
+                                              all-gather and a reduce-scatter of ``In (t-1)/t`` bytes
+                                              around attention and around the MLP, forward and backward,
+                                              over :data:`TP_LINK_BYTES_PER_S`; full recompute repeats
+                                              forward's, selective its two all-gathers
+  ==========================================  =========================================================
+
+- **Pipeline parallel** (:func:`stage_profile`): the rank's blocks, split by the pipeline's own
+  :func:`~elbowroom.distributed.pipeline.stage_blocks`; the embeddings' parameters on the first stage, the final
+  norm, head and loss (parameters, saved bytes, logits, times) on the last; a stage that hands its output on holds
+  that output for its backward. The profile's micro-batch is the pipeline's (rows per step / micro-batches),
+  and the kept activations are held for :func:`inflight_microbatches` micro-batches
+  (``Profile.inflight_microbatches``, counted by the cost model; the one-block working set is counted once).
+
+The CPU-offloaded optimizer and bf16 weights do not run split (they step plain tensors, not DTensor shards or a
+stage's subset), and activation offload is left out as well: the offload engine's regions assume that one
+micro-batch's backward follows its own forward (a pipeline runs several forwards first) and plain saved tensors.
+So the plan decides recompute per block: keep, selective or full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elbowroom.plan.plan import Plan
+from elbowroom.plan.types import BlockProfile, Profile
+
+__all__ = ["TP_LINK_BYTES_PER_S", "RankPlans", "inflight_microbatches", "layout_label", "rank_profiles",
+           "stage_profile", "tensor_parallel_profile"]
+
+TP_LINK_BYTES_PER_S = 100e9
+"""An estimate of one direction of the link tensor parallel's collectives use (NVLink-class, between GPUs of one
+host, after protocol overhead); over PCIe or between hosts they are slower. Only the predicted time reads it."""
+
+
+def inflight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int) -> int:
+    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at once.
+
+    GPipe runs every forward before any backward: ``m``. 1F1B lets rank ``r`` of ``p`` run ``p - r`` forwards
+    before its first backward and one forward per backward after: ``min(p - r, m)``. The interleaved schedules
+    (interleaved 1F1B, zero bubble) run several stages per rank with warm-ups that depend on torch's version;
+    ``m`` is a safe bound (no stage can hold more micro-batches than a step has).
+    """
+    if schedule == "1f1b":
+        return min(pp - pp_rank, microbatches)
+    return microbatches
+
+
+def tensor_parallel_profile(profile: Profile, tp: int, *, block_params: Sequence[int], outside_params: int,
+                            loss_parallel: bool, link_bytes_per_s: float = TP_LINK_BYTES_PER_S) -> Profile:
+    """One tensor-parallel rank's share of ``profile`` (the factors of the module docstring).
+
+    Args:
+        profile: the whole model's profile.
+        tp: the degree.
+        block_params: each block's parameters on one rank (``tp_local_numel``).
+        outside_params: the parameters outside the blocks on one rank.
+        loss_parallel: the logits stay sharded over the vocabulary (no pipeline).
+        link_bytes_per_s: the collectives' rate (an estimate).
+    """
+    if tp == 1:
+        return profile
+    f = 1.0 / tp
+    per_param = profile.head.param_bytes / profile.head.num_params if profile.head.num_params else 4
+
+    def block(b: BlockProfile, n: int) -> BlockProfile:
+        gathered = int(2 * b.input_bytes * (1 - f))  # the colwise groups' whole inputs
+        comm = 4 * b.input_bytes * (1 - f) / link_bytes_per_s  # estimate: 2 all-gathers + 2 reduce-scatters
+        saved = {k: int(math.ceil(v * f)) for k, v in b.saved_bytes.items()}
+        saved["pointwise"] = saved.get("pointwise", 0) + gathered
+        return dataclasses.replace(
+            b, num_params=n, param_bytes=int(n * b.param_bytes / b.num_params) if b.num_params else 0,
+            saved_bytes=saved, selective_saved_bytes=int(math.ceil(b.selective_saved_bytes * f)),
+            input_bytes=int(math.ceil(b.input_bytes * f)),
+            largest_saved_bytes=max(int(math.ceil(b.largest_saved_bytes * f)), b.input_bytes),
+            forward_s=b.forward_s * f + comm, backward_s=b.backward_s * f + comm,
+            recompute_s=b.recompute_s * f + comm, selective_recompute_s=b.selective_recompute_s * f + comm / 2,
+            flops=b.flops * f,
+        )
+
+    h = profile.head
+    logits = f if loss_parallel else 1.0
+    head = dataclasses.replace(
+        h, num_params=outside_params, param_bytes=int(outside_params * per_param),
+        saved_bytes=int(math.ceil(h.saved_bytes * logits)),
+        logits_transient_bytes=int(math.ceil(h.logits_transient_bytes * logits)),
+        forward_s=h.forward_s * f, backward_s=h.backward_s * f, flops=h.flops * f,
+    )
+    return dataclasses.replace(profile, blocks=tuple(block(b, n) for b, n in zip(profile.blocks, block_params)),
+                               head=head)
+
+
+def stage_profile(profile: Profile, blocks: Sequence[int], *, first: bool, last: bool, embedding_params: int,
+                  head_params: int, inflight: int, outputs: int = 0) -> Profile:
+    """One pipeline rank's share of ``profile`` (already a tensor-parallel rank's, if any).
+
+    Args:
+        profile: the model's profile on the pipeline's micro-batch.
+        blocks: indices of the rank's blocks, in the order it runs them.
+        first, last: the rank holds the first stage (embeddings) or the last (final norm, head and loss).
+        embedding_params, head_params: parameters of the embeddings and of the final norm and head (one rank's).
+        inflight: micro-batches held at once (:func:`inflight_microbatches`).
+        outputs: stages of the rank that hand their output to another stage (each holds it for its backward).
+    """
+    h = profile.head
+    per_param = h.param_bytes / h.num_params if h.num_params else 4
+    n = (embedding_params if first else 0) + (head_params if last else 0)
+    out_bytes = outputs * (profile.blocks[blocks[-1]].input_bytes if blocks else 0)  # a block's output: its input's
+    head = dataclasses.replace(
+        h, num_params=n, param_bytes=int(n * per_param),
+        saved_bytes=(h.saved_bytes if last else 0) + out_bytes,
+        logits_transient_bytes=h.logits_transient_bytes if last else 0,
+        fused_transient_bytes=h.fused_transient_bytes if last else 0,
+        # the embedding lookup's time is left out (a gather); the head's is the last stage's
+        forward_s=h.forward_s if last else 0.0, backward_s=h.backward_s if last else 0.0,
+        flops=h.flops if last else 0.0,
+    )
+    own = tuple(dataclasses.replace(profile.blocks[i], index=j) for j, i in enumerate(blocks))
+    return dataclasses.replace(profile, blocks=own, head=head, inflight_microbatches=inflight)
+
+
+def layout_label(parallel: Any, pp_rank: int, micro_batch: int, seq_len: int) -> str:
+    """The layout a rank's plan is made for, as :attr:`Plan.layout` records it (equal labels: the same plan)."""
+    p = parallel
+    pipe = (f" ({p.pp_schedule}, {p.pp_num_microbatches} micro-batches), pipeline rank {pp_rank}"
+            if p.pp > 1 else "")
+    return f"tp {p.tp} x pp {p.pp}{pipe}; micro-batch {micro_batch} x {seq_len} tokens"
+
+
+def rank_profiles(profile: Profile, model: Any, parallel: Any) -> list[Profile]:
+    """Every pipeline rank's profile (one when ``pp`` is 1), from the whole model's ``profile`` taken on the
+    pipeline's micro-batch; ``model`` is the whole ``DecoderLM`` (before splitting), read for its parameters."""
+    from elbowroom.distributed.pipeline import stage_blocks, stage_ids
+    from elbowroom.distributed.tensor_parallel import tp_local_numel
+
+    blocks, emb, head = tp_local_numel(model, parallel.tp)
+    loss_parallel = parallel.tp > 1 and parallel.tp_loss_parallel and parallel.pp == 1
+    tp_prof = tensor_parallel_profile(profile, parallel.tp, block_params=blocks, outside_params=emb + head,
+                                      loss_parallel=loss_parallel)
+    if parallel.pp == 1:
+        return [tp_prof]
+    n_stages, n = parallel.pp_num_stages, len(profile.blocks)
+    out = []
+    for r in range(parallel.pp):
+        ids = stage_ids(parallel, r)
+        own = [i for s in ids for i in stage_blocks(parallel, n, s)]
+        k = inflight_microbatches(parallel.pp_schedule, parallel.pp, r, parallel.pp_num_microbatches)
+        out.append(stage_profile(tp_prof, own, first=0 in ids, last=n_stages - 1 in ids, embedding_params=emb,
+                                 head_params=head, inflight=k, outputs=sum(s != n_stages - 1 for s in ids)))
+    return out
+
+
+@dataclass(frozen=True)
+class RankPlans:
+    """The plans of a model-parallel run: one per pipeline rank (one in all without a pipeline), each made for
+    that rank's blocks and layout (:attr:`Plan.layout`). Tensor- and data-parallel ranks of one pipeline rank
+    follow the same plan. Saved as TOML (``[[ranks]]`` tables, each a plan)."""
+
+    plans: tuple[Plan, ...]
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.plans[0].budget_bytes
+
+    # what the trainer reads of a plan: tensor and pipeline parallel keep fp32 weights and the plain loss
+    weight_dtype = "float32"
+    fused_loss = False
+
+    def table(self) -> str:
+        return "\n\n".join(f"pipeline rank {r}:\n{p.table()}" if len(self.plans) > 1 else p.table()
+                           for r, p in enumerate(self.plans))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranks": [p.to_dict() for p in self.plans]}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The report's copy (``OUT/plan.json``): pipeline rank 0's plan, the rank whose peak the run logs (every
+        rank's plan is in the TOML; ``json.dumps(to_dict())`` holds them all and loads back too)."""
+        return self.plans[0].to_json(indent)
+
+    def to_toml(self) -> str:
+        """Each plan's own TOML under ``[[ranks]]``: its tables become ``[ranks.x]``, its rows ``[[ranks.x]]``."""
+        out = ["# elbowroom plans of a model-parallel run: one [[ranks]] per pipeline rank"]
+        for p in self.plans:
+            for line in p.to_toml().splitlines():
+                if line.startswith("#"):
+                    out.append("\n[[ranks]]")
+                elif line.startswith("[["):
+                    out.append("[[ranks." + line[2:])
+                elif line.startswith("["):
+                    out.append("[ranks." + line[1:])
+                else:
+                    out.append(line)
+        return "\n".join(out) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankPlans:
+        if not isinstance(data, dict) or set(data) != {"ranks"} or not isinstance(data["ranks"], list) \
+                or not data["ranks"]:
+            raise ValueError("not the plans of a model-parallel run (one [[ranks]] table per pipeline rank); a "
+                             "model-parallel run writes them to OUT/plan.toml")
+        return cls(tuple(Plan.from_dict(d) for d in data["ranks"]))
+
+    @classmethod
+    def load(cls, path: str | Path) -> RankPlans:
+        import tomllib
+
+        path = Path(path)
+        text = path.read_text()
+        try:
+            return cls.from_dict(json.loads(text) if path.suffix == ".json" else tomllib.loads(text))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{path}: {e}") from None

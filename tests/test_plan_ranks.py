@@ -1,0 +1,163 @@
+"""Per-rank profiles and plans under tensor and pipeline parallel (``elbowroom.plan.ranks``), without processes.
+
+A pipeline rank's profile holds exactly the blocks the pipeline's own split gives it, the embeddings on the first
+stage and the head on the last; 1F1B's first stage holds two micro-batches' kept activations at p = 2 and the
+last one; a tensor-parallel rank's parameter bytes are the real local shards (a one-process fake group of two
+ranks splits the model for real); and a tighter per-rank budget never predicts a faster step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from elbowroom.distributed.config import ParallelConfig
+from elbowroom.distributed.pipeline import split_model
+from elbowroom.models import ModelConfig, build_model
+from elbowroom.plan import BudgetError
+from elbowroom.plan.cost import OPTIONS, Decisions, Option, predict
+from elbowroom.plan.plan import Plan
+from elbowroom.plan.profiler import profile
+from elbowroom.plan.ranks import RankPlans, inflight_microbatches, layout_label, rank_profiles
+from elbowroom.plan.search import plan_for
+
+LLAMA = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=16)
+GPT2 = replace(LLAMA, arch="gpt2")
+ROWS, SEQ = 2, 16
+
+
+def _model_and_profile(cfg: ModelConfig) -> tuple[torch.nn.Module, object]:
+    """The whole model (CPU, seeded) and its analytic profile on one micro-batch (deterministic bytes)."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    with torch.device("meta"):
+        meta = build_model(cfg)
+    batch = (torch.zeros(ROWS, SEQ, dtype=torch.long), torch.zeros(ROWS, SEQ, dtype=torch.long))
+    return model, profile(meta, batch, source="analytic", machine="h100-80gb", dtype=torch.bfloat16)
+
+
+def _numel(module: torch.nn.Module | None) -> int:
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+
+@pytest.mark.parametrize("schedule, per_rank", [("1f1b", 0), ("gpipe", 0), ("interleaved_1f1b", 2)])
+def test_a_stage_profile_holds_its_stages_blocks(schedule: str, per_rank: int) -> None:
+    model, prof = _model_and_profile(LLAMA)
+    parallel = ParallelConfig(pp=2, pp_schedule=schedule, pp_microbatches=4, pp_stages_per_rank=per_rank)
+    ranks = rank_profiles(prof, model, parallel)
+    assert len(ranks) == 2
+    for r, got in enumerate(ranks):
+        stages = split_model(model, parallel, r)  # the pipeline's own split
+        ids = [int(k) for st in stages for k in st.blocks._modules]
+        assert got.blocks == tuple(dataclasses.replace(prof.blocks[i], index=j) for j, i in enumerate(ids))
+        assert [b.num_params for b in got.blocks] == [_numel(st.blocks[j]) for st in stages
+                                                      for j in range(len(st.blocks))]
+        outside = sum(_numel(getattr(st, k)) for st in stages for k in ("tok_emb", "pos_emb", "norm", "output"))
+        assert got.head.num_params == outside
+        last = any(st.output is not None for st in stages)
+        assert (got.head.logits_transient_bytes == prof.head.logits_transient_bytes) == last
+        assert got.inflight_microbatches == inflight_microbatches(schedule, 2, r, 4)
+    assert sum(r.num_params for r in ranks) == prof.num_params  # every parameter on exactly one rank
+    if per_rank:  # interleaved: rank 0 holds stages 0 and 2 of 4
+        assert [b.index for b in ranks[0].blocks] == [0, 1] and ranks[0].blocks[1] == replace(prof.blocks[2], index=1)
+
+
+def test_1f1b_first_stage_holds_two_micro_batches_the_last_one() -> None:
+    assert [inflight_microbatches("1f1b", 2, r, 4) for r in (0, 1)] == [2, 1]
+    assert [inflight_microbatches("gpipe", 2, r, 4) for r in (0, 1)] == [4, 4]
+    assert inflight_microbatches("1f1b", 4, 0, 2) == 2  # never more than the step has
+    model, prof = _model_and_profile(LLAMA)
+    first, last = rank_profiles(prof, model, ParallelConfig(pp=2, pp_schedule="1f1b", pp_microbatches=4))
+    budget = 1 << 30
+    for rank, held in ((first, 2), (last, 1)):
+        n = len(rank.blocks)
+        for opt in (Option(), Option("full")):  # kept whole, and recomputed (keeping its inputs)
+            d = Decisions(options=(opt,) * n, offload_blocks=(False,) * n, micro_batch=rank.micro_batch)
+            one = predict(replace(rank, inflight_microbatches=1), d, budget)
+            many = predict(rank, d, budget)
+            kept = sum(b.kept_bytes for b in one.blocks)
+            # the other micro-batches in flight hold their kept activations and the stage's output (first stage)
+            assert many.peak_bytes - one.peak_bytes == (held - 1) * (kept + rank.head.saved_bytes)
+            assert many.blocks == one.blocks  # one block's working set and recompute are counted once
+    assert first.head.saved_bytes == prof.blocks[1].input_bytes  # the stage's output, held for its backward
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_tensor_parallel_parameter_bytes_are_the_real_shards(cfg: ModelConfig, monkeypatch) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from elbowroom.distributed.tensor_parallel import apply_tensor_parallel
+
+    model, prof = _model_and_profile(cfg)
+    (got,) = rank_profiles(prof, model, ParallelConfig(tp=2))
+    # two ranks in one process: the fake group's collectives do nothing, the shards are the real ones
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"])
+
+        def local(m: torch.nn.Module | None) -> int:
+            if m is None:
+                return 0
+            return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+                       for p in m.parameters())
+
+        assert [b.param_bytes for b in got.blocks] == [local(b) for b in model.blocks]
+        assert got.head.param_bytes == sum(local(getattr(model, k)) for k in ("tok_emb", "pos_emb", "norm", "output"))
+    finally:
+        dist.destroy_process_group()
+    # activations: the block input is split, the colwise groups' gathered inputs are not
+    for whole, rank in zip(prof.blocks, got.blocks):
+        assert rank.input_bytes == whole.input_bytes // 2
+        assert rank.largest_saved_bytes >= whole.input_bytes
+        assert rank.total_saved_bytes < whole.total_saved_bytes
+
+
+def _sweep(rank) -> list[Plan]:
+    kw = dict(precision="fp32", offload_allowed=False, allocator_allowed=False)
+    try:
+        plan_for(rank, 1, **kw)
+    except BudgetError as e:
+        low = e.minimum_bytes
+    keep = plan_for(rank, 1 << 34, **kw).predicted_peak_bytes
+    return [plan_for(rank, int(b), **kw) for b in np.linspace(low, 1.3 * keep, 40)]
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(pp=2, pp_schedule="1f1b", pp_microbatches=4),
+                                      ParallelConfig(pp=2, pp_schedule="gpipe", pp_microbatches=4),
+                                      ParallelConfig(tp=2)], ids=["pp-1f1b", "pp-gpipe", "tp"])
+def test_a_tighter_rank_budget_never_predicts_a_faster_step(parallel: ParallelConfig) -> None:
+    model, prof = _model_and_profile(LLAMA)
+    for rank in rank_profiles(prof, model, parallel):
+        plans = _sweep(rank)
+        steps = [p.predicted_step_seconds for p in plans]
+        assert all(a >= b for a, b in zip(steps, steps[1:])), steps
+        assert all(p.predicted_peak_bytes <= p.budget_bytes for p in plans)
+        assert any(b.checkpoint != "none" for b in plans[0].blocks)  # at the minimum something recomputes
+        assert all(b.checkpoint == "none" for b in plans[-1].blocks)  # with room, nothing does
+        assert {(b.checkpoint, b.offload_ratio) for p in plans for b in p.blocks} <= {
+            (o.checkpoint, 0.0) for o in OPTIONS}  # recompute only: nothing offloaded under tp/pp
+
+
+def test_rank_plans_save_and_load(tmp_path) -> None:
+    model, prof = _model_and_profile(LLAMA)
+    parallel = ParallelConfig(pp=2, pp_schedule="1f1b", pp_microbatches=4)
+    plans = RankPlans(tuple(
+        replace(plan_for(r, 1 << 30, offload_allowed=False), layout=layout_label(parallel, i, ROWS, SEQ))
+        for i, r in enumerate(rank_profiles(prof, model, parallel))))
+    for name in ("plans.toml", "plans.json"):
+        path = tmp_path / name
+        path.write_text(plans.to_toml() if name.endswith("toml") else json.dumps(plans.to_dict()))
+        assert RankPlans.load(path) == plans
+    assert "pipeline rank 1" in plans.plans[1].layout and "pipeline rank 1:" in plans.table()
+    assert Plan.from_json(plans.to_json()) == plans.plans[0]  # the report's copy: the rank whose peak is logged
+    whole = tmp_path / "whole.toml"
+    plans.plans[0].save(whole)  # one whole model's plan is not a model-parallel run's
+    with pytest.raises(ValueError, match="not the plans of a model-parallel run"):
+        RankPlans.load(whole)
