@@ -3,7 +3,10 @@
 # its own process group, single-GPU baselines on the same host. Logs and metrics go under ${OUT:-runs/multi-gpu}.
 #
 #   N=2 bash benchmarks/multi_gpu.sh          # on nvidia-h200-x2;  N=4 on nvidia-h200-x4
-#   N=2 PARTS="1 2 3" bash benchmarks/multi_gpu.sh; N=2 PARTS="4 5" ...   # split over calls of 10 minutes
+#   N=2 PARTS="1 2" bash benchmarks/multi_gpu.sh; N=2 PARTS="3"; N=2 PARTS="4 5"   # calls of 10 minutes
+#
+# Parts 2 and 3 need N >= 2 (at N=1, --parallel.dp_shard 1 is one plain process; FSDP2 on one GPU is
+# --parallel.data_parallel fsdp).
 #
 # What each step prints is read from the trainer's metrics.jsonl (tokens/s of all ranks, peak GiB per GPU); the
 # per-step tokens/s after warm-up are summarised at the end by benchmarks/multi_gpu_summary.py.
@@ -42,10 +45,20 @@ run fsdp-engines "$N" --data.batch_size $B --parallel.dp_shard "$N" --activation
 fi
 # 3. FSDP2 with our optimizer offload against FSDP2's CPUOffloadPolicy (peak per GPU in metrics.jsonl)
 if part 3; then
-run fsdp-our-offload "$N" --data.batch_size $B --parallel.dp_shard "$N" --optimizer.offload_fraction 1.0 \
-  --activations.checkpoint full --activations.offload_checkpoint_inputs true
-run fsdp-cpu-offload-policy "$N" --data.batch_size $B --parallel.dp_shard "$N" --parallel.fsdp_cpu_offload \
-  --activations.checkpoint full
+#    (bf16 shards with fp32 host masters; each pair with and without clipping, and at the selective / no-recompute
+#    point where our peak is below the peer's)
+for clip in 1.0 0; do
+run "fsdp-our-offload-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" --optimizer.offload_fraction 1.0 \
+  --optimizer.param_dtype bfloat16 --activations.checkpoint full --activations.offload_checkpoint_inputs true \
+  --train.max_grad_norm $clip
+run "fsdp-cpu-offload-policy-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
+  --parallel.fsdp_cpu_offload --activations.checkpoint full --train.max_grad_norm $clip
+run "fsdp-our-offload-selective-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
+  --optimizer.offload_fraction 1.0 --optimizer.param_dtype bfloat16 --activations.checkpoint selective \
+  --train.max_grad_norm $clip
+run "fsdp-cpu-offload-policy-norecompute-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
+  --parallel.fsdp_cpu_offload --train.max_grad_norm $clip
+done
 fi
 # 4. TP 2 and PP 2 (8 micro-batches, 1F1B) on the 7B shape
 if part 4; then
