@@ -4,6 +4,10 @@
 (:func:`~elbowroom.activations.apply_block_policies`), builds the optimizer (torch's own when nothing is
 offloaded and no masters are needed, else :class:`~elbowroom.optim.CPUOffloadOptimizer` with the plan's
 parameters on the host and ``overlap_with_forward``), and sets the CUDA allocator options the plan names.
+
+It is two steps, callable apart: :func:`install` (casts, policies, allocator) and :func:`build_optimizer`. Under
+FSDP2 the policies must wrap the blocks before ``fully_shard`` does and the optimizer must see the shards, so the
+trainer calls the first before sharding and the second after (``elbowroom.train.distributed_run``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch.nn as nn
 from elbowroom.plan.devices import allocator_settings_setter
 from elbowroom.plan.plan import Plan
 
-__all__ = ["apply", "resolve_blocks"]
+__all__ = ["apply", "build_optimizer", "install", "resolve_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,35 +92,21 @@ def _cast_bf16(model: nn.Module) -> None:
             p.data = p.data.to(torch.bfloat16)
 
 
-def apply(
+def install(
     model: nn.Module,
     plan: Plan,
-    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
     *,
     blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
-    offload_config: Any = None,
-    param_groups: Any = None,
-    **opt_kwargs: Any,
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Make ``model`` follow ``plan`` and build its optimizer.
-
-    Args:
-        model: the model (on its training device).
-        plan: the plan (from :func:`~elbowroom.plan.plan_for`, or :meth:`Plan.load`).
-        optimizer_class: a torch optimizer class (AdamW by default); offloaded parameters step with its CPU kernel.
-        blocks: the model's repeated blocks when they cannot be found (a dotted path or the modules).
-        param_groups: ``param_groups(model) -> list of groups`` for the optimizer (e.g. no weight decay on norms and
-            embeddings), called after the plan's casts; None: one group of every trainable parameter.
-        offload_config: the CPU-offloaded optimizer's engine settings (``elbowroom.optim.CPUOffloadConfig``: bucket
-            size, staging slots, threads); the plan sets placement and precision over it.
-        **opt_kwargs: passed to the optimizer (``lr``, ``weight_decay``, ``betas``...).
+) -> nn.Module:
+    """The plan's part that wraps the model: its weight cast, its per-block activation policies and its allocator
+    settings; no optimizer (:func:`build_optimizer` builds it, perhaps after FSDP2 has sharded the blocks).
 
     Besides the plan's own settings, a Hugging Face model that recomputes blocks gets ``config.use_cache =
     False`` (as ``gradient_checkpointing_enable`` does): a KV cache built in a training forward would change
     between forward and recompute.
 
     Returns:
-        ``(model, optimizer)``: the same model, changed in place.
+        ``model``, changed in place.
 
     Raises:
         ValueError: the plan's block count differs from the model's.
@@ -148,7 +138,39 @@ def apply(
         engine = OffloadEngine(device=dev, keep_module=model)
         model.__dict__[_PROXY_ATTR] = owner
     apply_block_policies(owner, plan.to_block_policies(), engine=engine)
+    if plan.allocator_settings and any(p.device.type == "cuda" for p in model.parameters()):
+        setter = allocator_settings_setter()
+        if setter is not None:
+            setter(plan.allocator_settings)  # applies to the segments made from now on
+            torch.cuda.empty_cache()  # so that the cached segments of the old setting are not reused
+        else:
+            logger.warning("this torch cannot change allocator settings at run time; set PYTORCH_CUDA_ALLOC_CONF=%s",
+                           plan.allocator_settings)
+    return model
 
+
+def build_optimizer(
+    model: nn.Module,
+    plan: Plan,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    *,
+    blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
+    offload_config: Any = None,
+    param_groups: Any = None,
+    overlap_with_forward: bool = True,
+    **opt_kwargs: Any,
+) -> torch.optim.Optimizer:
+    """The plan's optimizer for ``model``'s parameters as they are now: torch's own when nothing is offloaded and
+    no masters are needed, else a :class:`~elbowroom.optim.CPUOffloadOptimizer` whose host parameters are those of
+    the blocks the plan puts on the host (under FSDP2, built after sharding: their local shards).
+
+    Args:
+        overlap_with_forward: the offloaded optimizer's step returns at once and each block waits for its own
+            weights in the next forward; False under FSDP2, whose all-gather reads the shards before any forward
+            pre-hook could wait (``step()`` then waits for the host).
+        (the others as :func:`apply`'s)
+    """
+    blks = resolve_blocks(model, blocks)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
@@ -181,17 +203,9 @@ def apply(
             config=offload_config,
             **opt_kwargs,
         )
-        if offload:
+        if offload and overlap_with_forward:
             # step() returns at once; each module waits for its own updated weights in the next forward
             opt.overlap_with_forward(model)
-    if plan.allocator_settings and any(p.device.type == "cuda" for p in params):
-        setter = allocator_settings_setter()
-        if setter is not None:
-            setter(plan.allocator_settings)  # applies to the segments made from now on
-            torch.cuda.empty_cache()  # so that the cached segments of the old setting are not reused
-        else:
-            logger.warning("this torch cannot change allocator settings at run time; set PYTORCH_CUDA_ALLOC_CONF=%s",
-                           plan.allocator_settings)
     logger.info(
         "plan applied: %d of %d blocks recompute, %d offload activations, %d parameters' optimizer on the host, "
         "weights %s",
@@ -199,4 +213,39 @@ def apply(
         sum(b.offload_ratio > 0 or b.offload_input for b in plan.blocks), sum(p.numel() for p in offload),
         plan.weight_dtype,
     )
+    return opt
+
+
+def apply(
+    model: nn.Module,
+    plan: Plan,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    *,
+    blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
+    offload_config: Any = None,
+    param_groups: Any = None,
+    **opt_kwargs: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Make ``model`` follow ``plan`` and build its optimizer: :func:`install`, then :func:`build_optimizer`.
+
+    Args:
+        model: the model (on its training device).
+        plan: the plan (from :func:`~elbowroom.plan.plan_for`, or :meth:`Plan.load`).
+        optimizer_class: a torch optimizer class (AdamW by default); offloaded parameters step with its CPU kernel.
+        blocks: the model's repeated blocks when they cannot be found (a dotted path or the modules).
+        param_groups: ``param_groups(model) -> list of groups`` for the optimizer (e.g. no weight decay on norms and
+            embeddings), called after the plan's casts; None: one group of every trainable parameter.
+        offload_config: the CPU-offloaded optimizer's engine settings (``elbowroom.optim.CPUOffloadConfig``: bucket
+            size, staging slots, threads); the plan sets placement and precision over it.
+        **opt_kwargs: passed to the optimizer (``lr``, ``weight_decay``, ``betas``...).
+
+    Returns:
+        ``(model, optimizer)``: the same model, changed in place.
+
+    Raises:
+        ValueError: the plan's block count differs from the model's.
+    """
+    install(model, plan, blocks=blocks)
+    opt = build_optimizer(model, plan, optimizer_class, blocks=blocks, offload_config=offload_config,
+                          param_groups=param_groups, **opt_kwargs)
     return model, opt

@@ -62,6 +62,9 @@ what it kept is ``e_i = S_i - k_i``. Phases (``M`` model states and staging)::
 
     optimizer step:     M
 
+(``M`` includes ``Profile.rank_transient_bytes``: under FSDP2 a rank's all-gathered parameters and unsharded
+gradients, held from the first forward to the last backward; 0 for a model that is not sharded.)
+
 (``M'``: ``M`` less the resident gradients when they come and go with the backward, as above; else ``M``. A pipeline
 stage adds to all but the last ``(Profile.inflight_microbatches - 1) (sum_j k_j + head saved)``: other micro-batches.)
 The peak is the largest of these plus the allocator margin: ``Profile.allocator_overhead_bytes`` when measured,
@@ -417,7 +420,8 @@ class Globals:
     """The terms of memory and time that do not depend on the per-block options."""
 
     states: int
-    """Model states (weights, gradients, optimizer state on the device) and optimizer buffers."""
+    """Model states (weights, gradients, optimizer state on the device), optimizer buffers and the rank's
+    transient bytes (``Profile.rank_transient_bytes``)."""
     transient_grads: int
     """The resident gradients that exist only from the backward on (``M - M'``; 0 under accumulation)."""
     head_grads: int
@@ -591,7 +595,7 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     g_head, g_blocks = gradient_bytes(profile, d)
     transient = d.accumulation == 1  # else they live through every later micro-batch's forward
     return Globals(
-        states=state_bytes(profile, d),
+        states=state_bytes(profile, d) + profile.rank_transient_bytes,
         transient_grads=g_head + sum(g_blocks) if transient else 0,
         head_grads=g_head if transient else 0,
         head=int(math.ceil(head_b)),
@@ -757,7 +761,9 @@ def predict(
     at = int(ph.values.argmax())
     phase, parts = ph.describe(at)
     states = g.states - g.transient_grads
-    memory = {"model states": states, **{k: v for k, v in parts.items() if v}, "allocator margin": margin}
+    held = profile.rank_transient_bytes  # (FSDP2's gathers: shown apart from the model states they are added to)
+    memory = {"model states": states - held, **({"FSDP2 gathered parameters and gradients": held} if held else {}),
+              **{k: v for k, v in parts.items() if v}, "allocator margin": margin}
     peak = states + int(ph.values[at]) + margin
 
     x = (tab.cost(duplex_share(d)) - tab.recompute)[rows, idx]

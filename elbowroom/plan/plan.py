@@ -91,6 +91,10 @@ class ProfileSummary:
     block_path: str = ""
     """Where the blocks were found (e.g. ``model.layers``)."""
     num_params: int = 0
+    """Parameters planned for (one rank's shard of them when ``shard_factor`` is above 1)."""
+    shard_factor: int = 1
+    """Ranks each parameter was sharded over (FSDP2's ``dp_shard``) in the profile planned on: above 1 the plan is
+    one rank's, and applies only at that shard factor."""
 
 
 @dataclass(frozen=True)
@@ -240,6 +244,9 @@ class Plan:
         if self.weight_dtype == "float32" and self.offload_param_dtype == "bfloat16" and self.offloads_optimizer:
             weights += "; offloaded weights bf16 on the device, fp32 masters on the host"
         lines.append(f"weights: {weights}")
+        if p.shard_factor > 1:
+            lines.append(f"per rank: FSDP2 over {p.shard_factor} shards (--parallel.dp_shard {p.shard_factor}); "
+                         "parameters, gradients and optimizer state are one rank's shard")
         off = self.optimizer_offload_blocks
         where = _ranges(off) if off else "none"
         other = "on the host" if self.offload_other_params else "on the device"

@@ -575,6 +575,7 @@ def plan_from_decisions(
             param_dtype=profile.param_dtype,
             block_path=profile.block_path,
             num_params=profile.num_params,
+            shard_factor=int(profile.extra.get("shard_factor", 1)),
         ),
         notes=tuple(notes),
     )

@@ -142,6 +142,10 @@ class Profile:
     inflight_microbatches: int = 1
     """Micro-batches whose kept activations (and head or stage output) one pipeline stage holds at once (GPipe:
     all, 1F1B: the stages to the end; 1 without a pipeline): counted that many times, one block's working set once."""
+    rank_transient_bytes: int = 0
+    """Bytes one rank holds through the step beyond what the blocks and the model states count: under FSDP2 the
+    all-gathered parameters and the unsharded gradients before their reduce-scatter
+    (``elbowroom.train.planning.per_rank_profile``); 0 for a model that is not sharded."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form details (the trace's kernel split, versions) that are shown, never planned on."""
 

@@ -14,6 +14,10 @@ reads the same either way.
   gradients from DDP's comm hook once they are all-reduced; FSDP2 shards first and the optimizer steps the
   shards (its CPU steps then wait in ``step()``: FSDP2 all-gathers a block's shards before any forward
   pre-hook of ours could wait for their update).
+- **Planning** (``--budget``, ``--plan``): rank 0 profiles and plans, every rank applies the same plan. Under
+  DDP the plan is one process's; under FSDP2/HSDP it is one rank's (its shards plus FSDP2's gathers, see
+  :mod:`elbowroom.train.planning`), its policies installed before ``fully_shard`` and its optimizer built over
+  the shards after.
 - **A step**: ``data.batch_size`` is the global batch of one micro-step; each rank reads its part. The loss
   is normalised by the target tokens of the whole global step (padding excluded from the count, as in one
   process), times the data-parallel size since DDP and FSDP2 average gradients; gradient sync is off for
@@ -140,11 +144,11 @@ def check_setup(cfg: Config, launch: Launch | None) -> None:
                 "parallel.fsdp_cpu_offload and optimizer.offload_fraction both move the optimizer to the host; "
                 "choose one (elbowroom's --optimizer.offload_fraction is the faster)"
             )
-        if cfg.budget is not None or cfg.plan is not None:
+        if p.fsdp_cpu_offload and (cfg.budget is not None or cfg.plan is not None):
             raise ConfigError(
-                f"{'--budget' if cfg.budget is not None else '--plan'} plans one process's memory, and does not "
-                "count FSDP2's shards yet; set the [activations] and [optimizer] switches by hand under "
-                "--parallel.dp_shard, or plan under DDP (--parallel.dp_replicate)"
+                f"{'--budget' if cfg.budget is not None else '--plan'} places the optimizer itself, and "
+                "parallel.fsdp_cpu_offload would move every shard to the host behind the plan's back; drop "
+                "--parallel.fsdp_cpu_offload"
             )
         if cfg.train.compile:
             raise ConfigError("train.compile is not supported with FSDP2 here yet; drop --train.compile")
@@ -247,13 +251,15 @@ class DistributedRun:
 
     # ---------------------------------------------------------------- model and optimizer
     def wrap(self, model: nn.Module, build_optimizer: Callable[..., Any] | None = None,
-             optimizer: Any = None) -> tuple[nn.Module, Any]:
+             optimizer: Any = None, plan: Any = None) -> tuple[nn.Module, Any]:
         """Wrap ``model`` for data parallel and build (or take) its optimizer.
 
         Args:
             model: the model, memory policies applied.
             build_optimizer: ``build_optimizer(model, overlap_forward)``; or pass ``optimizer`` already built
                 (DDP only: FSDP2 must shard before the optimizer sees the parameters).
+            plan: the plan the run follows: under FSDP2, where ``optimizer`` is None, its optimizer is built over
+                the shards (``elbowroom.train.planning.plan_optimizer``).
 
         Returns:
             ``(model to call, optimizer)``; ``model`` itself stays the module whose state is saved.
@@ -273,6 +279,13 @@ class DistributedRun:
             wrapped, self.comm = apply_data_parallel(model, self.topo, seed=self.cfg.train.seed, after_reduction=then)
             return wrapped, optimizer
         assert optimizer is None, "FSDP2 shards the parameters before the optimizer is built"
+        if build_optimizer is None:  # a planned run: the plan's optimizer, over the local shards
+            from elbowroom.train.planning import plan_optimizer
+
+            assert plan is not None, "a planned FSDP2 run passes its plan"
+
+            def build_optimizer(m: nn.Module, overlap: bool) -> Any:
+                return plan_optimizer(m, plan, self.cfg, overlap)
         from elbowroom.activations.recompute import find_blocks
 
         mp = _fsdp_param_dtype(self.cfg, self.place(torch.device("cpu")))
@@ -287,7 +300,9 @@ class DistributedRun:
         """``--budget`` on several ranks: rank 0 profiles and plans (``plan_fn``, the trainer's
         ``plan_for_budget``), every other rank applies the same plan (``apply_fn``), so that all ranks hold the
         same layout (measured timings differ from rank to rank; a plan of another precision would not reduce).
-        Under DDP every rank holds the whole model, so one rank's plan is each rank's."""
+        Under DDP every rank holds the whole model, so one rank's plan is each rank's. Under FSDP2 rank 0 plans one
+        rank's memory (the whole model profiled, its per-rank profile planned) and every rank installs the plan's
+        policies before sharding; the optimizer is None here, built over the shards by :meth:`wrap`."""
         if not self.enabled:
             return plan_fn(model, sample, cfg, **kwargs)
         from elbowroom.plan import Plan

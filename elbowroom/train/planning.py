@@ -2,6 +2,15 @@
 
 The planner itself is ``elbowroom.plan``; this module decides which plan a run follows and applies it to the
 trainer's model and optimizer settings.
+
+Under data parallel rank 0 plans and every rank applies the same plan (``DistributedRun.plan_once``). Under DDP
+every rank holds the whole model, so one process's plan is each rank's. Under FSDP2 and HSDP (``--parallel.dp_shard
+S``) the plan is one rank's: the profile of the whole model on the rank's micro-batch is turned into the rank's
+(:func:`per_rank_profile`: 1/S of the parameters, gradients and optimizer state, plus FSDP2's all-gathered
+parameters and unsharded gradients), planned with fp32 weights (FSDP2 shards fp32 and computes in
+``--train.dtype``) and without the fused loss, and applied in two steps around ``fully_shard``: the activation
+policies before it wraps the blocks (:func:`apply_plan`), the optimizer over the local shards after
+(:func:`plan_optimizer`). ``--budget`` is then per rank, and a saved plan applies only at its own shard factor.
 """
 
 from __future__ import annotations
@@ -86,13 +95,36 @@ def plan_to_follow(cfg: Config, out: Path) -> Plan | None:
     return load_plan(cfg.plan) if cfg.plan is not None else None
 
 
+def sharded(cfg: Config) -> bool:
+    """FSDP2 or HSDP shards this run's model (without tensor or pipeline parallel): its plan is one rank's, applied
+    around ``fully_shard`` (:func:`apply_plan` before, :func:`plan_optimizer` after)."""
+    p = cfg.parallel
+    return p.mode in ("fsdp", "hsdp") and p.tp == 1 and p.pp == 1
+
+
+def shard_factor(cfg: Config) -> int:
+    """Ranks each parameter is sharded over in this run (1: each rank holds the whole model)."""
+    return cfg.parallel.dp_shard if sharded(cfg) else 1
+
+
 def check_plan(plan: Plan, cfg: Config, amp_dtype: torch.dtype) -> None:
-    """A saved plan must match this run: its micro-batch, and bf16 offloaded weights need bf16 autocast."""
-    bsz, seq_len, planned_seq = cfg.data.batch_size, cfg.data.seq_len, plan.profile.seq_len
+    """A saved plan must match this run: its shard factor, its micro-batch (a rank's: ``data.batch_size`` is the
+    global one), and bf16 offloaded weights need bf16 autocast."""
+    made, now = plan.profile.shard_factor, shard_factor(cfg)
+    if made != now:
+        what = f"one rank of FSDP2 over {made} shards" if made > 1 else "a model that is not sharded"
+        here = f"shards over {now} ranks" if now > 1 else "does not shard the model"
+        raise ConfigError(
+            f"the plan was made for {what} and this run {here}: its memory is per rank at its own shard factor; "
+            f"run it with --parallel.dp_shard {made}, or plan again for this run with --budget"
+        )
+    dp = max(cfg.parallel.dp_size, 1)
+    bsz, seq_len, planned_seq = cfg.data.batch_size // dp, cfg.data.seq_len, plan.profile.seq_len
     if plan.micro_batch != bsz or (planned_seq and not cfg.data.variable_length and planned_seq != seq_len):
+        per = f" per rank ({dp} data-parallel ranks)" if dp > 1 else ""
         raise ConfigError(
             f"the plan was made for micro-batches of {plan.micro_batch} x {planned_seq or '?'} tokens and this run's "
-            f"are {bsz} x {seq_len}: pass --data.batch_size {plan.micro_batch}"
+            f"are {bsz} x {seq_len}{per}: pass --data.batch_size {plan.micro_batch * dp}"
             + (f" --data.seq_len {planned_seq}" if planned_seq else "")
             + " (--train.gradient_accumulation_steps sets the global batch), or plan again for this batch"
         )
@@ -106,13 +138,17 @@ def check_plan(plan: Plan, cfg: Config, amp_dtype: torch.dtype) -> None:
 
 def plan_for_budget(
     model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool, amp_dtype: torch.dtype
-) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
+) -> tuple[nn.Module, torch.optim.Optimizer | None, Plan]:
     """Profile ``model`` on ``sample`` (a training micro-batch), plan it into ``--budget`` and apply the plan.
 
-    The budget too small for any plan is a ConfigError whose one line names the minimum.
+    Under FSDP2 the plan is one rank's and only its first half is applied here: the optimizer is None, built after
+    sharding (:func:`plan_optimizer`). The budget too small for any plan is a ConfigError whose one line names the
+    minimum.
     """
     from elbowroom.plan import BudgetError, fit
 
+    if sharded(cfg):
+        return _plan_for_rank(model, sample, cfg, amp_dtype)
     # measuring the machine draws random matrices from the global RNG (the profile itself restores it): the
     # run's dropout stream must be the one an unplanned run with this seed draws
     rng = torch.get_rng_state()
@@ -132,18 +168,62 @@ def plan_for_budget(
             param_groups=_groups(cfg),
             **_adamw_kwargs(cfg),
         )
-    except BudgetError as e:  # its message names the minimum in GiB; a small model's needs finer units
-        text = " ".join(str(e).split())
-        for api, flag in _CLI_HINTS.items():  # the planner's hints name fit()'s arguments; a trainer user has flags
-            text = text.replace(api, flag)
-        raise ConfigError(
-            f"{text}; the minimum is {e.minimum_bytes:,} bytes: pass --budget {_size_at_least(e.minimum_bytes)} "
-            "or more"
-        ) from None
+    except BudgetError as e:
+        raise _budget_error(e, cfg) from None
     except ValueError as e:  # a model the planner cannot read
         raise ConfigError(" ".join(str(e).split())) from None
     finally:
         torch.set_rng_state(rng)
+
+
+def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
+                   amp_dtype: torch.dtype) -> tuple[nn.Module, None, Plan]:
+    """``--budget`` under FSDP2: the whole model profiled (before ``fully_shard``, leaving nothing behind), its
+    per-rank profile planned, the plan's policies installed; the optimizer comes after sharding."""
+    from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
+    from elbowroom.plan.apply import install
+
+    rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
+    try:
+        whole = profile(model, (sample["input_ids"], sample["targets"]), cache_dir=str(cfg.data.cache_dir or
+                        default_cache_dir()), dtype=amp_dtype)
+        rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
+                                ranks_per_host=_ranks_per_host(cfg))
+        # fp32 weights (FSDP2 shards fp32 and casts to --train.dtype itself), no fused loss (data parallel)
+        plan = plan_for(rank, parse_budget(cfg.budget), precision="fp32", fused_loss_allowed=False,
+                        grad_clipping=bool(cfg.train.max_grad_norm), offload_config=cfg.offload)
+    except BudgetError as e:
+        raise _budget_error(e, cfg) from None
+    except ValueError as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+    finally:
+        torch.set_rng_state(rng)
+    install(model, plan)
+    log.info("%s", plan.table())
+    return model, None, plan
+
+
+def _ranks_per_host(cfg: Config) -> int:
+    """Ranks sharing this host's memory: one per GPU of the host (at most the world), every rank on a CPU."""
+    world = cfg.parallel.world_size
+    return max(1, min(world, torch.cuda.device_count())) if torch.cuda.is_available() else world
+
+
+def _budget_error(e: Any, cfg: Config) -> ConfigError:
+    """The planner's BudgetError in the trainer's terms: its hints as flags, the minimum in bytes (a small model's
+    needs finer units than its GiB), per rank under FSDP2."""
+    text = " ".join(str(e).split())
+    for api, flag in _CLI_HINTS.items():  # the planner's hints name fit()'s arguments; a trainer user has flags
+        text = text.replace(api, flag)
+    if cfg.parallel.mode != "single":  # flags refused under data parallel are no way out
+        for flag in _NOT_UNDER_DATA_PARALLEL:
+            text = text.replace(f"; {flag}", "").replace(f"{flag}; ", "").replace(flag, "")
+        text = text.replace(" ()", "")
+    least = f"{e.minimum_bytes:,} bytes: pass --budget {_size_at_least(e.minimum_bytes)} or more"
+    if sharded(cfg):
+        return ConfigError(f"--budget is one rank's memory under FSDP2 over {shard_factor(cfg)} shards: {text}; the "
+                           f"minimum per rank is {least}")
+    return ConfigError(f"{text}; the minimum is {least}")
 
 
 _CLI_HINTS = {
@@ -156,6 +236,12 @@ _CLI_HINTS = {
 }
 """The BudgetError hints in the trainer's terms."""
 
+_NOT_UNDER_DATA_PARALLEL = (
+    "--optimizer.param_dtype bfloat16 allows bf16 device weights",
+    "--train.fused_loss true shrinks the head and loss",
+)
+"""Hints of flags that data parallel refuses (check_setup): left out of its BudgetError."""
+
 
 def _size_at_least(n: int) -> str:
     """``n`` bytes rounded up to two decimals of the largest binary unit it fills, as --budget reads it."""
@@ -165,10 +251,19 @@ def _size_at_least(n: int) -> str:
     return f"{n}B"
 
 
-def apply_plan(model: nn.Module, plan: Plan, cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Make ``model`` follow a saved plan and build its optimizer (the plan's table is logged)."""
+def apply_plan(model: nn.Module, plan: Plan, cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Make ``model`` follow a saved plan and build its optimizer (the plan's table is logged). Under FSDP2 only the
+    plan's policies: the optimizer is None, built over the shards by :func:`plan_optimizer`."""
     from elbowroom.plan import apply
+    from elbowroom.plan.apply import install
 
+    if sharded(cfg):
+        try:
+            install(model, plan)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        log.info("%s", plan.table())
+        return model, None
     try:
         model, optimizer = apply(model, plan, torch.optim.AdamW, offload_config=cfg.offload, param_groups=_groups(cfg),
                                  **_adamw_kwargs(cfg))
@@ -178,39 +273,92 @@ def apply_plan(model: nn.Module, plan: Plan, cfg: Config) -> tuple[nn.Module, to
     return model, optimizer
 
 
-def per_rank_profile(profile: Any, shard_factor: int) -> Any:
-    """The profile one rank plans under FSDP2 sharding over ``shard_factor`` ranks: the seam for ``--budget``
-    under data parallel.
+def plan_optimizer(model: nn.Module, plan: Plan, cfg: Config, overlap_forward: bool = False) -> Any:
+    """The plan's optimizer over ``model``'s parameters as they are now (under FSDP2: after ``fully_shard``, so that
+    its host parameters are the local shards of the blocks the plan puts on the host)."""
+    from elbowroom.plan.apply import build_optimizer
 
-    Each rank holds ``1 / shard_factor`` of every parameter, of its gradient and of its optimizer state, so the
-    blocks' and the head's parameter counts and bytes are divided (rounded up: FSDP2 pads the last shard); the
-    activations are those of the rank's own micro-batch, which the profile already measured. Under DDP the
-    factor is 1 (every rank holds everything). Not counted yet (so the trainer refuses ``--budget`` under
-    FSDP2 for now): the all-gathered parameters of the block in flight and the next one prefetched, and the
-    reduce-scatter buffers.
+    return build_optimizer(model, plan, torch.optim.AdamW, offload_config=cfg.offload, param_groups=_groups(cfg),
+                           overlap_with_forward=overlap_forward, **_adamw_kwargs(cfg))
+
+
+REDUCE_BYTES = 4
+"""Bytes per element of FSDP2's gradient reduction (``reduce_dtype`` float32, as the trainer wraps it)."""
+
+
+def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1) -> dict[str, int]:
+    """What one rank of FSDP2 holds through a training step beyond its shards and its activations, by cause.
+
+    - ``gathered blocks``: the unsharded parameters of the block in flight and of the next one, prefetched, in the
+      compute dtype (FSDP2's ``MixedPrecisionPolicy.param_dtype``: the run's autocast dtype), in forward and again
+      in backward: twice the largest block.
+    - ``gathered root``: the parameters outside the blocks (embeddings, final norm, head), which the root
+      ``fully_shard`` gathers for the whole forward and backward.
+    - ``unsharded gradients``: in backward, one block's gradient in the reduce dtype before its reduce-scatter, and
+      the root's gradients in the compute dtype until the backward's end; under accumulation (gradient sync off for
+      all but the last micro-batch) every parameter's unsharded gradient in the reduce dtype, from the first
+      micro-batch's backward to the last one's.
+
+    Each is an upper bound of the moment it names; their sum is held, for the planner, from the first forward to
+    the last backward (the optimizer step holds less, and the peak is never there).
 
     Args:
-        profile: an ``elbowroom.plan.Profile`` of one rank's micro-batch.
+        profile: the whole model's profile (``elbowroom.plan.Profile``), before :func:`per_rank_profile`.
+        shard_factor: ranks each parameter is sharded over (FSDP2 pads each to a multiple of it).
+        accumulation: micro-batches per optimizer step.
+    """
+    item = 4 if profile.compute_dtype == "float32" else 2
+
+    def whole(n: int) -> int:  # FSDP2 pads a parameter to a multiple of the shard factor
+        return -(-n // shard_factor) * shard_factor
+
+    block = max((whole(b.num_params) for b in profile.blocks), default=0)
+    root = whole(profile.head.num_params)
+    grads = REDUCE_BYTES * block + item * root
+    if accumulation > 1:
+        grads = REDUCE_BYTES * (root + sum(whole(b.num_params) for b in profile.blocks)) + item * root
+    return {"gathered blocks": 2 * item * block, "gathered root": item * root, "unsharded gradients": grads}
+
+
+def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, ranks_per_host: int = 1) -> Any:
+    """The profile one rank plans under FSDP2 (or HSDP) sharding over ``shard_factor`` ranks.
+
+    Each rank holds ``1 / shard_factor`` of every parameter (fp32), of its gradient (the reduce-scatter's fp32
+    output) and of its optimizer state (on the device, or on the host where the plan puts it), so the blocks' and
+    the head's parameter counts and bytes are divided (rounded up: FSDP2 pads the last shard). On top it holds
+    :func:`fsdp_held_bytes` (``Profile.rank_transient_bytes``). The activations are those of the rank's own
+    micro-batch, which the profile measured. The host's memory is shared by the ``ranks_per_host`` ranks on it.
+    The step time is the profiled one: FSDP2's all-gathers and reduce-scatters, and the host optimizer step that
+    ``step()`` waits for under FSDP2, are not counted in it.
+
+    Args:
+        profile: an ``elbowroom.plan.Profile`` of the whole model on one rank's micro-batch.
         shard_factor: ranks each parameter is sharded over (``parallel.dp_shard``).
+        accumulation: micro-batches per optimizer step (``train.gradient_accumulation_steps``).
+        ranks_per_host: ranks sharing the host's memory.
 
     Returns:
-        The per-rank profile (a new frozen object).
+        The per-rank profile (a new frozen object; ``extra["shard_factor"]`` records the factor, which the plan
+        keeps in ``plan.profile.shard_factor``).
     """
     import dataclasses
 
-    if shard_factor < 1:
-        raise ValueError(f"shard_factor must be >= 1, got {shard_factor}")
-    if shard_factor == 1:
-        return profile
+    if shard_factor < 1 or ranks_per_host < 1:
+        raise ValueError(f"shard_factor and ranks_per_host must be >= 1, got {shard_factor} and {ranks_per_host}")
 
     def shard(n: int) -> int:
         return -(-n // shard_factor)
 
+    held = fsdp_held_bytes(profile, shard_factor, accumulation)
     blocks = tuple(dataclasses.replace(b, num_params=shard(b.num_params), param_bytes=shard(b.param_bytes))
                    for b in profile.blocks)
     head = dataclasses.replace(profile.head, num_params=shard(profile.head.num_params),
                                param_bytes=shard(profile.head.param_bytes))
-    return dataclasses.replace(profile, blocks=blocks, head=head)
+    host = profile.machine.host_memory_bytes // ranks_per_host
+    machine = dataclasses.replace(profile.machine, host_memory_bytes=host)
+    return dataclasses.replace(profile, blocks=blocks, head=head, machine=machine,
+                               rank_transient_bytes=profile.rank_transient_bytes + sum(held.values()),
+                               extra={**profile.extra, "shard_factor": shard_factor, "fsdp_held_bytes": held})
 
 
 REPLAN_FACTOR = 0.9

@@ -542,13 +542,13 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
         fused_ok = model_cfg is not None and not cfg.train.compile and not run.enabled  # (DDP would not see it)
         model, optimizer, plan = run.plan_once(plan_for_budget, apply_plan, model, first, cfg, fused_loss=fused_ok,
                                                amp_dtype=amp_dtype)  # rank 0 plans; every rank follows its plan
-        fwd_model, optimizer = run.wrap(model, optimizer=optimizer)
+        fwd_model, optimizer = run.wrap(model, optimizer=optimizer, plan=plan)  # (FSDP2: the plan's, over shards)
         if device.type == "cuda":  # the logged peak is the training steps', not the profile's (an unplanned step)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
     elif plan is not None:
         model, optimizer = apply_plan(model, plan, cfg)
-        fwd_model, optimizer = run.wrap(model, optimizer=optimizer)
+        fwd_model, optimizer = run.wrap(model, optimizer=optimizer, plan=plan)
     else:
         if bf16_params:
             model.to(torch.bfloat16)  # the optimizer keeps fp32 masters of these values
