@@ -1,0 +1,240 @@
+"""``--budget`` under FSDP2: one rank's memory, planned and applied per rank (2 gloo processes on CPU).
+
+The per-rank model (``elbowroom.train.planning.per_rank_profile``) is checked against a real FSDP2 wrap: its
+model-state bytes are the local shards' (parameters, gradients, AdamW's moments after a step) on each rank, and its
+all-gather term is the largest block's unsharded parameters in the compute dtype, as FSDP2 hands them to the
+block's forward. The planner on a per-rank profile keeps its promises (a tighter budget never predicts a faster
+step, the predicted peak fits), and the trainer under ``--parallel.dp_shard 2 --budget B`` (B between the per-rank
+minimum and the plain per-rank peak, found as ``elbowroom plan`` finds them) recomputes and trains the same curve
+as one process over the same global batch; a resumed run follows its own plan (under HSDP, at the same shard
+factor); a budget below the per-rank minimum and a plan of another shard factor exit 2 and write nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from elbowroom.models import ModelConfig, build_model
+from elbowroom.plan import BudgetError, Plan, cost, plan_for, profile
+from elbowroom.train.planning import fsdp_held_bytes, per_rank_profile, shard_factor
+from tests.distributed_utils import TINY_RUN, assert_close_curves, run_ranks, train_losses, trainer_config
+
+FSDP = ["--parallel.dp_shard", "2"]
+HSDP = ["--parallel.data_parallel", "hsdp"]
+STEPS = ["--steps", "10"]
+SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
+"""The wrap check's model (every parameter's first dimension divides by 2: FSDP2 pads nothing)."""
+
+
+def _all_device(p) -> cost.Decisions:
+    n = len(p.blocks)
+    return cost.Decisions(micro_batch=p.micro_batch, options=(cost.Option(),) * n, offload_blocks=(False,) * n)
+
+
+def _whole_profile(model_cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype = torch.float32):
+    """The whole model's CPU profile on one rank's micro-batch (bytes are exact; the trainer's rank 0 measures the
+    same ones)."""
+    torch.manual_seed(0)
+    model = build_model(model_cfg)
+    ids = torch.randint(0, model_cfg.vocab_size, (batch, seq))
+    return profile(model, (ids, ids), source="measured", machine="cpu", dtype=dtype)
+
+
+def _minimum_and_plain(rank) -> tuple[int, int]:
+    with pytest.raises(BudgetError) as e:
+        plan_for(rank, 1)
+    keep_all = plan_for(rank, 1 << 40)
+    assert all(b.checkpoint == "none" for b in keep_all.blocks)
+    return e.value.minimum_bytes, sum(v for k, v in keep_all.memory.items() if k != "allocator margin")
+
+
+@pytest.fixture(scope="module")
+def trainer_budgets() -> tuple[int, int, object]:
+    """(the per-rank minimum, the plain per-rank peak, the whole profile) of the trainer's tiny model under dp_shard
+    2: the whole model profiled on one rank's micro-batch (the global batch of 4 over 2 ranks), made per rank."""
+    from elbowroom.train.trainer import resolve_model_config
+
+    cfg = trainer_config(TINY_RUN, Path("unused"))
+    whole = _whole_profile(resolve_model_config(cfg, 256), cfg.data.batch_size // 2, cfg.data.seq_len)
+    return (*_minimum_and_plain(per_rank_profile(whole, 2)), whole)
+
+
+# ---------------------------------------------------------------- the per-rank model against a real FSDP2 wrap
+def _wrap_and_step(rank: int, world: int) -> dict:
+    """SMALL under fully_shard over 2 ranks (fp32, and bf16 compute): local shard bytes after one AdamW step, and
+    the unsharded parameter bytes each block's forward sees."""
+    import torch.nn.functional as F
+
+    from elbowroom.distributed.config import ParallelConfig
+    from elbowroom.distributed.data_parallel import apply_data_parallel, init_distributed
+
+    topo = init_distributed(ParallelConfig(dp_shard=2), rank=rank, world_size=world, local_rank=rank,
+                            device=torch.device("cpu"))
+    out = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        model = build_model(SMALL)
+        apply_data_parallel(model, topo, param_dtype=dtype)
+        gathered: list[int] = []
+        for blk in model.blocks:  # after FSDP2's own pre-forward (prepended): the block's unsharded parameters
+            blk.register_forward_pre_hook(
+                lambda m, args: gathered.append(sum(p.numel() * p.element_size() for p in m.parameters())))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+        F.cross_entropy(model(x[:, :-1]).float().reshape(-1, 64), x[:, 1:].reshape(-1)).backward()
+        opt.step()
+
+        def local_bytes(ts) -> int:
+            return sum(t.to_local().numel() * t.to_local().element_size() for t in ts)
+
+        moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        out[name] = {"params": local_bytes(model.parameters()),
+                     "grads": local_bytes(p.grad for p in model.parameters()),
+                     "adam": local_bytes(moments), "gathered": max(gathered)}
+    return out
+
+
+def test_per_rank_model_equals_the_shards_of_a_real_fsdp2_wrap() -> None:
+    with torch.device("meta"):
+        meta = build_model(SMALL)
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    whole = profile(meta, (ids, ids), source="analytic", dtype=torch.float32)
+    rank = per_rank_profile(whole, 2)
+
+    got = run_ranks(_wrap_and_step)
+    states = cost.state_bytes(rank, _all_device(rank))  # 16 B per parameter of the shard
+    for r in got:
+        for name in ("fp32", "bf16"):
+            m = r[name]
+            assert m["params"] == m["grads"] == 4 * rank.num_params  # fp32 shards and fp32 reduce-scatter outputs
+            assert m["params"] + m["grads"] + m["adam"] == states, (name, m)
+    # what FSDP2 hands a block's forward: its unsharded parameters in the compute dtype; two such blocks are held
+    largest = max(r["fp32"]["gathered"] for r in got)
+    assert largest == 4 * max(b.num_params for b in whole.blocks)
+    assert fsdp_held_bytes(whole, 2)["gathered blocks"] == 2 * largest
+    bf16 = dataclasses.replace(whole, compute_dtype="bfloat16")
+    assert fsdp_held_bytes(bf16, 2)["gathered blocks"] == 2 * max(r["bf16"]["gathered"] for r in got)
+    # the root's parameters (embedding, head, final norm) stay gathered through forward and backward
+    assert fsdp_held_bytes(whole, 2)["gathered root"] == 4 * whole.head.num_params
+    assert rank.rank_transient_bytes == sum(fsdp_held_bytes(whole, 2).values())
+    assert [b.saved_bytes for b in rank.blocks] == [b.saved_bytes for b in whole.blocks]  # the rank's micro-batch
+
+
+# ---------------------------------------------------------------- the planner on per-rank profiles
+def test_per_rank_plans_keep_the_planners_promises() -> None:
+    """On a GPU-shaped profile (a host link: the optimizer may go to the host): more shards need less budget per
+    rank for the same plan; a tighter per-rank budget never predicts a faster step; every plan's peak fits; and
+    under accumulation FSDP2's unsharded gradients are held whole."""
+    from test_plan_support import make_profile
+
+    whole = make_profile(n_layers=8, micro_batch=1, seq_len=1024)
+    ranks = {s: per_rank_profile(whole, s) for s in (1, 2, 4)}
+    minimum = {s: _minimum_and_plain(p)[0] for s, p in ranks.items()}
+    assert minimum[4] < minimum[2] < minimum[1]
+    peaks = {s: cost.predict(p, _all_device(whole), 1 << 40).peak_bytes for s, p in ranks.items()}
+    assert peaks[4] < peaks[2] < peaks[1]
+    # FSDP2 at shard factor 1 still gathers (a copy in the compute dtype): more than the unsharded model
+    assert ranks[1].rank_transient_bytes > 0 and minimum[1] > _minimum_and_plain(whole)[0]
+
+    rank = ranks[2]
+    low, plain = _minimum_and_plain(rank)
+    times, offloaded = [], False
+    for b in [int(low + (1.3 * plain - low) * i / 15) for i in range(16)]:
+        plan = plan_for(rank, b, precision="fp32")
+        assert plan.predicted_peak_bytes <= b
+        assert plan.weight_dtype == "float32" and plan.profile.shard_factor == 2
+        assert "per rank: FSDP2 over 2 shards" in plan.table()
+        assert plan.memory["FSDP2 gathered parameters and gradients"] == rank.rank_transient_bytes
+        times.append(plan.predicted_step_seconds)
+        offloaded |= plan.offloads_optimizer
+    assert all(a >= b for a, b in zip(times, times[1:])), times
+    assert offloaded  # the tightest budgets put optimizer state on the host: the local shards'
+    accumulating = per_rank_profile(whole, 2, accumulation=2)
+    assert accumulating.rank_transient_bytes - rank.rank_transient_bytes == 4 * whole.num_params - 4 * max(
+        b.num_params for b in whole.blocks)
+    # ranks on one host share its memory
+    assert per_rank_profile(whole, 2, ranks_per_host=8).machine.host_memory_bytes * 8 == whole.machine.host_memory_bytes
+
+
+def test_shard_factor_of_a_run() -> None:
+    from elbowroom.config import resolve
+
+    def factor(*args: str) -> int:
+        return shard_factor(resolve(None, list(args)))
+
+    assert factor() == 1 and factor("--parallel.dp_replicate", "2") == 1
+    assert factor(*FSDP) == 2
+    assert factor("--parallel.dp_replicate", "2", "--parallel.dp_shard", "4") == 4  # HSDP: the shards of a replica
+    assert factor(*HSDP, "--parallel.dp_replicate", "2") == 1
+
+
+# ---------------------------------------------------------------- the trainer under --parallel.dp_shard 2 --budget
+def _fail(args: list[str]) -> tuple[int, str]:
+    from elbowroom.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", *args])
+    return code, err.getvalue()
+
+
+def _trainer_ranks(rank: int, world: int, tmp: str, budget: int, low: int, other_plan: str) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tmp_path = Path(tmp)
+    cfg_args = TINY_RUN
+    res = {"planned": train_losses(cfg_args, tmp_path / "planned", *FSDP, *STEPS, "--budget", str(budget))}
+    # the first half planned under FSDP2, resumed under HSDP (1 x 2: the same shard factor) without --budget
+    res["half"] = train_losses(cfg_args, tmp_path / "half", *FSDP, "--steps", "3", "--scheduler.decay_steps", "6",
+                               "--budget", str(budget))
+    res["resumed"] = train_losses(cfg_args, tmp_path / "half", *FSDP, *HSDP, "--resume")
+    low_out, other_out = tmp_path / "low", tmp_path / "other"
+    res["low"] = _fail([*cfg_args, "--out", str(low_out), *FSDP, "--budget", str(low // 2)])
+    res["other"] = _fail([*cfg_args, "--out", str(other_out), *FSDP, "--plan", other_plan])
+    res["written"] = [low_out.exists(), other_out.exists()]
+    return res
+
+
+@pytest.mark.slow
+def test_trainer_plans_per_rank_under_fsdp2(tmp_path: Path, trainer_budgets: tuple[int, int, object]) -> None:
+    low, plain, whole = trainer_budgets
+    budget = (low + plain) // 2  # below the plain per-rank peak: something must be recomputed
+    # a plan made for one process (shard factor 1), which a run sharded over 2 must refuse
+    single = plan_for(whole, 1 << 40).save(tmp_path / "single.toml")
+    assert Plan.load(single).profile.shard_factor == 1
+    plain_ref = train_losses(TINY_RUN, tmp_path / "ref", *STEPS)
+    six = train_losses(TINY_RUN, tmp_path / "ref6")  # TINY_RUN's 6 steps: the resumed run's schedule
+
+    r0, r1 = run_ranks(_trainer_ranks, str(tmp_path), budget, low, str(single))
+
+    plan = Plan.load(tmp_path / "planned" / "plan.toml")
+    assert plan.profile.shard_factor == 2 and plan.budget_bytes == budget
+    assert plan.predicted_peak_bytes <= budget
+    assert any(b.checkpoint != "none" for b in plan.blocks), plan.table()
+    assert plan.micro_batch == 2  # one rank's part of the global batch of 4
+    assert plan.memory["FSDP2 gathered parameters and gradients"] > 0
+    # recompute changes memory, not the math: the curve of one process over the same global batch
+    assert_close_curves(r0["planned"]["losses"], plain_ref["losses"], 1e-5, "planned")
+    assert_close_curves(r0["planned"]["val"], plain_ref["val"], 1e-5, "planned val")
+    assert r1["planned"]["losses"] == r0["planned"]["losses"]
+    # --resume follows the run's own plan (no --budget given), here under HSDP at the same shard factor
+    assert r0["half"]["step"] == 3 and r0["resumed"]["step"] == 6
+    assert_close_curves({s: v for s, v in r0["resumed"]["losses"].items() if s > 3},
+                        {s: v for s, v in six["losses"].items() if s > 3}, 1e-5, "resumed")
+    assert json.loads((tmp_path / "half" / "plan.json").read_text())["profile"]["shard_factor"] == 2
+
+    for r in (r0, r1):
+        code, err = r["low"]
+        assert code == 2 and "below the minimum" in err and f"minimum per rank is {low:,} bytes" in err, err
+        assert "--train.fused_loss" not in err and "param_dtype" not in err  # no hint data parallel refuses
+        code, err = r["other"]
+        assert code == 2 and "made for a model that is not sharded and this run shards over 2 ranks" in err, err
+        assert r["written"] == [False, False]
