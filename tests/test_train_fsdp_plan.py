@@ -85,7 +85,7 @@ def _wrap_and_step(rank: int, world: int) -> dict:
         gathered: list[int] = []
         for blk in model.blocks:  # after FSDP2's own pre-forward (prepended): the block's unsharded parameters
             blk.register_forward_pre_hook(
-                lambda m, args: gathered.append(sum(p.numel() * p.element_size() for p in m.parameters())))
+                lambda m, args, seen=gathered: seen.append(sum(p.numel() * p.element_size() for p in m.parameters())))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
         F.cross_entropy(model(x[:, :-1]).float().reshape(-1, 64), x[:, 1:].reshape(-1)).backward()
