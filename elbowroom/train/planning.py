@@ -192,6 +192,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
         # fp32 weights (FSDP2 shards fp32 and casts to --train.dtype itself), no fused loss (data parallel)
         plan = plan_for(rank, parse_budget(cfg.budget), precision="fp32", fused_loss_allowed=False,
                         grad_clipping=bool(cfg.train.max_grad_norm), offload_config=cfg.offload)
+        plan = replace(plan, notes=(*plan.notes, _FSDP_TIME_NOTE))
     except BudgetError as e:
         raise _budget_error(e, cfg) from None
     except ValueError as e:
@@ -201,6 +202,10 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
     install(model, plan)
     log.info("%s", plan.table())
     return model, None, plan
+
+
+_FSDP_TIME_NOTE = ("one rank's plan under FSDP2: the predicted step leaves out FSDP2's all-gathers and "
+                   "reduce-scatters, and that step() waits for the host optimizer step")
 
 
 def _ranks_per_host(cfg: Config) -> int:
