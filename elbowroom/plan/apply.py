@@ -165,9 +165,9 @@ def build_optimizer(
     the blocks the plan puts on the host (under FSDP2, built after sharding: their local shards).
 
     Args:
-        overlap_with_forward: the offloaded optimizer's step returns at once and each block waits for its own
-            weights in the next forward; False under FSDP2, whose all-gather reads the shards before any forward
-            pre-hook could wait (``step()`` then waits for the host).
+        overlap_with_forward: the offloaded optimizer's step returns at once and each module (under FSDP2 each
+            unit, ahead of its all-gather) waits for its own weights in the next forward; False: ``step()`` waits
+            for the host.
         (the others as :func:`apply`'s)
     """
     blks = resolve_blocks(model, blocks)

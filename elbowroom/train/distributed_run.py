@@ -12,8 +12,8 @@ reads the same either way.
 - **Wrapping**: DDP wraps the model after the memory policies (recompute and offload wrap the blocks'
   forwards, which DDP calls through) and after the optimizer, so that a CPU-offloaded optimizer takes its
   gradients from DDP's comm hook once they are all-reduced; FSDP2 shards first and the optimizer steps the
-  shards (its CPU steps then wait in ``step()``: FSDP2 all-gathers a block's shards before any forward
-  pre-hook of ours could wait for their update).
+  shards (``step()`` returns at once; each FSDP2 unit waits for its own shards' CPU steps ahead of its
+  all-gather).
 - **Planning** (``--budget``, ``--plan``): rank 0 profiles and plans, every rank applies the same plan. Under
   DDP the plan is one process's; under FSDP2/HSDP it is one rank's (its shards plus FSDP2's gathers, see
   :mod:`elbowroom.train.planning`), its policies installed before ``fully_shard`` and its optimizer built over

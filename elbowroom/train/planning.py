@@ -204,8 +204,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
     return model, None, plan
 
 
-_FSDP_TIME_NOTE = ("one rank's plan under FSDP2: the predicted step leaves out FSDP2's all-gathers and "
-                   "reduce-scatters, and that step() waits for the host optimizer step")
+_FSDP_TIME_NOTE = "one rank's plan under FSDP2: the predicted step leaves out FSDP2's all-gathers and reduce-scatters"
 
 
 def _ranks_per_host(cfg: Config) -> int:
@@ -297,10 +296,11 @@ def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1) -> d
     - ``gathered blocks``: the unsharded parameters of the block in flight and of the next one, prefetched, in the
       compute dtype (FSDP2's ``MixedPrecisionPolicy.param_dtype``: the run's autocast dtype), in forward and again
       in backward: twice the largest block.
-    - ``gathered root``: the parameters outside the blocks (embeddings, final norm, head), which the root
-      ``fully_shard`` gathers for the whole forward and backward.
+    - ``gathered root``: the parameters outside the blocks (embeddings, final norm, head): gathered for the whole
+      forward and backward where they stay with the root ``fully_shard`` (tied embeddings), else each for its own
+      forward and backward (their own units); counted whole for the whole step, an upper bound.
     - ``unsharded gradients``: in backward, one block's gradient in the reduce dtype before its reduce-scatter, and
-      the root's gradients in the compute dtype until the backward's end; under accumulation (gradient sync off for
+      the gradients outside the blocks in the compute dtype (an upper bound); under accumulation (gradient sync off for
       all but the last micro-batch) every parameter's unsharded gradient in the reduce dtype, from the first
       micro-batch's backward to the last one's.
 
@@ -333,8 +333,7 @@ def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, 
     the head's parameter counts and bytes are divided (rounded up: FSDP2 pads the last shard). On top it holds
     :func:`fsdp_held_bytes` (``Profile.rank_transient_bytes``). The activations are those of the rank's own
     micro-batch, which the profile measured. The host's memory is shared by the ``ranks_per_host`` ranks on it.
-    The step time is the profiled one: FSDP2's all-gathers and reduce-scatters, and the host optimizer step that
-    ``step()`` waits for under FSDP2, are not counted in it.
+    The step time is the profiled one: FSDP2's all-gathers and reduce-scatters are not counted in it.
 
     Args:
         profile: an ``elbowroom.plan.Profile`` of the whole model on one rank's micro-batch.
