@@ -9,7 +9,7 @@ its promises (a tighter budget never predicts a faster
 step, the predicted peak fits), and the trainer under ``--parallel.dp_shard 2 --budget B`` (B between the per-rank
 minimum and the plain per-rank peak, found as ``elbowroom plan`` finds them) recomputes and trains the same curve
 as one process over the same global batch; a resumed run follows its own plan (under HSDP, at the same shard
-factor); a budget below the per-rank minimum and a plan of another shard factor exit 2 and write nothing.
+factor; and under DDP, whose plan is one process's made for a rank's micro-batch); a budget below the per-rank minimum and a plan of another shard factor exit 2 and write nothing.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def _fail(args: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def _trainer_ranks(rank: int, world: int, tmp: str, budget: int, low: int, other_plan: str) -> dict:
+def _trainer_ranks(rank: int, world: int, tmp: str, budget: int, low: int, other_plan: str, ddp_budget: int) -> dict:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -262,6 +262,11 @@ def _trainer_ranks(rank: int, world: int, tmp: str, budget: int, low: int, other
     res["half"] = train_losses(cfg_args, tmp_path / "half", *FSDP, "--steps", "3", "--scheduler.decay_steps", "6",
                                "--budget", str(budget))
     res["resumed"] = train_losses(cfg_args, tmp_path / "half", *FSDP, *HSDP, "--resume")
+    # DDP: one process's plan on every rank; resumed, it follows that plan (made for a rank's micro-batch)
+    ddp = ["--parallel.dp_replicate", "2"]
+    res["ddp_half"] = train_losses(cfg_args, tmp_path / "ddp", *ddp, "--steps", "3", "--scheduler.decay_steps", "6",
+                                   "--budget", str(ddp_budget))
+    res["ddp_resumed"] = train_losses(cfg_args, tmp_path / "ddp", *ddp, "--resume")
     low_out, other_out = tmp_path / "low", tmp_path / "other"
     res["low"] = _fail([*cfg_args, "--out", str(low_out), *FSDP, "--budget", str(low // 2)])
     res["other"] = _fail([*cfg_args, "--out", str(other_out), *FSDP, "--plan", other_plan])
@@ -279,7 +284,8 @@ def test_trainer_plans_per_rank_under_fsdp2(tmp_path: Path, trainer_budgets: tup
     plain_ref = train_losses(TINY_RUN, tmp_path / "ref", *STEPS)
     six = train_losses(TINY_RUN, tmp_path / "ref6")  # TINY_RUN's 6 steps: the resumed run's schedule
 
-    r0, r1 = run_ranks(_trainer_ranks, str(tmp_path), budget, low, str(single))
+    ddp_low, ddp_plain = _minimum_and_plain(whole)  # DDP: every rank holds the whole model
+    r0, r1 = run_ranks(_trainer_ranks, str(tmp_path), budget, low, str(single), (ddp_low + ddp_plain) // 2)
 
     plan = Plan.load(tmp_path / "planned" / "plan.toml")
     assert plan.profile.shard_factor == 2 and plan.budget_bytes == budget
@@ -296,6 +302,12 @@ def test_trainer_plans_per_rank_under_fsdp2(tmp_path: Path, trainer_budgets: tup
     assert_close_curves({s: v for s, v in r0["resumed"]["losses"].items() if s > 3},
                         {s: v for s, v in six["losses"].items() if s > 3}, 1e-5, "resumed")
     assert json.loads((tmp_path / "half" / "plan.json").read_text())["profile"]["shard_factor"] == 2
+    ddp_plan = Plan.load(tmp_path / "ddp" / "plan.toml")
+    assert ddp_plan.profile.shard_factor == 1 and ddp_plan.micro_batch == 2
+    assert ddp_plan.predicted_peak_bytes <= ddp_plan.budget_bytes == (ddp_low + ddp_plain) // 2
+    assert any(b.checkpoint != "none" for b in ddp_plan.blocks)
+    assert_close_curves(r0["ddp_resumed"]["losses"], {s: v for s, v in six["losses"].items() if s > 3}, 1e-5,
+                        "ddp resumed")
 
     for r in (r0, r1):
         code, err = r["low"]
