@@ -4,12 +4,13 @@ The per-rank model (``elbowroom.train.planning.per_rank_profile``) is checked ag
 model-state bytes are the local shards' (parameters, gradients, AdamW's moments after a step) on each rank, and its
 all-gather term is the largest block's unsharded parameters in the compute dtype, as FSDP2 hands them to the
 block's forward; and the predicted per-rank peak bounds what torch's FSDPMemTracker counts over a real FSDP2 step
-(measured here at 1.04-1.14 times it, fp32 and bf16, shard factors 2 and 4). The planner on a per-rank profile keeps
-its promises (a tighter budget never predicts a faster
-step, the predicted peak fits), and the trainer under ``--parallel.dp_shard 2 --budget B`` (B between the per-rank
-minimum and the plain per-rank peak, found as ``elbowroom plan`` finds them) recomputes and trains the same curve
-as one process over the same global batch; a resumed run follows its own plan (under HSDP, at the same shard
-factor; and under DDP, whose plan is one process's made for a rank's micro-batch); a budget below the per-rank minimum and a plan of another shard factor exit 2 and write nothing.
+(measured here at 1.04-1.14 times it, fp32 and bf16, shard factors 2 and 4). The planner on a per-rank profile
+keeps its promises (a tighter budget never predicts a faster step, the predicted peak fits), and the trainer under
+``--parallel.dp_shard 2 --budget B`` (B between the per-rank minimum and the plain per-rank peak, found as
+``elbowroom plan`` finds them) recomputes and trains the same curve as one process over the same global batch; a
+resumed run follows its own plan (under HSDP at the same shard factor; and under DDP, whose plan is one process's
+made for a rank's micro-batch); a budget below the per-rank minimum and a plan of another shard factor exit 2 and
+write nothing.
 """
 
 from __future__ import annotations
