@@ -64,7 +64,6 @@ what it kept is ``e_i = S_i - k_i``. Phases (``M`` model states and staging)::
 
 (``M`` includes ``Profile.rank_transient_bytes``: under FSDP2 a rank's all-gathered parameters and unsharded
 gradients, held from the first forward to the last backward; 0 for a model that is not sharded.)
-
 (``M'``: ``M`` less the resident gradients when they come and go with the backward, as above; else ``M``. A pipeline
 stage adds to all but the last ``(Profile.inflight_microbatches - 1) (sum_j k_j + head saved)``: other micro-batches.)
 The peak is the largest of these plus the allocator margin: ``Profile.allocator_overhead_bytes`` when measured,
@@ -420,8 +419,7 @@ class Globals:
     """The terms of memory and time that do not depend on the per-block options."""
 
     states: int
-    """Model states (weights, gradients, optimizer state on the device), optimizer buffers and the rank's
-    transient bytes (``Profile.rank_transient_bytes``)."""
+    """Model states (weights, gradients, optimizer state on the device), optimizer buffers, rank_transient_bytes."""
     transient_grads: int
     """The resident gradients that exist only from the backward on (``M - M'``; 0 under accumulation)."""
     head_grads: int
@@ -761,7 +759,7 @@ def predict(
     at = int(ph.values.argmax())
     phase, parts = ph.describe(at)
     states = g.states - g.transient_grads
-    held = profile.rank_transient_bytes  # (FSDP2's gathers: shown apart from the model states they are added to)
+    held = profile.rank_transient_bytes  # FSDP2's gathers, shown apart from the model states they are added to
     memory = {"model states": states - held, **({"FSDP2 gathered parameters and gradients": held} if held else {}),
               **{k: v for k, v in parts.items() if v}, "allocator margin": margin}
     peak = states + int(ph.values[at]) + margin
