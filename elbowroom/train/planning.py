@@ -183,6 +183,9 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
 
+    if cfg.optimizer.param_dtype == "bfloat16":
+        log.warning("--optimizer.param_dtype bfloat16: a per-rank plan under FSDP2 keeps fp32 weights (its bf16 "
+                    "layouts are not modelled per rank yet); drop the flag to silence this")
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
     try:
         whole = profile(model, (sample["input_ids"], sample["targets"]), cache_dir=str(cfg.data.cache_dir or
