@@ -67,8 +67,11 @@ def run(
         loss.backward()
         if step == 0 and grads is not None:
             grads.update({k: p.grad.detach().clone() for k, p in model.named_parameters()})
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip is not None:  # the CPU-offloaded optimizer's own: it also sees gradients already on the host
+            if hasattr(opt, "clip_grad_norm_"):
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -227,3 +230,27 @@ def test_apply_builds_the_callers_parameter_groups() -> None:
         assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
         if isinstance(opt, CPUOffloadOptimizer):
             opt.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_plan_with_gradients_offloaded_trains_like_plain(clip: float | None) -> None:
+    """A plan whose offloaded gradients leave in the backward (a loop that does not clip, or clips with the
+    optimizer's ``clip_grad_norm_``) builds that optimizer, frees those gradients and steps as plain AdamW."""
+    from test_plan_support import make_profile
+
+    from elbowroom.plan import BudgetError, plan_for
+
+    p = make_profile(dim=128, n_layers=4, ffn=384, vocab=256, micro_batch=2, seq_len=64)
+    with pytest.raises(BudgetError) as e:
+        plan_for(p, 1, grad_clipping=clip is not None, gradient_offload_allowed=True, offload_config=KNOBS)
+    plan = plan_for(p, e.value.minimum_bytes, grad_clipping=clip is not None, gradient_offload_allowed=True,
+                    offload_config=KNOBS)
+    assert plan.offload_gradients and Plan.from_toml(plan.to_toml()) == plan
+    ref = tiny(0.1, "gpt2")
+    model, opt = apply(copy.deepcopy(ref), plan, torch.optim.AdamW, offload_config=KNOBS, lr=1e-2, fused=True)
+    assert isinstance(opt, CPUOffloadOptimizer) and opt.config.offload_gradients
+    got = run(model, opt, 3, clip=clip)
+    want = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), 3, clip=clip)
+    assert got == pytest.approx(want, rel=1e-5)
+    opt.wait_for_weights()
+    assert_params_close(model, ref, 1e-5)

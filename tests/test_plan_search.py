@@ -225,3 +225,27 @@ def test_exact_peaks_admit_more_than_the_bound(monkeypatch: pytest.MonkeyPatch) 
     assert bound.predicted_peak_bytes <= refined.predicted_peak_bytes <= 24 * GiB
     assert refined.predicted_step_seconds < 0.98 * bound.predicted_step_seconds
     assert sum(b.kept_bytes for b in refined.blocks) > sum(b.kept_bytes for b in bound.blocks)
+
+
+def test_gradient_offload_only_where_it_is_needed() -> None:
+    """Gradients of host-stepped parameters may leave the device in the backward: it lowers the minimum by their
+    bytes, costs their copy, so a roomy budget never chooses it; a loop that clips with torch's function (the
+    default assumption) never gets it."""
+    p = make_profile()  # W1
+    kw = dict(grad_clipping=False, precision="bf16", fused_loss_allowed=True)
+    kept = _minimum(p, gradient_offload_allowed=False, **kw)
+    low = _minimum(p, **kw)
+    assert low < kept - GiB  # ~2 bytes per offloaded parameter of W1's 1.36B
+    tight = plan_for(p, low, **kw)
+    assert tight.offload_gradients and tight.offloads_optimizer and tight.gradient_accumulation_steps == 1
+    assert not plan_for(p, 40 * GiB, **kw).offload_gradients
+    with pytest.raises(BudgetError):
+        plan_for(p, low, precision="bf16", fused_loss_allowed=True)  # clipping with torch's function: not allowed
+    # the same decisions without it: more memory, a faster step, by exactly the gradients' bytes and copy time
+    d = tight.decisions()
+    off = dataclasses.replace(d, offload_gradients=False)
+    a, b = cost.predict(p, d, 80 * GiB), cost.predict(p, off, 80 * GiB)
+    assert a.step_seconds > b.step_seconds and a.host_bytes > b.host_bytes
+    assert cost.state_bytes(p, off) - cost.state_bytes(p, d) == 2 * sum(
+        blk.num_params for blk, o in zip(p.blocks, d.offload_blocks) if o) + (2 * p.head.num_params
+                                                                                if d.offload_other else 0)

@@ -200,6 +200,7 @@ def build_optimizer(
             offload_params=offload,
             param_dtype=param_dtype,
             master_weights=masters,
+            offload_gradients=bool(offload) and plan.offload_gradients,
             config=offload_config,
             **opt_kwargs,
         )

@@ -253,6 +253,7 @@ class Decisions:
     expandable_segments: bool = False
     grad_clipping: bool = True
     """The loop clips gradients (or uses a GradScaler): the host step starts after the whole backward."""
+    offload_gradients: bool = False  # offloaded parameters' gradients leave the device in the backward
     offload_config: Any = None
     """The CPU-offloaded optimizer's engine settings (``CPUOffloadConfig``; None: its defaults), whose staging
     slots the plan prices."""
@@ -495,7 +496,7 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     """Model states on the device and the optimizer's device buffers (see the module docstring)."""
     p_res, p_off = _param_split(profile, d)
     weight, off_dtype = LAYOUTS[d.layout]
-    off_per = 8 if off_dtype == "float32" else 4
+    off_per = (8 if off_dtype == "float32" else 4) // (2 if d.offload_gradients else 1)  # weight (+ gradient)
     total = 16 * p_res + off_per * p_off
     bucket, slots, chunk = _optimizer_config(d.offload_config)
     if p_off:
@@ -604,8 +605,9 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
         cast_s=cast_s,
         device_step_s=device_step_s,
         host_step_s=host_step_s,
-        host_exposed_s=host_exposed_s,
-        host_bytes=HOST_BYTES_PER_PARAM * p_off,
+        host_exposed_s=float(host_exposed_s)  # + the offloaded gradients' copy, not hidden (W1: measured so)
+        + (og := int((4 if off_dtype == "float32" else 2) * p_off * d.offload_gradients)) / max(m.d2h_bandwidth, 1.0),
+        host_bytes=int(HOST_BYTES_PER_PARAM * p_off) + og,  # (+ the gradients' pinned host copies)
     )
 
 

@@ -80,6 +80,7 @@ def fit(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     grad_clipping: bool = True,
     selective: bool = True,
+    gradient_offload: bool | None = None,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -123,6 +124,11 @@ def fit(
         blocks: the repeated blocks when they cannot be found (a dotted path such as "model.layers", or modules).
         loss_fn: ``loss_fn(model, batch) -> loss`` for the profile, when ``model(batch)`` is not enough.
         grad_clipping: the loop clips gradients (the planner assumes the host step then waits for the backward).
+        gradient_offload: the plan may send the host-stepped parameters' gradients to the host during the backward
+            (``plan.offload_gradients``), where only the optimizer still sees them: a loop that clips must then
+            clip with ``optimizer.clip_grad_norm_``. None (default): allowed when ``grad_clipping`` is False
+            (``torch.nn.utils.clip_grad_norm_`` would miss them). Never under DDP, whose buckets keep every
+            gradient.
         selective: allow selective recompute (False for blocks whose forward changes state a recompute would
             see differently; a Hugging Face KV cache is switched off by :func:`~elbowroom.plan.apply` instead).
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
@@ -165,6 +171,7 @@ def fit(
         fused_loss_allowed=fused_loss,
         grad_clipping=grad_clipping,
         selective_allowed=selective,
+        gradient_offload_allowed=gradient_offload,
         offload_config=opt_kwargs.get("offload_config"),
         bf16_bytes=bf16_bytes,
     )

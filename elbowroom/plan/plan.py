@@ -127,6 +127,9 @@ class Plan:
     """CUDA caching allocator settings, as in ``PYTORCH_CUDA_ALLOC_CONF`` (empty: the defaults)."""
     grad_clipping: bool = True
     """Planned for a loop that clips gradients (the host optimizer step starts after the whole backward)."""
+    offload_gradients: bool = False
+    """Gradients of the host-stepped parameters leave the device during the backward (pinned host copies), instead
+    of staying there until the step: their device bytes saved, one copy's link time paid."""
     peak_phase: str = ""
     """Where the predicted peak falls."""
     memory: dict[str, int] = field(default_factory=dict)
@@ -213,6 +216,7 @@ class Plan:
             fused_loss=self.fused_loss,
             expandable_segments="expandable_segments:True" in self.allocator_settings,
             grad_clipping=self.grad_clipping,
+            offload_gradients=self.offload_gradients,
         )
 
     def repredicted(self, profile: Any) -> Plan:
@@ -250,7 +254,8 @@ class Plan:
         off = self.optimizer_offload_blocks
         where = _ranges(off) if off else "none"
         other = "on the host" if self.offload_other_params else "on the device"
-        lines.append(f"optimizer on the host: blocks {where}; embeddings/head/norm {other}")
+        lines.append(f"optimizer on the host: blocks {where}; embeddings/head/norm {other}"
+                     + ("; their gradients leave the device in the backward" if self.offload_gradients else ""))
         lines.append(f"fused head + loss: {'on' if self.fused_loss else 'off'}; allocator: "
                      f"{self.allocator_settings or 'defaults'}; planned "
                      f"{'with' if self.grad_clipping else 'without'} gradient clipping")

@@ -24,6 +24,7 @@ corner cases; the monotonicity tests sweep budgets over fixed and random models 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -69,6 +70,7 @@ class _Outer:
     accumulation: int
     fused: bool
     expandable: bool
+    gradients_out: bool = False  # the offloaded parameters' gradients leave the device in the backward
 
 
 class _Knapsack:
@@ -232,6 +234,7 @@ def plan_for(
     precision: str = "fp32",
     fused_loss_allowed: bool = False,
     offload_allowed: bool = True,
+    gradient_offload_allowed: bool | None = None,
     grad_clipping: bool = True,
     allocator_allowed: bool = True,
     prefetch_window_bytes: int | None = None,
@@ -251,6 +254,11 @@ def plan_for(
             device copies of offloaded weights and the whole model in bf16, always with fp32 masters.
         fused_loss_allowed: the loop can compute head and loss with ``elbowroom.linear_cross_entropy``.
         offload_allowed: activations and optimizer state may go to host memory.
+        gradient_offload_allowed: the gradients of host-stepped parameters may leave the device during the backward
+            (``CPUOffloadOptimizer(offload_gradients=True)``; not under DDP, whose buckets keep them), at one
+            unhidden copy of them per step; chosen only where it is faster within the budget (i.e. where it fits).
+            Only the optimizer sees them then: a loop that clips must use ``optimizer.clip_grad_norm_``. None: allowed
+            when ``grad_clipping`` is False (a loop clipping with ``torch.nn.utils.clip_grad_norm_`` would miss them).
         grad_clipping: the loop clips gradients (or uses a GradScaler): the host step waits for the whole backward.
         allocator_allowed: the plan may set CUDA allocator options (``expandable_segments:True``).
         prefetch_window_bytes: the activation offload engine's prefetch window (its default when None).
@@ -277,6 +285,8 @@ def plan_for(
         raise ValueError(f"global_batch must be a positive int of samples, got {global_batch!r}")
     if not profile.blocks:
         raise ValueError("the profile has no blocks: the planner decides block by block")
+    if gradient_offload_allowed is None:
+        gradient_offload_allowed = not grad_clipping
     if prefetch_window_bytes is None:
         from elbowroom.activations.offload import DEFAULT_PREFETCH_WINDOW_BYTES
 
@@ -293,7 +303,8 @@ def plan_for(
         # the bf16 layout on its own bytes, the others on the profile's: the faster of the two searches (each
         # exact, so a tighter budget still never predicts a faster step)
         kw = dict(global_batch=global_batch, precision=precision, fused_loss_allowed=fused_loss_allowed,
-                  offload_allowed=offload_allowed, grad_clipping=grad_clipping, allocator_allowed=allocator_allowed,
+                  offload_allowed=offload_allowed, gradient_offload_allowed=gradient_offload_allowed,
+                  grad_clipping=grad_clipping, allocator_allowed=allocator_allowed,
                   prefetch_window_bytes=prefetch_window_bytes, selective_allowed=selective_allowed,
                   offload_config=offload_config)
         found: list[Plan] = []
@@ -342,59 +353,61 @@ def plan_for(
     minimum: tuple[int, _Outer, dict[str, int]] | None = None
     # every choice the bound admits, with the fastest its programme could be at any capacity (refined below)
     admitted: list[tuple[float, _Outer, int, int, float, _Knapsack, cost.Globals]] = []
-    for layout in layouts:
-        for k in k_opts:
-            for other in other_opts:
-                offload_blocks = tuple(i >= n - k for i in range(n))
-                if layout != "fp32" and not (k or other) and layout == "fp32-offload-bf16":
-                    continue  # nothing offloaded: the same as fp32
-                for mb in mbs:
-                    s = mb / profile.micro_batch
-                    acc = gb // mb
-                    for fused in fused_opts:
-                        d = Decisions(
-                            offload_config=offload_config, options=(Option(),) * n, offload_blocks=offload_blocks,
-                            offload_other=other,
-                            layout=layout, micro_batch=mb, accumulation=acc, fused_loss=fused,
-                            grad_clipping=grad_clipping,
-                        )
-                        g = cost.globals_for(profile, d)
-                        if g.host_bytes > host_mem or math.isinf(g.host_exposed_s):
+    for layout, k, other, og in itertools.product(layouts, k_opts, other_opts, [False, True]):
+        offload_blocks = tuple(i >= n - k for i in range(n))
+        if layout != "fp32" and not (k or other) and layout == "fp32-offload-bf16":
+            continue  # nothing offloaded: the same as fp32
+        if og and not (gradient_offload_allowed and (k or other)):
+            continue
+        for mb in mbs:
+            s = mb / profile.micro_batch
+            acc = gb // mb
+            if og and acc > 1:
+                continue  # (accumulating on the host copies every micro-batch's gradients: not priced)
+            for fused in fused_opts:
+                d = Decisions(
+                    offload_config=offload_config, options=(Option(),) * n, offload_blocks=offload_blocks,
+                    offload_other=other,
+                    layout=layout, micro_batch=mb, accumulation=acc, fused_loss=fused,
+                    grad_clipping=grad_clipping, offload_gradients=og,
+                )
+                g = cost.globals_for(profile, d)
+                if g.host_bytes > host_mem or math.isinf(g.host_exposed_s):
+                    continue
+                w = cost.duplex_share(d)
+                floor_s = cost.step_seconds(g, s, acc, 0.0)
+                for expandable, ks in ((a, k) for a in alloc_opts for k in programmes):
+                    for li, e in enumerate(ks.levels):
+                        if g.host_bytes + s * ks.level_pool[li] > host_mem:
                             continue
-                        w = cost.duplex_share(d)
-                        floor_s = cost.step_seconds(g, s, acc, 0.0)
-                        for expandable, ks in ((a, k) for a in alloc_opts for k in programmes):
-                            for li, e in enumerate(ks.levels):
-                                if g.host_bytes + s * ks.level_pool[li] > host_mem:
-                                    continue
-                                fixed = g.states + _bound_extra(g, s, e, ks.level_off[li], li == 0,
-                                                                prefetch_window_bytes) + slack
-                                fixed += (k_in - 1) * math.ceil(s * profile.head.saved_bytes)
-                                outer = _Outer(layout, k, other, mb, acc, fused, expandable)
-                                need = fixed + k_in * ks.min_units[li] * ks.unit0 * s
-                                need_budget = _min_budget(profile, need, expandable)
-                                if minimum is None or need_budget < minimum[0]:
-                                    minimum = (need_budget, outer, {"model states and optimizer buffers": g.states,
-                                                                    "activations at least": int(need - fixed),
-                                                                    "head, loss and working memory": int(
-                                                                        fixed - g.states)})
-                                margin = cost.margin_bytes(profile, budget, expandable)
-                                cap = int(math.floor((budget - margin - fixed) / (k_in * ks.unit0 * s)))
-                                if cap < ks.min_units[li]:
-                                    continue
-                                if best is not None and floor_s >= best[0]:
-                                    continue
-                                cap = min(cap, ks.M)
-                                times = ks.best(li, w)
-                                t_blocks = times[cap]
-                                if not math.isfinite(t_blocks):
-                                    continue
-                                t = cost.step_seconds(g, s, acc, float(t_blocks))
-                                t_any = cost.step_seconds(g, s, acc, float(times[ks.M]))
-                                if t_any < t:
-                                    admitted.append((t_any, outer, li, cap, w, ks, g))
-                                if best is None or t < best[0]:
-                                    best = (t, outer, li, cap, w, ks)
+                        fixed = g.states + _bound_extra(g, s, e, ks.level_off[li], li == 0,
+                                                        prefetch_window_bytes) + slack
+                        fixed += (k_in - 1) * math.ceil(s * profile.head.saved_bytes)
+                        outer = _Outer(layout, k, other, mb, acc, fused, expandable, og)
+                        need = fixed + k_in * ks.min_units[li] * ks.unit0 * s
+                        need_budget = _min_budget(profile, need, expandable)
+                        if minimum is None or need_budget < minimum[0]:
+                            minimum = (need_budget, outer, {"model states and optimizer buffers": g.states,
+                                                            "activations at least": int(need - fixed),
+                                                            "head, loss and working memory": int(
+                                                                fixed - g.states)})
+                        margin = cost.margin_bytes(profile, budget, expandable)
+                        cap = int(math.floor((budget - margin - fixed) / (k_in * ks.unit0 * s)))
+                        if cap < ks.min_units[li]:
+                            continue
+                        if best is not None and floor_s >= best[0]:
+                            continue
+                        cap = min(cap, ks.M)
+                        times = ks.best(li, w)
+                        t_blocks = times[cap]
+                        if not math.isfinite(t_blocks):
+                            continue
+                        t = cost.step_seconds(g, s, acc, float(t_blocks))
+                        t_any = cost.step_seconds(g, s, acc, float(times[ks.M]))
+                        if t_any < t:
+                            admitted.append((t_any, outer, li, cap, w, ks, g))
+                        if best is None or t < best[0]:
+                            best = (t, outer, li, cap, w, ks)
     if best is None:
         raise _budget_error(
             profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed,
@@ -411,6 +424,7 @@ def plan_for(
             fused_loss=outer.fused,
             expandable_segments=outer.expandable,
             grad_clipping=grad_clipping,
+            offload_gradients=outer.gradients_out,
         )
 
     best = _refine(profile, best, admitted, budget, decisions, prefetch_window_bytes)
@@ -562,6 +576,7 @@ def plan_from_decisions(
         fused_loss=d.fused_loss,
         allocator_settings="expandable_segments:True" if d.expandable_segments else "",
         grad_clipping=d.grad_clipping,
+        offload_gradients=d.offload_gradients,
         peak_phase=pred.peak_phase,
         memory=dict(pred.memory),
         time=dict(pred.time),
