@@ -8,7 +8,8 @@
   which the plan chose). ``+fl`` lets the planner use the fused head and loss; the row follows the plan's choice.
 - ``plan@<file>``: apply a Plan file (TOML or JSON) as it is: a hand plan is a file, not a mode name.
 - ``...@<budget>+clip``: the loop clips gradients at global norm 1.0 (as the trainer does), and the planner plans
-  for it; ``+og`` builds the optimizer with ``offload_gradients=True`` (gradients leave during the backward);
+  for it; whether gradients leave during the backward is the plan's decision (``plan.offload_gradients``;
+  ``+og`` is kept for old command lines and changes nothing);
   ``+gb`` gives the planner the workload's batch as the global batch, so that it may choose a smaller
   micro-batch with accumulation (the loop then runs the plan's micro-batches).
 
@@ -70,6 +71,9 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
                                # the workload's step as the global batch: with +gb, or when it accumulates
                                global_batch=idx.shape[0] * getattr(args, "step_accum", 1)
                                if split or getattr(args, "step_accum", 1) > 1 else None,
+                               # the harness clips through the optimizer, which sees gradients already on the host:
+                               # the planner may send them there where that fits and nothing faster does
+                               gradient_offload=True,
                                offload_config=CPUOffloadConfig(offload_gradients=offload_gradients))
         if clip:
             def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
