@@ -253,7 +253,7 @@ class Decisions:
     expandable_segments: bool = False
     grad_clipping: bool = True
     """The loop clips gradients (or uses a GradScaler): the host step starts after the whole backward."""
-    offload_gradients: bool = False  # offloaded parameters' gradients leave the device in the backward
+    offload_gradients: bool = False  # offloaded parameters' gradients leave the device in the backward (costly)
     offload_config: Any = None
     """The CPU-offloaded optimizer's engine settings (``CPUOffloadConfig``; None: its defaults), whose staging
     slots the plan prices."""
@@ -316,9 +316,8 @@ def option_bytes(b: BlockProfile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return k, f, S - k
 
 
-def option_seconds(
-    b: BlockProfile, next_fwd: float, next_bwd: float, bw_fwd: float, bw_bwd: float
-) -> tuple[np.ndarray, np.ndarray]:
+def option_seconds(b: BlockProfile, next_fwd: float, next_bwd: float, bw_fwd: float, bw_bwd: float
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """Recompute seconds and exposed copy seconds of each option for one block, one micro-batch, unscaled.
 
     ``next_fwd`` / ``next_bwd``: the compute that hides this block's copies out (the next block's forward) and
@@ -605,7 +604,8 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
         cast_s=cast_s,
         device_step_s=device_step_s,
         host_step_s=host_step_s,
-        host_exposed_s=float(host_exposed_s)  # + the offloaded gradients' copy, not hidden (W1: measured so)
+        # offloaded gradients: the whole host step and their copy exposed (W1, H100: measured so, 16 GiB)
+        host_exposed_s=float(host_step_s if d.offload_gradients else host_exposed_s)
         + (og := int((4 if off_dtype == "float32" else 2) * p_off * d.offload_gradients)) / max(m.d2h_bandwidth, 1.0),
         host_bytes=int(HOST_BYTES_PER_PARAM * p_off) + og,  # (+ the gradients' pinned host copies)
     )
