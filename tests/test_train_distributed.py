@@ -242,3 +242,16 @@ def test_the_library_reads_no_environment(tmp_path: Path, monkeypatch) -> None:
         train(_config(out, *DDP))
     assert not out.exists()
     assert Launch.from_environment(os.environ) == Launch(0, 2, 0, rendezvous=True)
+
+
+def test_ranks_of_one_host_share_its_cores(monkeypatch) -> None:
+    """N ranks on a host each size their host optimizer step to 1/N of its cores (torchrun's LOCAL_WORLD_SIZE), not
+    all of them: on a 2-GPU host of 32 cores, 14 threads each, not 30."""
+    from elbowroom.optim import config as optim_config
+    from elbowroom.train.distributed_run import Launch
+
+    monkeypatch.setattr(optim_config.os, "sched_getaffinity", lambda _: set(range(32)), raising=False)
+    assert optim_config.default_step_threads() == 30
+    assert optim_config.default_step_threads(2) == 14 and optim_config.default_step_threads(64) == 1
+    env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h"}
+    assert Launch.from_environment(env) == Launch(3, 4, 1, rendezvous=True, local_world_size=2)

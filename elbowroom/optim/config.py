@@ -41,19 +41,20 @@ from elbowroom.optim import _host_adam
 __all__ = ["CPUOffloadConfig", "default_step_threads"]
 
 
-def default_step_threads() -> int:
+def default_step_threads(processes: int = 1) -> int:
     """Threads for the host optimizer step: the cores this process may run on, less two, at least one.
 
     The training thread (kernel launches), autograd's device thread and the copy thread need cores of their own.
     torch's own thread count is not read: a DataLoader with ``pin_memory=True`` sets it to 1 for the whole
     process from its pinning thread, which left the trainer's host step on one thread (W1, 12 GiB plan: the host
     AdamW at 0.76 G params/s against 2.0 on 16 threads, and a 2.3 s step, ``BENCHMARKS.md``).
+    ``processes`` ranks on one host share its cores (each gets its share less two).
     """
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, cores - 2)
+    return max(1, cores // max(1, processes) - 2)
 
 
 def _is_int(v: Any) -> bool:

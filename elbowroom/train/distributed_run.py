@@ -67,6 +67,8 @@ class Launch:
     local_rank: int = 0
     rendezvous: bool = False
     """The launcher gave a rendezvous (``MASTER_ADDR``): the process group starts from it (``env://``)."""
+    local_world_size: int = 1
+    """Processes on this host (torchrun's LOCAL_WORLD_SIZE): they share its cores for host optimizer steps."""
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> Launch | None:
@@ -77,9 +79,11 @@ class Launch:
             return None
         try:
             return cls(int(environ.get("RANK", "0")), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")),
-                       rendezvous="MASTER_ADDR" in environ)
+                       rendezvous="MASTER_ADDR" in environ,
+                       local_world_size=int(environ.get("LOCAL_WORLD_SIZE", "1")))
         except ValueError:
-            raise ConfigError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (torchrun sets them)") from None
+            raise ConfigError("RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers (torchrun sets them)"
+                          ) from None
 
 
 def resolve_launch(launch: Launch | None) -> Launch | None:
@@ -87,8 +91,10 @@ def resolve_launch(launch: Launch | None) -> Launch | None:
     if launch is not None:
         return launch
     if dist.is_available() and dist.is_initialized():
-        return Launch(dist.get_rank(), dist.get_world_size(), dist.get_rank() % max(torch.cuda.device_count(), 1),
-                      rendezvous=True)
+        gpus = max(torch.cuda.device_count(), 1)  # ranks of one host: one per GPU (one host on a CPU machine)
+        world = dist.get_world_size()
+        return Launch(dist.get_rank(), world, dist.get_rank() % gpus, rendezvous=True,
+                      local_world_size=min(world, gpus) if torch.cuda.is_available() else world)
     return None
 
 

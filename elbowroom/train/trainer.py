@@ -42,8 +42,9 @@ from elbowroom.activations.policy import ActivationConfig, apply_activation_poli
 from elbowroom.config import Config, ConfigError, to_dict, to_toml
 from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
 from elbowroom.train import data as D
+from elbowroom.optim.config import default_step_threads
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
-from elbowroom.train.distributed_run import DistributedRun, Launch, start_run
+from elbowroom.train.distributed_run import DistributedRun, Launch, resolve_launch, start_run
 from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
 from elbowroom.train.metrics import check_tensorboard, host_step, peak_flops, peak_memory
 from elbowroom.train.model_parallel_run import plan_and_wrap
@@ -403,6 +404,10 @@ def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
     Returns:
         A :class:`TrainResult` with the logged training and validation losses.
     """
+    launch = resolve_launch(launch)
+    if launch is not None and launch.local_world_size > 1 and cfg.offload.cpu_threads is None:
+        # ranks of one host share its cores: each host step gets its share (not every core, as one process would)
+        cfg = replace(cfg, offload=replace(cfg.offload, cpu_threads=default_step_threads(launch.local_world_size)))
     with _restored_global_state(), start_run(cfg, launch) as run:
         for replans in itertools.count():
             try:
