@@ -41,8 +41,8 @@ import torch.nn as nn
 from elbowroom.activations.policy import ActivationConfig, apply_activation_policy
 from elbowroom.config import Config, ConfigError, to_dict, to_toml
 from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
-from elbowroom.train import data as D
 from elbowroom.optim.config import default_step_threads
+from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
 from elbowroom.train.distributed_run import DistributedRun, Launch, resolve_launch, start_run
 from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
