@@ -140,6 +140,7 @@ from typing import Any
 
 import numpy as np
 
+from elbowroom.plan.host_pipeline import host_exposed_seconds
 from elbowroom.plan.types import BlockProfile, Profile
 
 __all__ = [
@@ -173,9 +174,6 @@ DEVICE_MASTER_ADAM_BYTES_PER_PARAM = 40
 scratch (read 2, write 4), the fused step on the master (28), the master cast into the bf16 weight (read 4,
 write 2)."""
 
-OPTIMIZER_LINK_BYTES_PER_PARAM = 4
-"""Bytes per offloaded parameter on the link each way per step: fp32 gradients out and fp32 masters back (with bf16
-device weights the casts run on the device, so fp32 travels either way: ``CPUOffloadOptimizer.cast_on_device``)."""
 
 HOST_BYTES_PER_PARAM = 12
 """Host memory per offloaded parameter: fp32 master (4) and AdamW's two moments (8)."""
@@ -512,45 +510,6 @@ def gradient_bytes(profile: Profile, d: Decisions) -> tuple[int, tuple[int, ...]
     blocks = tuple(0 if o else per * n for n, o in zip(_sums(profile).block_params, d.offload_blocks))
     head = 0 if d.offload_other else per * profile.head.num_params
     return head, blocks
-
-
-def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float) -> tuple[float, float]:
-    """(host step seconds, the part of it the device does not hide): the pipeline of the module docstring."""
-    m = profile.machine
-    s = d.micro_batch / profile.micro_batch
-    jobs: list[tuple[int, int]] = [(i, b.num_params) for i, (b, o) in enumerate(zip(profile.blocks, d.offload_blocks))
-                                   if o]
-    if not jobs and not d.offload_other:
-        return 0.0, 0.0
-    rate, bw = m.host_adam_params_per_s, m.duplex_bandwidth
-    if rate <= 0 or bw <= 0:
-        return math.inf, math.inf
-    fwd_before = np.concatenate(([0.0], np.cumsum([b.forward_s for b in profile.blocks]))) * s
-    bwd = [b.backward_s for b in profile.blocks]
-    t_backward = s * (profile.head.backward_s + sum(bwd))
-    other = (-1, profile.head.num_params) if d.offload_other else None
-    if d.grad_clipping:
-        order = ([other] if other else []) + jobs  # forward order, after the whole backward
-        starts = [0.0] * len(order)
-        t0 = 0.0
-    else:
-        order = jobs[::-1] + ([other] if other else [])  # as gradients become final: late blocks first
-        bwd_after = np.concatenate((np.cumsum(bwd[::-1])[::-1], [0.0]))  # sum_{i>=j} B_i
-        starts = [s * (profile.head.backward_s + bwd_after[j]) if j >= 0 else t_backward for j, _ in order]
-        t0 = t_backward
-    dn = hn = un = -math.inf
-    late = -math.inf
-    total = 0.0
-    for (j, p), t in zip(order, starts):
-        link = OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
-        step = p / rate
-        total += step
-        dn = max(dn, t) + link
-        hn = max(hn, dn) + step
-        un = max(un, hn) + link
-        need = t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)
-        late = max(late, un - need)
-    return total, max(0.0, late)
 
 
 def globals_for(profile: Profile, d: Decisions) -> Globals:

@@ -1,0 +1,61 @@
+"""The host optimizer step as a pipeline beside the device's work: how much of it the device does not hide.
+
+Part of the cost model (:mod:`elbowroom.plan.cost`, whose module docstring describes the pipeline): each offloaded
+block's gradients go out over the link, step on the host, and come back; with clipping the jobs start after the
+whole backward in forward order, without it as the gradients become final (late blocks first). The next forward
+needs each block's weights back before it reaches that block.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from elbowroom.plan.cost import Decisions
+    from elbowroom.plan.types import Profile
+
+OPTIMIZER_LINK_BYTES_PER_PARAM = 4
+"""Bytes per offloaded parameter on the link each way per step: fp32 gradients out and fp32 masters back (with bf16
+device weights the casts run on the device, so fp32 travels either way: ``CPUOffloadOptimizer.cast_on_device``)."""
+
+
+def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float) -> tuple[float, float]:
+    """(host step seconds, the part of it the device does not hide): the pipeline of :mod:`elbowroom.plan.cost`."""
+    m = profile.machine
+    s = d.micro_batch / profile.micro_batch
+    jobs: list[tuple[int, int]] = [(i, b.num_params) for i, (b, o) in enumerate(zip(profile.blocks, d.offload_blocks))
+                                   if o]
+    if not jobs and not d.offload_other:
+        return 0.0, 0.0
+    rate, bw = m.host_adam_params_per_s, m.duplex_bandwidth
+    if rate <= 0 or bw <= 0:
+        return math.inf, math.inf
+    fwd_before = np.concatenate(([0.0], np.cumsum([b.forward_s for b in profile.blocks]))) * s
+    bwd = [b.backward_s for b in profile.blocks]
+    t_backward = s * (profile.head.backward_s + sum(bwd))
+    other = (-1, profile.head.num_params) if d.offload_other else None
+    if d.grad_clipping:
+        order = ([other] if other else []) + jobs  # forward order, after the whole backward
+        starts = [0.0] * len(order)
+        t0 = 0.0
+    else:
+        order = jobs[::-1] + ([other] if other else [])  # as gradients become final: late blocks first
+        bwd_after = np.concatenate((np.cumsum(bwd[::-1])[::-1], [0.0]))  # sum_{i>=j} B_i
+        starts = [s * (profile.head.backward_s + bwd_after[j]) if j >= 0 else t_backward for j, _ in order]
+        t0 = t_backward
+    dn = hn = un = -math.inf
+    late = -math.inf
+    total = 0.0
+    for (j, p), t in zip(order, starts):
+        link = OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
+        step = p / rate
+        total += step
+        dn = max(dn, t) + link
+        hn = max(hn, dn) + step
+        un = max(un, hn) + link
+        need = t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)
+        late = max(late, un - need)
+    return total, max(0.0, late)
