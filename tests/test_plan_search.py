@@ -249,3 +249,14 @@ def test_gradient_offload_only_where_it_is_needed() -> None:
     assert cost.state_bytes(p, off) - cost.state_bytes(p, d) == 2 * sum(
         blk.num_params for blk, o in zip(p.blocks, d.offload_blocks) if o) + (2 * p.head.num_params
                                                                                 if d.offload_other else 0)
+
+
+def test_weight_layouts_limit_the_search() -> None:
+    """A loop that cannot run a layout (FSDP2: no bf16 device copies of fp32 shards) names the ones it can."""
+    p = make_profile(n_layers=8)
+    for budget in (10 * GiB, 14 * GiB, 40 * GiB):
+        plan = plan_for(p, budget, precision="bf16", weight_layouts=("fp32", "bf16"))
+        assert (plan.weight_dtype, plan.offload_param_dtype) in (("float32", "float32"), ("bfloat16", "bfloat16"))
+    assert plan_for(p, 40 * GiB, precision="bf16", weight_layouts=("bf16",)).weight_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="weight_layouts must name some of"):
+        plan_for(p, 40 * GiB, weight_layouts=("fp16",))

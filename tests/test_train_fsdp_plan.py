@@ -252,6 +252,9 @@ def _fail(args: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+BF16 = ["--train.dtype", "bf16", "--optimizer.param_dtype", "bfloat16"]
+
+
 def _trainer_ranks(rank: int, world: int, tmp: str, budget: int, low: int, other_plan: str, ddp_budget: int) -> dict:
     import torch.distributed as dist
 
@@ -268,6 +271,8 @@ def _trainer_ranks(rank: int, world: int, tmp: str, budget: int, low: int, other
     res["ddp_half"] = train_losses(cfg_args, tmp_path / "ddp", *ddp, "--steps", "3", "--scheduler.decay_steps", "6",
                                    "--budget", str(ddp_budget))
     res["ddp_resumed"] = train_losses(cfg_args, tmp_path / "ddp", *ddp, "--resume")
+    # bf16 allowed: the per-rank plan may shard bf16 weights with fp32 masters
+    res["bf16"] = train_losses(cfg_args, tmp_path / "bf16", *FSDP, *STEPS, *BF16, "--budget", str(4 * budget))
     low_out, other_out = tmp_path / "low", tmp_path / "other"
     res["low"] = _fail([*cfg_args, "--out", str(low_out), *FSDP, "--budget", str(low // 2)])
     res["other"] = _fail([*cfg_args, "--out", str(other_out), *FSDP, "--plan", other_plan])
@@ -309,6 +314,14 @@ def test_trainer_plans_per_rank_under_fsdp2(tmp_path: Path, trainer_budgets: tup
     assert any(b.checkpoint != "none" for b in ddp_plan.blocks)
     assert_close_curves(r0["ddp_resumed"]["losses"], {s: v for s, v in six["losses"].items() if s > 3}, 1e-5,
                         "ddp resumed")
+
+    # bf16 allowed under FSDP2: the plan's weights are bf16 (fp32 masters) or fp32 (autocast), and the curve is one
+    # process's with the same weights, within bf16's rounding of the gradient sums
+    bf16_plan = Plan.load(tmp_path / "bf16" / "plan.toml")
+    assert bf16_plan.profile.shard_factor == 2 and bf16_plan.offload_param_dtype == bf16_plan.weight_dtype
+    hand = ["--optimizer.param_dtype", "bfloat16"] if bf16_plan.weight_dtype == "bfloat16" else []
+    ref = train_losses(TINY_RUN, tmp_path / "ref-bf16", *STEPS, "--train.dtype", "bf16", *hand)
+    assert_close_curves(r0["bf16"]["losses"], ref["losses"], 2e-3, "bf16 per rank")
 
     for r in (r0, r1):
         code, err = r["low"]

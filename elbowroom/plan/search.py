@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -241,6 +242,7 @@ def plan_for(
     selective_allowed: bool = True,
     offload_config: Any = None,
     bf16_bytes: Profile | None = None,
+    weight_layouts: Sequence[str] | None = None,
     _layouts: list[str] | None = None,
 ) -> Plan:
     """The plan with the shortest predicted step whose predicted peak fits ``budget_bytes``.
@@ -266,6 +268,8 @@ def plan_for(
         bf16_bytes: a profile of the same model with bf16 weights (analytic is enough: only its bytes are read).
             A profile taken under autocast saves fp32 norm and residual outputs that a bf16 model saves in bf16;
             with this, bf16-weight layouts are priced with their own bytes (times stay the profile's).
+        weight_layouts: the weight layouts (keys of ``cost.LAYOUTS``) the loop can run, None: every one the
+            precision allows (FSDP2 shards cannot hold bf16 device copies of fp32 weights: ``fp32`` and ``bf16``).
         selective_allowed: blocks may use selective recompute (:func:`~elbowroom.plan.fit` turns it off for
             blocks that are not elbowroom's reference blocks, see there).
 
@@ -299,6 +303,11 @@ def plan_for(
         notes.append(f"{m.name} has no host link in the profile: nothing is offloaded")
     layouts, layout_notes = cost.layouts_for(profile, precision)
     notes += layout_notes
+    if weight_layouts is not None:
+        unknown = sorted(set(weight_layouts) - set(cost.LAYOUTS))
+        if unknown or not weight_layouts:
+            raise ValueError(f"weight_layouts must name some of {', '.join(cost.LAYOUTS)}, got {list(weight_layouts)}")
+        layouts = [x for x in layouts if x in weight_layouts] or ["fp32"]
     if bf16_bytes is not None and "bf16" in layouts and _layouts is None:
         # the bf16 layout on its own bytes, the others on the profile's: the faster of the two searches (each
         # exact, so a tighter budget still never predicts a faster step)
@@ -311,6 +320,8 @@ def plan_for(
         errors: list[BudgetError] = []
         for prof, only in ((with_bytes_of(profile, bf16_bytes), ["bf16"]),
                            (profile, [x for x in layouts if x != "bf16"])):
+            if not only:
+                continue
             try:
                 found.append(plan_for(prof, budget_bytes, _layouts=only, **kw))
             except BudgetError as e:

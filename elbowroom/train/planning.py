@@ -184,18 +184,19 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
 
-    if cfg.optimizer.param_dtype == "bfloat16":
-        log.warning("--optimizer.param_dtype bfloat16: a per-rank plan under FSDP2 keeps fp32 weights (its bf16 "
-                    "layouts are not modelled per rank yet); drop the flag to silence this")
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
     try:
         whole = profile(model, (sample["input_ids"], sample["targets"]), cache_dir=str(cfg.data.cache_dir or
                         default_cache_dir()), dtype=amp_dtype)
         rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
                                 ranks_per_host=_ranks_per_host(cfg))
-        # fp32 weights (FSDP2 shards fp32 and casts to --train.dtype itself), no fused loss (data parallel)
-        plan = plan_for(rank, parse_budget(cfg.budget), precision="fp32", fused_loss_allowed=False,
-                        grad_clipping=bool(cfg.train.max_grad_norm), offload_config=cfg.offload)
+        # FSDP2 shards fp32 weights (cast to --train.dtype by its MixedPrecisionPolicy) or, where
+        # --optimizer.param_dtype bfloat16 allows, bf16 weights with fp32 masters; no bf16 device copies of fp32
+        # shards, no fused loss (data parallel)
+        plan = plan_for(rank, parse_budget(cfg.budget), fused_loss_allowed=False,
+                        precision="bf16" if cfg.optimizer.param_dtype == "bfloat16" else "fp32",
+                        weight_layouts=("fp32", "bf16"), grad_clipping=bool(cfg.train.max_grad_norm),
+                        gradient_offload_allowed=True, offload_config=cfg.offload)
         plan = replace(plan, notes=(*plan.notes, _FSDP_TIME_NOTE))
     except BudgetError as e:
         raise _budget_error(e, cfg) from None
