@@ -50,6 +50,7 @@ def test_table_and_out(profile_file: str, tmp_path: Path, capsys: pytest.Capture
         (["--budget", "24GiB", "--out", "plan.yaml"], r"--out must end in \.toml or \.json"),
         (["--budget", "24GiB", "--frobnicate"], "unrecognized arguments"),
         (["--budget", "24GiB", "--precision", "fp8"], "invalid choice"),
+        (["--budget", "24GiB", "--dp-shard", "0"], "--dp-shard must be a positive number of ranks"),
     ],
 )
 def test_bad_input_returns_2_with_one_line(
@@ -108,3 +109,22 @@ def test_model_path_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown device 'tpu-v9'; known: a100-40gb, a100-80gb, cpu, h100-80gb" in capsys.readouterr().err
     assert cmd_plan(["--model", "tiny", "--device", "h100-80gb", "--budget", "24GiB", "--batch", "4by4096"]) == 2
     assert "--batch must read SAMPLESxTOKENS" in capsys.readouterr().err
+
+
+def test_one_rank_of_fsdp2(profile_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--dp-shard N`` plans one rank as the trainer does under FSDP2: shards counted as shards, so the minimum
+    per GPU falls with N, and the plan records its shard factor (the trainer refuses it at another one)."""
+    def minimum(*extra: str) -> float:
+        assert cmd_plan(["--profile", profile_file, "--budget", "1GiB", "--precision", "bf16", *extra]) == 2
+        err = capsys.readouterr().err
+        return float(err.split("below the minimum ")[1].split(" GiB")[0])
+
+    # against one process with the plain loss, as the sharded runs must use
+    one, two, eight = minimum("--no-fused-loss"), minimum("--dp-shard", "2"), minimum("--dp-shard", "8")
+    assert eight <= two < one  # (at 8 the head, loss and working memory dominate, not the shards)
+    assert cmd_plan(["--profile", profile_file, "--budget", "24GiB", "--precision", "bf16", "--dp-shard", "8",
+                     "--json"]) == 0
+    plan = Plan.from_dict(json.loads(capsys.readouterr().out))
+    assert plan.profile.shard_factor == 8 and not plan.fused_loss  # (the fused loss is refused under data parallel)
+    assert plan.memory["FSDP2 gathered parameters and gradients"] > 0
+    assert (plan.weight_dtype, plan.offload_param_dtype) != ("float32", "bfloat16")

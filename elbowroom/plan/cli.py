@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                    "with fp32 masters")
     p.add_argument("--no-fused-loss", action="store_true", help="the loop cannot use the fused head + loss")
     p.add_argument("--no-clip", action="store_true", help="the loop does not clip gradients")
+    p.add_argument("--dp-shard", type=int, default=1, help="plan one rank of FSDP2 sharding over this many ranks "
+                   "(the trainer's --parallel.dp_shard; --budget is then one GPU's, --batch one rank's micro-batch, "
+                   "8 ranks per host at most share its memory)")
     p.add_argument("--profile", default=None, help="plan from a saved profile (JSON of Profile.to_dict()) instead "
                    "of profiling --model")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -128,6 +131,8 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"elbowroom plan: --out must end in .toml or .json, got {args.out!r}")
         if args.global_batch is not None and args.global_batch < 1:
             raise _UsageError(f"elbowroom plan: --global-batch must be positive, got {args.global_batch}")
+        if args.dp_shard < 1:
+            raise _UsageError(f"elbowroom plan: --dp-shard must be a positive number of ranks, got {args.dp_shard}")
         if args.profile is not None:
             try:
                 prof = profile_from_dict(json.loads(Path(args.profile).read_text()))
@@ -135,14 +140,21 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                 raise _UsageError(f"elbowroom plan: cannot read profile {args.profile!r}: {e}") from None
         else:
             prof = _profile_from_args(args)
+        sharded: dict[str, Any] = {}
+        if args.dp_shard > 1:  # as the trainer plans a rank under FSDP2 (elbowroom.train.planning)
+            from elbowroom.train.planning import per_rank_profile
+
+            prof = per_rank_profile(prof, args.dp_shard, ranks_per_host=min(args.dp_shard, 8))
+            sharded = {"weight_layouts": ("fp32", "bf16")}  # no bf16 device copies of fp32 shards
         try:
             plan = plan_for(
                 prof,
                 budget,
                 global_batch=args.global_batch,
                 precision=args.precision,
-                fused_loss_allowed=not args.no_fused_loss,
+                fused_loss_allowed=not args.no_fused_loss and args.dp_shard == 1,  # (refused under data parallel)
                 grad_clipping=not args.no_clip,
+                **sharded,
             )
         except BudgetError as e:
             raise _UsageError(f"elbowroom plan: {e}") from None
