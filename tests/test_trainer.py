@@ -431,3 +431,21 @@ def test_loader_workers_start_before_the_optimizer(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(T, "build_optimizer", spy_build)
     assert run(tmp_path / "o", "--steps", "2", "--data.num_workers", "1", "--optimizer.offload_fraction", "0.5") == 0
     assert events.index("batch") < events.index("optimizer"), events[:4]
+
+
+def test_budget_watch_warns_once_when_reserved_passes_the_budget(caplog) -> None:
+    from elbowroom.plan import Plan
+    from elbowroom.plan.plan import BlockPlan
+    from elbowroom.train.metrics import BudgetWatch
+
+    plan = Plan(blocks=(BlockPlan(0),), budget_bytes=8 << 30, predicted_peak_bytes=7 << 30,
+                predicted_step_seconds=1.0, predicted_tokens_per_s=1.0)
+    watch = BudgetWatch(plan)
+    assert watch.check({"step": 1, "peak_memory_bytes": 6 << 30, "peak_reserved_bytes": 8 << 30}) is None
+    assert watch.check({"step": 2, "peak_memory_bytes": 6 << 30}) is None  # a CPU row: no reserved peak
+    with caplog.at_level("WARNING"):
+        msg = watch.check({"step": 3, "peak_memory_bytes": 7 << 30, "peak_reserved_bytes": 9 << 30})
+    assert msg is not None and "1.00 GiB above the plan's budget of 8.00 GiB" in msg and "about 7.00 GiB" in msg
+    assert msg in caplog.text
+    assert watch.check({"step": 4, "peak_memory_bytes": 7 << 30, "peak_reserved_bytes": 10 << 30}) is None  # once
+    assert BudgetWatch(None).check({"step": 1, "peak_reserved_bytes": 1 << 40}) is None  # unplanned run

@@ -79,6 +79,30 @@ def host_step(optimizer: Any) -> dict[str, float]:
             "host_threads": int(s["cpu_threads"])}
 
 
+class BudgetWatch:
+    """Warns once when a planned run's allocator reserves more than the plan's budget (what a device of the
+    budget's size would not have): the plan's margin missed something, and ``--budget`` needs that much less."""
+
+    def __init__(self, plan: Any) -> None:
+        self.budget = getattr(plan, "budget_bytes", None)
+        self.predicted = getattr(plan, "predicted_peak_bytes", None)
+        self.warned = False
+
+    def check(self, row: dict[str, Any]) -> str | None:
+        """The warning for a metrics row whose reserved peak passed the budget (logged), once; else None."""
+        reserved = row.get("peak_reserved_bytes")
+        if self.warned or self.budget is None or reserved is None or reserved <= self.budget:
+            return None
+        self.warned = True
+        over = reserved - self.budget
+        msg = (f"step {row.get('step')}: the allocator reserved {reserved / 2**30:.2f} GiB, {over / 2**30:.2f} GiB "
+               f"above the plan's budget of {self.budget / 2**30:.2f} GiB (predicted peak "
+               f"{(self.predicted or 0) / 2**30:.2f} GiB, allocated {row.get('peak_memory_bytes', 0) / 2**30:.2f}); "
+               f"on a device of the budget's size plan for about {max(self.budget - over, 0) / 2**30:.2f} GiB")
+        log.warning("%s", msg)
+        return msg
+
+
 def check_tensorboard() -> None:
     """Raise ValueError naming the extra to install when TensorBoard logging cannot work here."""
     try:
