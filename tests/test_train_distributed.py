@@ -212,7 +212,7 @@ def test_per_rank_plan_counts_shards() -> None:
     from test_plan_support import make_profile
 
     from elbowroom.plan import cost
-    from elbowroom.train.planning import per_rank_profile
+    from elbowroom.plan.ranks import per_rank_profile
 
     p = make_profile(n_layers=4, dim=256, ffn=512, vocab=1024, seq_len=128)
     n = len(p.blocks)

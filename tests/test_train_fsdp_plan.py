@@ -1,6 +1,6 @@
 """``--budget`` under FSDP2: one rank's memory, planned and applied per rank (2 gloo processes on CPU).
 
-The per-rank model (``elbowroom.train.planning.per_rank_profile``) is checked against a real FSDP2 wrap: its
+The per-rank model (``elbowroom.plan.ranks.per_rank_profile``) is checked against a real FSDP2 wrap: its
 model-state bytes are the local shards' (parameters, gradients, AdamW's moments after a step) on each rank, and its
 all-gather term is the largest block's unsharded parameters in the compute dtype, as FSDP2 hands them to the
 block's forward; and the predicted per-rank peak bounds what torch's FSDPMemTracker counts over a real FSDP2 step
@@ -26,7 +26,8 @@ import torch
 
 from elbowroom.models import ModelConfig, build_model
 from elbowroom.plan import BudgetError, Plan, cost, plan_for, profile
-from elbowroom.train.planning import fsdp_held_bytes, per_rank_profile, shard_factor
+from elbowroom.plan.ranks import fsdp_held_bytes, per_rank_profile
+from elbowroom.train.planning import shard_factor
 from tests.distributed_utils import TINY_RUN, assert_close_curves, run_ranks, train_losses, trainer_config
 
 FSDP = ["--parallel.dp_shard", "2"]

@@ -142,7 +142,7 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
             prof = _profile_from_args(args)
         sharded: dict[str, Any] = {}
         if args.dp_shard > 1:  # as the trainer plans a rank under FSDP2 (elbowroom.train.planning)
-            from elbowroom.train.planning import per_rank_profile
+            from elbowroom.plan.ranks import per_rank_profile
 
             prof = per_rank_profile(prof, args.dp_shard, ranks_per_host=min(args.dp_shard, 8))
             sharded = {"weight_layouts": ("fp32", "bf16")}  # no bf16 device copies of fp32 shards

@@ -1,4 +1,5 @@
-"""Per-rank planning under tensor and pipeline parallel: what one rank of a split model holds and costs.
+"""Per-rank planning: what one rank of a split or sharded model holds and costs (tensor and pipeline parallel;
+FSDP2's shards at the end, :func:`per_rank_profile`).
 
 The model is profiled once, whole, on one micro-batch (:func:`elbowroom.plan.profiler.profile`); each rank's
 profile is derived from it, so that ``--budget B`` is every rank's budget and each pipeline rank gets a plan of
@@ -239,3 +240,81 @@ class RankPlans:
             return cls.from_dict(json.loads(text) if path.suffix == ".json" else tomllib.loads(text))
         except (ValueError, TypeError) as e:
             raise type(e)(f"{path}: {e}") from None
+
+
+# ---------------------------------------------------------------- FSDP2: one rank of the shards
+REDUCE_BYTES = 4
+"""Bytes per element of FSDP2's gradient reduction (``reduce_dtype`` float32, as the trainer wraps it)."""
+
+
+def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1) -> dict[str, int]:
+    """What one rank of FSDP2 holds through a training step beyond its shards and its activations, by cause.
+
+    - ``gathered blocks``: the unsharded parameters of the block in flight and of the next one, prefetched, in the
+      compute dtype (FSDP2's ``MixedPrecisionPolicy.param_dtype``: the run's autocast dtype), in forward and again
+      in backward: twice the largest block.
+    - ``gathered root``: the parameters outside the blocks (embeddings, final norm, head): gathered for the whole
+      forward and backward where they stay with the root ``fully_shard`` (tied embeddings), else each for its own
+      forward and backward (their own units); counted whole for the whole step, an upper bound.
+    - ``unsharded gradients``: in backward, one block's gradient in the reduce dtype before its reduce-scatter, and
+      the gradients outside the blocks in the compute dtype (an upper bound); under accumulation (gradient sync off for
+      all but the last micro-batch) every parameter's unsharded gradient in the reduce dtype, from the first
+      micro-batch's backward to the last one's.
+
+    Each is an upper bound of the moment it names; their sum is held, for the planner, from the first forward to
+    the last backward (the optimizer step holds less, and the peak is never there).
+
+    Args:
+        profile: the whole model's profile (``elbowroom.plan.Profile``), before :func:`per_rank_profile`.
+        shard_factor: ranks each parameter is sharded over (FSDP2 pads each to a multiple of it).
+        accumulation: micro-batches per optimizer step.
+    """
+    item = 4 if profile.compute_dtype == "float32" else 2
+
+    def whole(n: int) -> int:  # FSDP2 pads a parameter to a multiple of the shard factor
+        return -(-n // shard_factor) * shard_factor
+
+    block = max((whole(b.num_params) for b in profile.blocks), default=0)
+    root = whole(profile.head.num_params)
+    grads = REDUCE_BYTES * block + item * root
+    if accumulation > 1:
+        grads = REDUCE_BYTES * (root + sum(whole(b.num_params) for b in profile.blocks)) + item * root
+    return {"gathered blocks": 2 * item * block, "gathered root": item * root, "unsharded gradients": grads}
+
+
+def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, ranks_per_host: int = 1) -> Any:
+    """The profile one rank plans under FSDP2 (or HSDP) sharding over ``shard_factor`` ranks.
+
+    Each rank holds ``1 / shard_factor`` of every parameter (fp32), of its gradient (the reduce-scatter's fp32
+    output) and of its optimizer state (on the device, or on the host where the plan puts it), so the blocks' and
+    the head's parameter counts and bytes are divided (rounded up: FSDP2 pads the last shard). On top it holds
+    :func:`fsdp_held_bytes` (``Profile.rank_transient_bytes``). The activations are those of the rank's own
+    micro-batch, which the profile measured. The host's memory is shared by the ``ranks_per_host`` ranks on it.
+    The step time is the profiled one: FSDP2's all-gathers and reduce-scatters are not counted in it.
+
+    Args:
+        profile: an ``elbowroom.plan.Profile`` of the whole model on one rank's micro-batch.
+        shard_factor: ranks each parameter is sharded over (``parallel.dp_shard``).
+        accumulation: micro-batches per optimizer step (``train.gradient_accumulation_steps``).
+        ranks_per_host: ranks sharing the host's memory.
+
+    Returns:
+        The per-rank profile (a new frozen object; ``extra["shard_factor"]`` records the factor, which the plan
+        keeps in ``plan.profile.shard_factor``).
+    """
+    if shard_factor < 1 or ranks_per_host < 1:
+        raise ValueError(f"shard_factor and ranks_per_host must be >= 1, got {shard_factor} and {ranks_per_host}")
+
+    def shard(n: int) -> int:
+        return -(-n // shard_factor)
+
+    held = fsdp_held_bytes(profile, shard_factor, accumulation)
+    blocks = tuple(dataclasses.replace(b, num_params=shard(b.num_params), param_bytes=shard(b.param_bytes))
+                   for b in profile.blocks)
+    head = dataclasses.replace(profile.head, num_params=shard(profile.head.num_params),
+                               param_bytes=shard(profile.head.param_bytes))
+    host = profile.machine.host_memory_bytes // ranks_per_host
+    machine = dataclasses.replace(profile.machine, host_memory_bytes=host)
+    return dataclasses.replace(profile, blocks=blocks, head=head, machine=machine,
+                               rank_transient_bytes=profile.rank_transient_bytes + sum(held.values()),
+                               extra={**profile.extra, "shard_factor": shard_factor, "fsdp_held_bytes": held})

@@ -145,7 +145,7 @@ class Profile:
     rank_transient_bytes: int = 0
     """Bytes one rank holds through the step beyond what the blocks and the model states count: under FSDP2 the
     all-gathered parameters and the unsharded gradients before their reduce-scatter
-    (``elbowroom.train.planning.per_rank_profile``); 0 for a model that is not sharded."""
+    (``elbowroom.plan.ranks.per_rank_profile``); 0 for a model that is not sharded."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form details (the trace's kernel split, versions) that are shown, never planned on."""
 

@@ -6,10 +6,11 @@ trainer's model and optimizer settings.
 Under data parallel rank 0 plans and every rank applies the same plan (``DistributedRun.plan_once``). Under DDP
 every rank holds the whole model, so one process's plan is each rank's. Under FSDP2 and HSDP (``--parallel.dp_shard
 S``) the plan is one rank's: the profile of the whole model on the rank's micro-batch is turned into the rank's
-(:func:`per_rank_profile`: 1/S of the parameters, gradients and optimizer state, plus FSDP2's all-gathered
-parameters and unsharded gradients), planned with fp32 weights (FSDP2 shards fp32 and computes in
-``--train.dtype``) and without the fused loss, and applied in two steps around ``fully_shard``: the activation
-policies before it wraps the blocks (:func:`apply_plan`), the optimizer over the local shards after
+(:func:`~elbowroom.plan.ranks.per_rank_profile`: 1/S of the parameters, gradients and optimizer state, plus
+FSDP2's all-gathered parameters and unsharded gradients), planned with fp32 weights or, where
+``--optimizer.param_dtype bfloat16`` allows, bf16 shards with fp32 masters, and without the fused loss, and
+applied in two steps around ``fully_shard``: the activation policies before it wraps the blocks
+(:func:`apply_plan`), the optimizer over the local shards after
 (:func:`plan_optimizer`). ``--budget`` is then per rank, and a saved plan applies only at its own shard factor.
 """
 
@@ -183,6 +184,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
     per-rank profile planned, the plan's policies installed; the optimizer comes after sharding."""
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
+    from elbowroom.plan.ranks import per_rank_profile
 
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
     try:
@@ -289,85 +291,6 @@ def plan_optimizer(model: nn.Module, plan: Plan, cfg: Config, overlap_forward: b
 
     return build_optimizer(model, plan, torch.optim.AdamW, offload_config=cfg.offload, param_groups=_groups(cfg),
                            overlap_with_forward=overlap_forward, **_adamw_kwargs(cfg))
-
-
-REDUCE_BYTES = 4
-"""Bytes per element of FSDP2's gradient reduction (``reduce_dtype`` float32, as the trainer wraps it)."""
-
-
-def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1) -> dict[str, int]:
-    """What one rank of FSDP2 holds through a training step beyond its shards and its activations, by cause.
-
-    - ``gathered blocks``: the unsharded parameters of the block in flight and of the next one, prefetched, in the
-      compute dtype (FSDP2's ``MixedPrecisionPolicy.param_dtype``: the run's autocast dtype), in forward and again
-      in backward: twice the largest block.
-    - ``gathered root``: the parameters outside the blocks (embeddings, final norm, head): gathered for the whole
-      forward and backward where they stay with the root ``fully_shard`` (tied embeddings), else each for its own
-      forward and backward (their own units); counted whole for the whole step, an upper bound.
-    - ``unsharded gradients``: in backward, one block's gradient in the reduce dtype before its reduce-scatter, and
-      the gradients outside the blocks in the compute dtype (an upper bound); under accumulation (gradient sync off for
-      all but the last micro-batch) every parameter's unsharded gradient in the reduce dtype, from the first
-      micro-batch's backward to the last one's.
-
-    Each is an upper bound of the moment it names; their sum is held, for the planner, from the first forward to
-    the last backward (the optimizer step holds less, and the peak is never there).
-
-    Args:
-        profile: the whole model's profile (``elbowroom.plan.Profile``), before :func:`per_rank_profile`.
-        shard_factor: ranks each parameter is sharded over (FSDP2 pads each to a multiple of it).
-        accumulation: micro-batches per optimizer step.
-    """
-    item = 4 if profile.compute_dtype == "float32" else 2
-
-    def whole(n: int) -> int:  # FSDP2 pads a parameter to a multiple of the shard factor
-        return -(-n // shard_factor) * shard_factor
-
-    block = max((whole(b.num_params) for b in profile.blocks), default=0)
-    root = whole(profile.head.num_params)
-    grads = REDUCE_BYTES * block + item * root
-    if accumulation > 1:
-        grads = REDUCE_BYTES * (root + sum(whole(b.num_params) for b in profile.blocks)) + item * root
-    return {"gathered blocks": 2 * item * block, "gathered root": item * root, "unsharded gradients": grads}
-
-
-def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, ranks_per_host: int = 1) -> Any:
-    """The profile one rank plans under FSDP2 (or HSDP) sharding over ``shard_factor`` ranks.
-
-    Each rank holds ``1 / shard_factor`` of every parameter (fp32), of its gradient (the reduce-scatter's fp32
-    output) and of its optimizer state (on the device, or on the host where the plan puts it), so the blocks' and
-    the head's parameter counts and bytes are divided (rounded up: FSDP2 pads the last shard). On top it holds
-    :func:`fsdp_held_bytes` (``Profile.rank_transient_bytes``). The activations are those of the rank's own
-    micro-batch, which the profile measured. The host's memory is shared by the ``ranks_per_host`` ranks on it.
-    The step time is the profiled one: FSDP2's all-gathers and reduce-scatters are not counted in it.
-
-    Args:
-        profile: an ``elbowroom.plan.Profile`` of the whole model on one rank's micro-batch.
-        shard_factor: ranks each parameter is sharded over (``parallel.dp_shard``).
-        accumulation: micro-batches per optimizer step (``train.gradient_accumulation_steps``).
-        ranks_per_host: ranks sharing the host's memory.
-
-    Returns:
-        The per-rank profile (a new frozen object; ``extra["shard_factor"]`` records the factor, which the plan
-        keeps in ``plan.profile.shard_factor``).
-    """
-    import dataclasses
-
-    if shard_factor < 1 or ranks_per_host < 1:
-        raise ValueError(f"shard_factor and ranks_per_host must be >= 1, got {shard_factor} and {ranks_per_host}")
-
-    def shard(n: int) -> int:
-        return -(-n // shard_factor)
-
-    held = fsdp_held_bytes(profile, shard_factor, accumulation)
-    blocks = tuple(dataclasses.replace(b, num_params=shard(b.num_params), param_bytes=shard(b.param_bytes))
-                   for b in profile.blocks)
-    head = dataclasses.replace(profile.head, num_params=shard(profile.head.num_params),
-                               param_bytes=shard(profile.head.param_bytes))
-    host = profile.machine.host_memory_bytes // ranks_per_host
-    machine = dataclasses.replace(profile.machine, host_memory_bytes=host)
-    return dataclasses.replace(profile, blocks=blocks, head=head, machine=machine,
-                               rank_transient_bytes=profile.rank_transient_bytes + sum(held.values()),
-                               extra={**profile.extra, "shard_factor": shard_factor, "fsdp_held_bytes": held})
 
 
 REPLAN_FACTOR = 0.9
