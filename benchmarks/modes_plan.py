@@ -48,14 +48,13 @@ def resolve(name: str) -> Callable[..., Setup] | None:
             return lambda model, args: _setup(model, args, budget=flags[0],
                                              precision="bf16" if "bf16" in prefix else "fp32",
                                              fused=getattr(args, "fused_loss", False), clip="clip" in flags,
-                                             offload_gradients="og" in flags, split="gb" in flags)
+                                             split="gb" in flags)
     return None
 
 
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
            plan_file: str | None = None, fused: bool = False, clip: bool = False,
-           offload_gradients: bool = False, split: bool = False) -> Setup:
-    from elbowroom.optim import CPUOffloadConfig
+           split: bool = False) -> Setup:
     from elbowroom.plan import Plan, apply, fit
 
     idx, tgt = args.sample
@@ -73,8 +72,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
                                if split or getattr(args, "step_accum", 1) > 1 else None,
                                # the harness clips through the optimizer, which sees gradients already on the host:
                                # the planner may send them there where that fits and nothing faster does
-                               gradient_offload=True,
-                               offload_config=CPUOffloadConfig(offload_gradients=offload_gradients))
+                               gradient_offload=True)
         if clip:
             def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
                 if hasattr(o, "clip_grad_norm_"):

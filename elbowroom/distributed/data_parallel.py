@@ -14,6 +14,7 @@ Set-up takes the rank and world size as arguments: the CLI reads torchrun's envi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import logging
@@ -189,13 +190,8 @@ def _outer_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     block_ids = {id(b) for b in blocks}
     children = [c for c in model.children()
                 if id(c) not in block_ids and any(id(p) not in in_blocks for p in c.parameters())]
-    owners: dict[int, int] = {}
-    for i, c in enumerate(children):
-        for p in c.parameters():
-            if id(p) not in in_blocks:
-                owners.setdefault(id(p), i)
-    shared = {id(p) for i, c in enumerate(children) for p in c.parameters() if owners.get(id(p), i) != i}
-    return [c for c in children if not any(id(p) in shared for p in c.parameters())]
+    holders = collections.Counter(id(p) for c in children for p in c.parameters())
+    return [c for c in children if all(holders[id(p)] == 1 for p in c.parameters())]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

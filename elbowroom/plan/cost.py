@@ -551,6 +551,11 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     grad_t = 2 * sums.params_max if (autocast and weight == "float32") else 0
     g_head, g_blocks = gradient_bytes(profile, d)
     transient = d.accumulation == 1  # else they live through every later micro-batch's forward
+    # offloaded gradients: their pinned host copies, and the whole host step and their copy exposed (W1, H100:
+    # measured so at 16 GiB)
+    og_bytes = int((4 if off_dtype == "float32" else 2) * p_off) if d.offload_gradients else 0
+    if d.offload_gradients:
+        host_exposed_s = host_step_s + og_bytes / max(m.d2h_bandwidth, 1.0)
     return Globals(
         states=state_bytes(profile, d) + profile.rank_transient_bytes,
         transient_grads=g_head + sum(g_blocks) if transient else 0,
@@ -563,10 +568,8 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
         cast_s=cast_s,
         device_step_s=device_step_s,
         host_step_s=host_step_s,
-        # offloaded gradients: the whole host step and their copy exposed (W1, H100: measured so, 16 GiB)
-        host_exposed_s=float(host_step_s if d.offload_gradients else host_exposed_s)
-        + (og := int((4 if off_dtype == "float32" else 2) * p_off * d.offload_gradients)) / max(m.d2h_bandwidth, 1.0),
-        host_bytes=int(HOST_BYTES_PER_PARAM * p_off) + og,  # (+ the gradients' pinned host copies)
+        host_exposed_s=float(host_exposed_s),
+        host_bytes=int(HOST_BYTES_PER_PARAM * p_off) + og_bytes,
     )
 
 
