@@ -7,6 +7,10 @@
   weights under autocast; ``fit_bf16@<budget>`` also allows bf16 device weights with fp32 masters (the row says
   which the plan chose). ``+fl`` lets the planner use the fused head and loss; the row follows the plan's choice.
 - ``plan@<file>``: apply a Plan file (TOML or JSON) as it is: a hand plan is a file, not a mode name.
+- ``uniform@<option>``: every block under one option of the planner (``keep``, ``keep:0.5``, ``selective``,
+  ``selective:0.25``, ``selective:all``, ``full``, ``full:input``), the optimizer on the device, fp32 weights:
+  the cost model's price of that one option against the measurement (the calibration of its per-option terms).
+  ``ELBOWROOM_BENCH_PROFILE=FILE`` keeps the measured profile in FILE (JSON) for the next rows of the workload.
 - ``...@<budget>+clip``: the loop clips gradients at global norm 1.0 (as the trainer does), and the planner plans
   for it; whether gradients leave during the backward is the plan's decision (``plan.offload_gradients``;
   ``+og`` is kept for old command lines and changes nothing);
@@ -34,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import Setup  # noqa: E402
 
-PREFIXES = ("fit@", "fit_bf16@", "plan@")
+PREFIXES = ("fit@", "fit_bf16@", "plan@", "uniform@")
 
 
 def resolve(name: str) -> Callable[..., Setup] | None:
@@ -44,6 +48,9 @@ def resolve(name: str) -> Callable[..., Setup] | None:
             arg = name[len(prefix):]
             if prefix == "plan@":
                 return lambda model, args: _setup(model, args, plan_file=arg, fused=False)
+            if prefix == "uniform@":
+                return lambda model, args: _setup(model, args, uniform=arg.split("+")[0],
+                                                 fused=getattr(args, "fused_loss", False))
             flags = arg.split("+")
             return lambda model, args: _setup(model, args, budget=flags[0],
                                              precision="bf16" if "bf16" in prefix else "fp32",
@@ -54,12 +61,15 @@ def resolve(name: str) -> Callable[..., Setup] | None:
 
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
            plan_file: str | None = None, fused: bool = False, clip: bool = False,
-           split: bool = False) -> Setup:
+           split: bool = False, uniform: str | None = None) -> Setup:
     from elbowroom.plan import Plan, apply, fit
 
     idx, tgt = args.sample
     t0 = time.perf_counter()
-    if plan_file is not None:
+    if uniform is not None:
+        plan = _uniform_plan(model, (idx, tgt), uniform, fused)
+        model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True)
+    elif plan_file is not None:
         plan = Plan.load(plan_file)
         model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True)
     else:
@@ -135,3 +145,44 @@ def _analytic(model: torch.nn.Module, plan: Any, idx: torch.Tensor) -> dict[str,
                 "analytic_step_s": round(again.predicted_step_seconds, 4)}
     except Exception as e:  # noqa: BLE001 - a side figure; the row stands without it
         return {"analytic_error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def _option(text: str) -> Any:
+    """A planner option from its short name: ``keep``, ``keep:0.5``, ``selective:0.25``, ``selective:all``,
+    ``full``, ``full:input``."""
+    from elbowroom.plan.cost import OPTIONS, Option
+
+    name, _, arg = text.partition(":")
+    checkpoint = {"keep": "none", "selective": "selective", "full": "full"}.get(name)
+    if checkpoint is None:
+        raise SystemExit(f"uniform@{text}: the option is keep, selective or full, with :ratio, :all or :input")
+    if arg in ("all", "input"):
+        option = Option(checkpoint, 1.0 if checkpoint == "selective" else 0.0, True)
+    else:
+        option = Option(checkpoint, float(arg or 0.0))
+    if option not in OPTIONS:
+        raise SystemExit(f"uniform@{text}: not one of the planner's options ({', '.join(o.label for o in OPTIONS)})")
+    return option
+
+
+def _uniform_plan(model: torch.nn.Module, sample: Any, text: str, fused: bool) -> Any:
+    """Every block under one option, the optimizer on the device, fp32 weights; priced on a measured profile."""
+    import json
+    import os
+
+    from elbowroom.plan.cost import Decisions
+    from elbowroom.plan.profiler import profile
+    from elbowroom.plan.search import plan_from_decisions
+    from elbowroom.plan.types import profile_from_dict
+
+    cache = os.environ.get("ELBOWROOM_BENCH_PROFILE")
+    if cache and Path(cache).exists():
+        prof = profile_from_dict(json.loads(Path(cache).read_text()))
+    else:
+        prof = profile(model, sample, source="measured")
+        if cache:
+            Path(cache).write_text(json.dumps(prof.to_dict()))
+    n = len(prof.blocks)
+    d = Decisions(options=(_option(text),) * n, offload_blocks=(False,) * n, micro_batch=prof.micro_batch,
+                  fused_loss=fused, grad_clipping=False)
+    return plan_from_decisions(prof, d, prof.machine.device_memory_bytes)
