@@ -161,6 +161,27 @@ def test_measured_times_are_positive() -> None:
     assert prof.head.forward_s >= 0 and prof.allocator_overhead_bytes == 0
 
 
+def test_recompute_costs_count_the_checkpointed_forward(monkeypatch) -> None:
+    # A recompute costs its backward's extra and its forward's: selective recompute runs every op of the forward
+    # through a dispatch mode on the host (on GPT-2-XL's small blocks the selective forward took twice the plain
+    # one). Fabricated per-block timings make the arithmetic exact.
+    from elbowroom.plan import profiler
+
+    times = {None: (1.0, 2.0), "full": (1.1, 3.0), "selective": (2.0, 2.5)}  # (forward, backward) per block
+
+    def fake_time_modes(self, warmup, iters, modes=(None, "full", "selective")):
+        n = len(self.blocks)
+        return {m: {"fwd": [times[m][0]] * n, "bwd": [times[m][1]] * n, "total_fwd": 5.0 * n,
+                    "total_bwd": 5.0 * n} for m in modes}
+
+    monkeypatch.setattr(profiler._Runner, "time_modes", fake_time_modes)
+    prof = profile(build_model(_cfg("gpt2", dropout=0.1)), _ids(), machine=CPU)
+    for blk in prof.blocks:
+        assert blk.forward_s == 1.0 and blk.backward_s == 2.0
+        assert blk.recompute_s == pytest.approx(0.1 + 1.0)
+        assert blk.selective_recompute_s == pytest.approx(1.0 + 0.5)  # more than full: what the host pays
+
+
 def test_head_profile() -> None:
     torch.manual_seed(0)
     cfg = _cfg("llama")

@@ -52,9 +52,11 @@ class BlockProfile:
     backward_s: float
     """Backward time of the block (without recompute)."""
     recompute_s: float
-    """Extra time a fully recomputed block spends in backward (about one forward)."""
+    """Extra time of a fully recomputed block over a kept one, forward and backward together (about one forward:
+    the recompute in backward, and what the checkpoint itself costs in the forward)."""
     selective_recompute_s: float
-    """Extra time a selectively recomputed block spends in backward (its pointwise ops)."""
+    """The same for selective recompute (its pointwise ops in backward, and its per-op bookkeeping on the host in
+    forward and backward, which on small blocks bounds the step)."""
     flops: float
     """Forward + backward FLOPs of the block (FlopCounterMode), without recompute."""
 
