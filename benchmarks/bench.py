@@ -398,8 +398,8 @@ def run_trainer(workload: str, args) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="w1", choices=sorted(WORKLOADS))
-    ap.add_argument("--modes", default="plain", help=f"comma-separated; known: minimal, trainer, fit@BUDGET, uniform@OPTION, "
-                    f"fit_bf16@BUDGET, plan@FILE, {', '.join(MODES)}")
+    ap.add_argument("--modes", default="plain", help=f"comma-separated; known: minimal, trainer, fit@BUDGET, "
+                    f"uniform@OPTION, fit_bf16@BUDGET, plan@FILE, {', '.join(MODES)}")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--accum", type=int, default=0, help="gradient accumulation (0: the workload's)")

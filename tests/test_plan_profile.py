@@ -528,3 +528,41 @@ def test_a_model_whose_plain_step_does_not_fit_is_profiled_recomputed(monkeypatc
         assert b.selective_recompute_s > 0  # priced from its pointwise bytes
     assert got.head.forward_s >= 0 and got.head.backward_s >= 0
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("option", [(None, 0.25), (None, 0.5), ("selective", 0.25), ("selective", 0.5)],
+                         ids=["keep-0.25", "keep-0.5", "selective-0.25", "selective-0.5"])
+def test_priced_offload_bytes_are_what_the_engine_moves(option) -> None:
+    # The engine offloads whole tensors, largest first, until the ratio of the eligible bytes is reached: the cost
+    # model must price those bytes, not the ratio's share (on GPT-2-XL 0.25 moved 42% of a block's bytes). A
+    # model whose activations pass the engine's 1 MiB floor (1024 tokens x 256 x 4 B), on the simulated host.
+    from elbowroom.activations import BlockPolicy, apply_block_policies, get_offload_engine
+    from elbowroom.activations.offload import DEFAULT_MIN_OFFLOAD_BYTES
+    from elbowroom.plan import cost
+    from elbowroom.plan.cost import OPTIONS, Option
+
+    assert cost.DEFAULT_MIN_OFFLOAD_BYTES == DEFAULT_MIN_OFFLOAD_BYTES
+    checkpoint, ratio = option
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="gpt2", n_layers=2, dim=256, n_heads=4, ffn_dim=1024, max_seq_len=512, dropout=0.1)
+    model = build_model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 512), generator=torch.Generator().manual_seed(1))
+    prof = _quick(model, ids)
+    o = Option(checkpoint or "none", ratio)
+    _, off, _ = cost.option_bytes(prof.blocks[0])
+    priced = off[OPTIONS.index(o)]
+    share = ratio * (prof.blocks[0].total_saved_bytes if checkpoint is None
+                     else prof.blocks[0].selective_saved_bytes - prof.blocks[0].input_bytes)
+    apply_block_policies(model, [BlockPolicy(checkpoint=o.checkpoint, offload_ratio=ratio)] * 2, simulate_host=True)
+    engine = get_offload_engine(model)
+
+    def step() -> int:
+        before = engine.stats().offloaded_bytes
+        logits = model(ids)[:, :-1]
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+        return engine.stats().offloaded_bytes - before
+
+    step()  # the first pass of a ratio offloads everything and measures the sizes
+    moved = step() / 2  # two blocks alike
+    assert moved == priced, (moved, priced, share)
+    assert priced > 0

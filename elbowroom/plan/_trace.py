@@ -100,6 +100,8 @@ class _Region:
         self.input_bytes = 0
         self.produced: list[tuple[StorageWeakRef, int, str]] = []  # new storages of its forward, in order
         self.kept_alive = 0  # bytes of produced storages still alive after forward (selective cache)
+        self.sizes: list[int] = []  # each saved activation storage's bytes, in the order saved
+        self.kept_sizes: list[int] = []  # each storage the selective cache keeps, in the order produced
         self.fwd: list[Any] = [None, None]  # clock marks
         self.bwd: list[Any] = [None, None]
 
@@ -196,6 +198,7 @@ class Tracer:
         region.saved[kind] += n
         if kind in KINDS:
             region.largest = max(region.largest, n)
+            region.sizes.append(n)
         return t  # the tensor itself: the hooks observe, they change nothing
 
     # ---- block hooks -------------------------------------------------------------------------------
@@ -233,6 +236,7 @@ class Tracer:
                         continue
                     seen.add(k)
                     region.kept_alive += n
+                    region.kept_sizes.append(n)
                 region.produced.clear()
 
         return hook

@@ -549,12 +549,12 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
         if timings is not None:
             fwd_s, bwd_s = timings[None]["fwd"][i], timings[None]["bwd"][i]
 
-            def extra(mode: str, i: int = i) -> float:
-                # forward and backward: a checkpointed forward runs on the host through torch's checkpoint (and
-                # selective's dispatch mode, every op in Python): on GPT-2-XL's small blocks that doubled the
-                # selective forward, which the backward's difference alone left out (BENCHMARKS.md)
+            # forward and backward: a checkpointed forward runs on the host through torch's checkpoint (and
+            # selective's dispatch mode, every op in Python): on GPT-2-XL's small blocks that doubled the
+            # selective forward, which the backward's difference alone left out (BENCHMARKS.md)
+            def extra(mode: str, i: int = i, f: float = fwd_s, b: float = bwd_s) -> float:
                 t = timings[mode]
-                return max(0.0, t["fwd"][i] - fwd_s + t["bwd"][i] - bwd_s)
+                return max(0.0, t["fwd"][i] - f + t["bwd"][i] - b)
 
             rec_s = extra("full")
             if "selective" in timings:
@@ -571,6 +571,7 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
             param_bytes=_nbytes(params), saved_bytes=saved, selective_saved_bytes=sel_saved,
             input_bytes=int(r.input_bytes), largest_saved_bytes=int(r.largest), forward_s=fwd_s, backward_s=bwd_s,
             recompute_s=rec_s, selective_recompute_s=sel_s, flops=r.fwd_flops + r.bwd_flops,
+            saved_sizes=tuple(r.sizes), kept_sizes=tuple(s.kept_sizes),
         ))
 
     h = plain.regions[HEAD]

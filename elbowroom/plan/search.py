@@ -93,7 +93,10 @@ class _Knapsack:
         self.units = np.ceil(tables.kept / self.unit0 - 1e-9).astype(np.int64)
         self.offload_ok = offload_ok
         self.window = prefetch_window
-        allowed_base = np.ones_like(tables.kept, dtype=bool) if offload_ok else tables.offloaded <= 0
+        offloads = np.array([o.offload_ratio > 0 or o.offload_input for o in OPTIONS])[None, :]
+        # an option that offloads moves whole tensors of at least the engine's smallest size: where a block has
+        # none, it would move nothing and only pay the engine's hooks
+        allowed_base = ~offloads | (tables.offloaded > 0) if offload_ok else ~offloads & (tables.offloaded <= 0)
         if not selective_ok:
             allowed_base &= np.array([o.checkpoint != "selective" for o in OPTIONS])[None, :]
         ex = np.unique(np.round(tables.extra[allowed_base], 0))
@@ -624,6 +627,7 @@ def with_bytes_of(profile: Profile, other: Profile) -> Profile:
         raise ValueError(f"the two profiles have {len(profile.blocks)} and {len(other.blocks)} blocks")
     blocks = tuple(
         replace(b, saved_bytes=dict(o.saved_bytes), selective_saved_bytes=o.selective_saved_bytes,
+                saved_sizes=o.saved_sizes, kept_sizes=o.kept_sizes,
                 input_bytes=o.input_bytes, largest_saved_bytes=o.largest_saved_bytes)
         for b, o in zip(profile.blocks, other.blocks)
     )

@@ -59,6 +59,12 @@ class BlockProfile:
     forward and backward, which on small blocks bounds the step)."""
     flops: float
     """Forward + backward FLOPs of the block (FlopCounterMode), without recompute."""
+    saved_sizes: tuple[int, ...] = ()
+    """Each saved activation's bytes (one per storage, in the order saved) when the block is kept whole: the
+    offload engine's ratio picks whole tensors, largest first, so the bytes it moves follow from these."""
+    kept_sizes: tuple[int, ...] = ()
+    """The same for the outputs selective recompute keeps (its cache, the input not included). Both empty in a
+    profile made before they were recorded: a ratio then moves that share of the bytes."""
 
     @property
     def total_saved_bytes(self) -> int:
@@ -169,6 +175,10 @@ def profile_from_dict(d: dict[str, Any]) -> Profile:
     """The inverse of :meth:`Profile.to_dict`."""
     d = dict(d)
     d["machine"] = MachineProfile(**d["machine"])
-    d["blocks"] = tuple(BlockProfile(**b) for b in d["blocks"])
+    d["blocks"] = tuple(
+        BlockProfile(**{**b, "saved_sizes": tuple(b.get("saved_sizes", ())),
+                        "kept_sizes": tuple(b.get("kept_sizes", ()))})
+        for b in d["blocks"]
+    )
     d["head"] = HeadProfile(**d["head"])
     return Profile(**d)
