@@ -416,7 +416,14 @@ def test_measured_profile_on_cuda(tmp_path) -> None:
         assert blk.forward_s > 0 and blk.backward_s > 0 and blk.saved_bytes["attention"] > 0
         assert blk.selective_saved_bytes < blk.total_saved_bytes
     assert prof.allocator_overhead_bytes >= 0
-    assert prof.allocator_overhead_expandable_bytes > 0  # measured on a plain step of its own (at least 1)
+    from elbowroom.plan.devices import expandable_segments_on
+
+    if expandable_segments_on() is None:
+        # this torch cannot tell the allocator's setting (torch 2.11 has the setter, not the getter): the
+        # setting is not switched, nothing is measured, and a plan prices it with ALLOCATOR_MARGIN instead
+        assert prof.allocator_overhead_expandable_bytes == 0
+    else:
+        assert prof.allocator_overhead_expandable_bytes > 0  # measured on a plain step of its own (at least 1)
     assert all(p.grad is None for p in model.parameters())
 
 
