@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--workload", default="gpt2-xl", choices=sorted(WORKLOADS))
     ap.add_argument("--options", default="keep,selective,full,keep:0.25")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--bf16", action="store_true", help="the whole model in bf16, no autocast (the planner's bf16 "
+                    "layout), instead of fp32 weights under bf16 autocast")
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,6 +82,8 @@ def main() -> None:
     cfg = replace(PRESETS[w.preset], max_seq_len=w.seq_len) if hasattr(PRESETS[w.preset], "max_seq_len") \
         else PRESETS[w.preset]
     model = build_model(cfg, device=dev)
+    if args.bf16:
+        model.to(torch.bfloat16)
     idx = torch.randint(0, cfg.vocab_size, (w.batch_size, w.seq_len), device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -87,7 +91,7 @@ def main() -> None:
     # the profile's own per-mode totals (the runner the planner uses)
     from elbowroom.plan import profiler as P
     blocks, _ = P._resolve_blocks(model, None)
-    runner = P._Runner(model, blocks, P._Step(model, idx, None), dev, torch.bfloat16, dev.type)
+    runner = P._Runner(model, blocks, P._Step(model, idx, None), dev, None if args.bf16 else torch.bfloat16, dev.type)
     with runner.preserved():
         t = runner.time_modes(1, 3)
     for mode, v in t.items():
@@ -101,7 +105,7 @@ def main() -> None:
         if cuda:
             marks[0].record()
         h0 = time.perf_counter()
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=not args.bf16):
             logits = model(idx)[:, :-1]
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
         h1 = time.perf_counter()
