@@ -152,17 +152,9 @@ def fit(
     if loss_fn is not None:
         prof_kwargs["loss_fn"] = loss_fn
     prof = take_profile(model, sample_batch, **prof_kwargs)
-    bf16_bytes = None
+    bf16_prof = None
     if precision == "bf16" and prof.param_dtype != "bfloat16" and prof.compute_dtype == "bfloat16":
-        # what the model saves once its weights are bf16 (norm and residual outputs in bf16, not autocast's
-        # fp32): traced on a meta copy in a second or two, its bytes price the bf16-weight layouts
-        from elbowroom.plan.profiler import meta_copy
-
-        bf16_bytes = take_profile(
-            meta_copy(model).to(torch.bfloat16), sample_batch, source="analytic", machine=prof.machine,
-            dtype=torch.bfloat16, blocks=prof.block_path or None,
-            **({"loss_fn": loss_fn} if loss_fn is not None else {}),
-        )
+        bf16_prof = _bf16_profile(model, sample_batch, prof, take_profile, loss_fn)
     plan = plan_for(
         prof,
         budget_bytes,
@@ -173,8 +165,35 @@ def fit(
         selective_allowed=selective,
         gradient_offload_allowed=gradient_offload,
         offload_config=opt_kwargs.get("offload_config"),
-        bf16_bytes=bf16_bytes,
+        bf16_bytes=bf16_prof,
     )
     model, opt = apply(model, plan, optimizer, blocks=blocks, **opt_kwargs)
     logger.info("%s", plan.table())
     return model, opt, plan
+
+
+def _bf16_profile(model: nn.Module, sample_batch: Any, prof: Any, take_profile: Callable[..., Any],
+                  loss_fn: Callable[..., torch.Tensor] | None) -> Any:
+    """The model with bf16 weights, profiled: measured on a bf16 copy on the device when the plain step was
+    measured there (its bytes and its times: a bf16 model runs its norms and residuals in bf16 and casts no
+    weights, W1 11% and GPT-2-XL 15% faster than fp32 weights under autocast on the H100, ``BENCHMARKS.md``),
+    else traced on a meta copy (its bytes only, in a second or two)."""
+    from elbowroom.plan.profiler import bf16_copy, meta_copy
+
+    extra = {"loss_fn": loss_fn} if loss_fn is not None else {}
+    path = prof.block_path or None
+    if prof.source == "measured" and path is not None and not prof.extra.get("recomputed"):
+        copy = None
+        try:
+            copy = bf16_copy(model)
+            return take_profile(copy, sample_batch, source="measured", machine=prof.machine, dtype=torch.bfloat16,
+                                blocks=path, **extra)
+        except torch.OutOfMemoryError:
+            logger.warning("no room for a bf16 copy of the model beside it: the bf16 layouts are priced with the "
+                           "autocast profile's times")
+        finally:
+            del copy
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return take_profile(meta_copy(model).to(torch.bfloat16), sample_batch, source="analytic", machine=prof.machine,
+                        dtype=torch.bfloat16, blocks=path, **extra)

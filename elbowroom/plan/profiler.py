@@ -51,6 +51,7 @@ set to None, the CPU (and CUDA) RNG state restored so that a later run draws the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import statistics
@@ -193,6 +194,22 @@ def meta_copy(model: nn.Module) -> nn.Module:
         empty = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
     return copy.deepcopy(model, memo)
+
+
+def bf16_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on its device with every floating parameter and buffer in bf16 (the planner's "bf16"
+    layout), made without an fp32 copy first: the module objects are copied on meta, then the tensors are
+    allocated in bf16 and filled from the model's, non-persistent buffers (RoPE tables) included."""
+    device = _model_device(model)
+    copy = meta_copy(model)
+    copy.to(torch.bfloat16)
+    copy.to_empty(device=device)
+    with torch.no_grad():
+        for (_, dst), (_, src) in zip(copy.named_parameters(), model.named_parameters()):
+            dst.copy_(src)
+        for (_, dst), (_, src) in zip(copy.named_buffers(), model.named_buffers()):
+            dst.copy_(src)
+    return copy
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -351,8 +368,9 @@ def _profile_recomputed(model: nn.Module, block_list: list[nn.Module], block_pat
                "total_fwd": full["total_fwd"], "total_bwd": max(0.0, full["total_bwd"] - sum(full["fwd"]))},
         "full": {**full, "bwd": [b + f for f, b in zip(full["fwd"], bwd)]},
     }
-    return _assemble(model, block_list, block_path, plain, selective, timings, meta_step.vocab, machine, "measured",
+    prof = _assemble(model, block_list, block_path, plain, selective, timings, meta_step.vocab, machine, "measured",
                      micro_batch, seq_len, dtype, param_dtype, 0, 0)
+    return dataclasses.replace(prof, extra={**prof.extra, "recomputed": True})  # no plain step was measured
 
 
 class _Runner:

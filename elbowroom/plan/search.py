@@ -268,7 +268,8 @@ def plan_for(
         allocator_allowed: the plan may set CUDA allocator options (``expandable_segments:True``).
         prefetch_window_bytes: the activation offload engine's prefetch window (its default when None).
         offload_config: the ``CPUOffloadConfig`` the optimizer will be built with (its staging slots are priced).
-        bf16_bytes: a profile of the same model with bf16 weights (analytic is enough: only its bytes are read).
+        bf16_bytes: a profile of the same model with bf16 weights: its bytes price the bf16 layout, and its times
+            too when it was measured (:func:`with_bf16_measurements`); an analytic one gives bytes only.
             A profile taken under autocast saves fp32 norm and residual outputs that a bf16 model saves in bf16;
             with this, bf16-weight layouts are priced with their own bytes (times stay the profile's).
         weight_layouts: the weight layouts (keys of ``cost.LAYOUTS``) the loop can run, None: every one the
@@ -321,7 +322,9 @@ def plan_for(
                   offload_config=offload_config)
         found: list[Plan] = []
         errors: list[BudgetError] = []
-        for prof, only in ((with_bytes_of(profile, bf16_bytes), ["bf16"]),
+        bf16 = (with_bf16_measurements(profile, bf16_bytes) if bf16_bytes.source == "measured"
+                else with_bytes_of(profile, bf16_bytes))
+        for prof, only in ((bf16, ["bf16"]),
                            (profile, [x for x in layouts if x != "bf16"])):
             if not only:
                 continue
@@ -635,3 +638,18 @@ def with_bytes_of(profile: Profile, other: Profile) -> Profile:
                    logits_transient_bytes=other.head.logits_transient_bytes,
                    fused_transient_bytes=other.head.fused_transient_bytes)
     return replace(profile, blocks=blocks, head=head)
+
+
+def with_bf16_measurements(profile: Profile, bf16: Profile) -> Profile:
+    """``profile`` with the bytes and the times of ``bf16``, a measured profile of the same model with bf16 weights
+    (no autocast): what the bf16 layout saves and costs, measured. Its times hold no weight casts, so the result
+    is marked as bf16 weights (the cost model then credits no cast). Model states, machine and allocator margins
+    stay ``profile``'s."""
+    out = with_bytes_of(profile, bf16)
+    blocks = tuple(
+        replace(b, forward_s=o.forward_s, backward_s=o.backward_s, recompute_s=o.recompute_s,
+                selective_recompute_s=o.selective_recompute_s)
+        for b, o in zip(out.blocks, bf16.blocks)
+    )
+    head = replace(out.head, forward_s=bf16.head.forward_s, backward_s=bf16.head.backward_s)
+    return replace(out, blocks=blocks, head=head, param_dtype=bf16.param_dtype, compute_dtype=bf16.compute_dtype)
