@@ -112,6 +112,9 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
         if hasattr(opt, "stats"):
             s = opt.stats()
             out["host_GiB"] = round(s.get("host_bytes", 0) / 2**30, 2)
+            if s.get("offloaded_params"):  # the last step's host work and how long the step waited for it
+                out["host_step_s"] = round(float(s["cpu_step_s"]), 4)
+                out["host_wait_s"] = round(float(s["cpu_wait_s"]), 4)
         return out
 
     return Setup(opt, context=context, stats=stats, notes=notes, fused_loss=plan.fused_loss,
