@@ -96,3 +96,29 @@ def test_fit_measures_a_bf16_copy(monkeypatch) -> None:
     assert seen["bf16"].source == "measured" and seen["bf16"].param_dtype == "bfloat16"
     assert seen["bf16"].blocks[0].forward_s > 0
     assert plan.num_blocks == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_bf16_copy_of_a_hugging_face_model(family: str) -> None:
+    # Hugging Face models as they are: the rotary table is a non-persistent buffer, GPT-2's causal mask a buffer
+    transformers = pytest.importorskip("transformers")
+    if family == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        make = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+        make = transformers.GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = make(cfg).eval()
+    copy = bf16_copy(model).eval()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = make(cfg).eval()
+        want.load_state_dict(model.state_dict())
+        want = want.to(torch.bfloat16)(ids).logits
+        got = copy(ids).logits
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the model stays fp32
+    if family == "gpt2":  # the head is tied to the embedding in the copy as in the model
+        assert copy.lm_head.weight is copy.transformer.wte.weight

@@ -174,7 +174,7 @@ def fit(
 
 def _bf16_profile(model: nn.Module, sample_batch: Any, prof: Any, take_profile: Callable[..., Any],
                   loss_fn: Callable[..., torch.Tensor] | None) -> Any:
-    """The model with bf16 weights, profiled: measured on a bf16 copy on the device when the plain step was
+    """The model with bf16 weights, profiled: measured on a bf16 copy on the device when the model was
     measured there (its bytes and its times: a bf16 model runs its norms and residuals in bf16 and casts no
     weights, W1 11% and GPT-2-XL 15% faster than fp32 weights under autocast on the H100, ``BENCHMARKS.md``),
     else traced on a meta copy (its bytes only, in a second or two)."""
@@ -182,7 +182,9 @@ def _bf16_profile(model: nn.Module, sample_batch: Any, prof: Any, take_profile: 
 
     extra = {"loss_fn": loss_fn} if loss_fn is not None else {}
     path = prof.block_path or None
-    if prof.source == "measured" and path is not None and not prof.extra.get("recomputed"):
+    if prof.source == "measured" and path is not None:
+        # a model whose plain step does not fit (the 7B shape) is measured on the copy as on itself, every block
+        # recomputed: the copy needs half the model's bytes beside it
         copy = None
         try:
             copy = bf16_copy(model)

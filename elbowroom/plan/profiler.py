@@ -198,17 +198,24 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 def bf16_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` on its device with every floating parameter and buffer in bf16 (the planner's "bf16"
-    layout), made without an fp32 copy first: the module objects are copied on meta, then the tensors are
-    allocated in bf16 and filled from the model's, non-persistent buffers (RoPE tables) included."""
+    layout), made without an fp32 copy first: the module objects are copied on meta, then each tensor is allocated
+    in bf16 and filled from the model's by name, non-persistent buffers (RoPE tables) included. Tied weights stay
+    tied (one tensor, as in the model)."""
     device = _model_device(model)
-    copy = meta_copy(model)
-    copy.to(torch.bfloat16)
-    copy.to_empty(device=device)
+    copy = meta_copy(model).to(torch.bfloat16)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    made: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for (_, dst), (_, src) in zip(copy.named_parameters(), model.named_parameters()):
-            dst.copy_(src)
-        for (_, dst), (_, src) in zip(copy.named_buffers(), model.named_buffers()):
-            dst.copy_(src)
+        for prefix, mod in copy.named_modules(remove_duplicate=False):
+            for table, source in ((mod._parameters, params), (mod._buffers, buffers)):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in made:
+                        new = torch.empty_like(t, device=device).copy_(source[f"{prefix}.{name}" if prefix else name])
+                        made[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+                    table[name] = made[id(t)]
     return copy
 
 
