@@ -113,7 +113,9 @@ def fit(
         budget: device memory for the step: "24GiB", "24GB", "512MiB" or an int of bytes.
         optimizer: the torch optimizer class.
         global_batch: samples per optimizer step; the planner then picks micro-batch and accumulation.
-        precision: "fp32", or "bf16" to allow bf16 device weights (fp32 masters).
+        precision: "fp32", or "bf16" to allow bf16 device weights (fp32 masters). With "bf16" and a measured
+            profile, a bf16 copy of the model is profiled beside it (half the model's bytes more while planning,
+            freed after), so that the bf16 layouts are priced with their own times.
         fused_loss: the loop can use ``elbowroom.linear_cross_entropy`` (the planner decides whether it pays).
         source: how to profile: "auto", "measured" or "analytic".
         machine: a device name of ``elbowroom.plan.devices`` (or a MachineProfile) for analytic profiles.
