@@ -6,7 +6,8 @@
 - ``fit@<budget>``: ``elbowroom.plan.fit`` with the measured profile (a few warm-up steps on this GPU), fp32
   weights under autocast; ``fit_bf16@<budget>`` also allows bf16 device weights with fp32 masters (the row says
   which the plan chose). ``+fl`` lets the planner use the fused head and loss; the row follows the plan's choice.
-- ``plan@<file>``: apply a Plan file (TOML or JSON) as it is: a hand plan is a file, not a mode name.
+- ``plan@<file>``: apply a Plan file (TOML or JSON) as it is: a hand plan is a file, not a mode name
+  (``ELBOWROOM_BENCH_CPU_THREADS=N``: its host optimizer step on N threads).
 - ``uniform@<option>``: every block under one option of the planner (``keep``, ``keep:0.5``, ``selective``,
   ``selective:0.25``, ``selective:all``, ``full``, ``full:input``), the optimizer on the device, fp32 weights:
   the cost model's price of that one option against the measurement (the calibration of its per-option terms).
@@ -71,7 +72,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
         model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True)
     elif plan_file is not None:
         plan = Plan.load(plan_file)
-        model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True)
+        model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True, **_offload_config(plan))
     else:
         # the harness's loss (cross-entropy over its own targets) and loop (no clipping: the host step may start
         # as soon as the late blocks' gradients are final)
@@ -148,6 +149,18 @@ def _analytic(model: torch.nn.Module, plan: Any, idx: torch.Tensor) -> dict[str,
                 "analytic_step_s": round(again.predicted_step_seconds, 4)}
     except Exception as e:  # noqa: BLE001 - a side figure; the row stands without it
         return {"analytic_error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def _offload_config(plan: Any) -> dict[str, Any]:
+    """``ELBOWROOM_BENCH_CPU_THREADS=N``: the host step of a plan that offloads the optimizer runs on N threads."""
+    import os
+
+    threads = os.environ.get("ELBOWROOM_BENCH_CPU_THREADS")
+    if not threads or not plan.offloads_optimizer:
+        return {}
+    from elbowroom.optim import CPUOffloadConfig
+
+    return {"offload_config": CPUOffloadConfig(cpu_threads=int(threads))}
 
 
 def _option(text: str) -> Any:
