@@ -13,7 +13,9 @@ Any mode + ``+fl``: the output head and cross-entropy computed chunk by chunk
 (``elbowroom.activations.linear_cross_entropy``: the logits never exist whole), e.g. ``torch_ckpt+fl``.
 
 ``ELBOWROOM_BENCH_EVENTS=1`` adds ``gpu_ms`` to each row: the GPU time of every micro-batch of the last step
-and of its ``step()`` + ``zero_grad()``, from CUDA events between them.
+and of its ``step()`` + ``zero_grad()``, from CUDA events between them. ``ELBOWROOM_BENCH_SEGMENTS=1`` adds
+``segments_by_stream``: the allocator's reserved and allocated GiB by the stream that owns them, after the last
+step.
 
 Modes come from registries: the peers' and the trainer's below, ours from ``modes_activations.py`` and
 ``modes_optim.py`` beside this file, DeepSpeed ZeRO-Offload from ``modes_deepspeed.py``. A mode is a function
@@ -258,6 +260,8 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     row.update(loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), accum=accum)
     if marks:
         row["gpu_ms"] = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
+    if os.environ.get("ELBOWROOM_BENCH_SEGMENTS") and device.type == "cuda":
+        row["segments_by_stream"] = _segments_by_stream()
     row["settings"] = settings(name, workload, args)
     if setup.notes:
         row["notes"] = setup.notes
@@ -277,6 +281,19 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
             row["alloc_vs_pred"] = round(row["peak_GiB"] / row["pred_alloc_GiB"], 3)
     del model, setup
     return row
+
+
+def _segments_by_stream() -> dict[str, list[float]]:
+    """After the last step: the caching allocator's segments by the stream whose pool holds them (GiB reserved,
+    GiB allocated, segments). A side stream's cached blocks are not reused by the compute stream, so this tells
+    where reserved-minus-allocated sits (``ELBOWROOM_BENCH_SEGMENTS=1``)."""
+    out: dict[str, list[float]] = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        r = out.setdefault(str(seg["stream"]), [0.0, 0.0, 0])
+        r[0] += seg["total_size"]
+        r[1] += seg["allocated_size"]
+        r[2] += 1
+    return {k: [round(a / 2**30, 3), round(b / 2**30, 3), int(n)] for k, (a, b, n) in out.items()}
 
 
 def settings(name: str, workload: str, args: Any) -> dict[str, Any]:
