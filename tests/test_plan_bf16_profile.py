@@ -122,3 +122,33 @@ def test_bf16_copy_of_a_hugging_face_model(family: str) -> None:
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the model stays fp32
     if family == "gpt2":  # the head is tied to the embedding in the copy as in the model
         assert copy.lm_head.weight is copy.transformer.wte.weight
+
+
+def test_the_layout_follows_the_measured_bf16_times() -> None:
+    # The same bytes either way: the bf16 layout wins when its measured step is faster than fp32 weights' and
+    # loses when it is slower; priced without its own times it gets the cast estimate's credit instead.
+    from elbowroom.plan.search import plan_for
+
+    model = _model()
+    fp32 = profile(model, _ids(), machine=CPU, dtype=torch.bfloat16, warmup=0, iters=1)
+    bf16 = profile(bf16_copy(model), _ids(), machine=CPU, dtype=torch.bfloat16, warmup=0, iters=1)
+
+    def timed(prof, f):
+        return dataclasses.replace(
+            prof, blocks=tuple(dataclasses.replace(b, forward_s=0.010 * f, backward_s=0.020 * f,
+                                                   recompute_s=0.010 * f, selective_recompute_s=0.004 * f)
+                               for b in prof.blocks),
+            head=dataclasses.replace(prof.head, forward_s=0.002 * f, backward_s=0.004 * f))
+
+    base = timed(fp32, 1.0)
+    budget = 1 << 30  # room for anything: the layout is decided by time alone
+    fast = plan_for(base, budget, precision="bf16", bf16_bytes=timed(bf16, 0.7))
+    slow = plan_for(base, budget, precision="bf16", bf16_bytes=timed(bf16, 3.0))
+    traced = plan_for(base, budget, precision="bf16", bf16_bytes=dataclasses.replace(timed(bf16, 0.7),
+                                                                                      source="analytic"))
+    assert fast.weight_dtype == "bfloat16"
+    assert slow.weight_dtype == "float32"
+    # the measured times, not the autocast ones, price the bf16 layout: 30% off its compute
+    n = len(base.blocks)
+    assert fast.time["compute"] == pytest.approx(0.7 * (n * 0.030 + 0.006))
+    assert traced.time["compute"] != pytest.approx(fast.time["compute"])
