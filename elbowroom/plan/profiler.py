@@ -197,12 +197,12 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 def bf16_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` on its device with every floating parameter and buffer in bf16 (the planner's "bf16"
-    layout), made without an fp32 copy first: the module objects are copied on meta, then each tensor is allocated
-    in bf16 and filled from the model's by name, non-persistent buffers (RoPE tables) included. Tied weights stay
-    tied (one tensor, as in the model)."""
+    """A copy of ``model`` on its device as :func:`~elbowroom.plan.apply.apply` runs the planner's "bf16" layout:
+    every floating parameter in bf16, buffers (rotary tables) in their own dtype. Made without an fp32 copy first:
+    the module objects are copied on meta, then each tensor is allocated and filled from the model's by name,
+    non-persistent buffers included. Tied weights stay tied (one tensor, as in the model)."""
     device = _model_device(model)
-    copy = meta_copy(model).to(torch.bfloat16)
+    copy = meta_copy(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     made: dict[int, torch.Tensor] = {}
@@ -213,7 +213,10 @@ def bf16_copy(model: nn.Module) -> nn.Module:
                     if t is None:
                         continue
                     if id(t) not in made:
-                        new = torch.empty_like(t, device=device).copy_(source[f"{prefix}.{name}" if prefix else name])
+                        src = source[f"{prefix}.{name}" if prefix else name]
+                        bf16 = isinstance(t, nn.Parameter) and t.is_floating_point()
+                        new = torch.empty_like(t, device=device, dtype=torch.bfloat16 if bf16 else t.dtype)
+                        new.copy_(src)
                         made[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
                     table[name] = made[id(t)]
     return copy
