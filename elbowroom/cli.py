@@ -13,7 +13,11 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elbowroom.train.distributed_run import Launch
 
 USAGE = """usage: elbowroom COMMAND [options]
 
@@ -85,7 +89,6 @@ def cmd_train(argv: list[str]) -> int:
 
     from elbowroom.train.checkpoint import CheckpointError
     from elbowroom.train.data import DataError
-    from elbowroom.train.distributed_run import Launch
     from elbowroom.train.trainer import train
 
     _setup_logging()
@@ -93,7 +96,7 @@ def cmd_train(argv: list[str]) -> int:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         with logging_redirect_tqdm():
-            result = train(cfg, Launch.from_environment(os.environ))  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK
+            result = train(cfg, launch_from_environment(os.environ))  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _fail("train", str(e))
     except KeyboardInterrupt:  # a second Ctrl-C outside a save: the previous checkpoint stands
@@ -105,6 +108,23 @@ def cmd_train(argv: list[str]) -> int:
         )
         return 128 + (result.signal or signal.SIGTERM)
     return 0
+
+
+def launch_from_environment(environ: Mapping[str, str]) -> Launch | None:
+    """torchrun's placement of this process (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR) as a
+    ``Launch``, or None when they are absent (a plain ``python``/``elbowroom`` process)."""
+    from elbowroom.config import ConfigError
+    from elbowroom.train.distributed_run import Launch
+
+    if "WORLD_SIZE" not in environ:
+        return None
+    try:
+        return Launch(int(environ.get("RANK", "0")), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")),
+                      rendezvous="MASTER_ADDR" in environ,
+                      local_world_size=int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        raise ConfigError("RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers (torchrun sets them)"
+                          ) from None
 
 
 def _from_environment(cfg: Any) -> Any:

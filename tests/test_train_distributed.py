@@ -241,7 +241,9 @@ def test_the_library_reads_no_environment(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ConfigError, match="not started by torchrun"):
         train(_config(out, *DDP))
     assert not out.exists()
-    assert Launch.from_environment(os.environ) == Launch(0, 2, 0, rendezvous=True)
+    from elbowroom.cli import launch_from_environment
+
+    assert launch_from_environment(os.environ) == Launch(0, 2, 0, rendezvous=True)
 
 
 def test_ranks_of_one_host_share_its_cores(monkeypatch) -> None:
@@ -254,4 +256,6 @@ def test_ranks_of_one_host_share_its_cores(monkeypatch) -> None:
     assert optim_config.default_step_threads() == 30
     assert optim_config.default_step_threads(2) == 14 and optim_config.default_step_threads(64) == 1
     env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h"}
-    assert Launch.from_environment(env) == Launch(3, 4, 1, rendezvous=True, local_world_size=2)
+    from elbowroom.cli import launch_from_environment
+
+    assert launch_from_environment(env) == Launch(3, 4, 1, rendezvous=True, local_world_size=2)

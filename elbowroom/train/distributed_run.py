@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,21 +70,6 @@ class Launch:
     local_world_size: int = 1
     """Processes on this host (torchrun's LOCAL_WORLD_SIZE): they share its cores for host optimizer steps."""
 
-    @classmethod
-    def from_environment(cls, environ: Mapping[str, str]) -> Launch | None:
-        """torchrun's variables, or None when they are absent (a plain ``python``/``elbowroom`` process). The CLI
-        reads them; from Python, pass ``Launch.from_environment(os.environ)`` to ``train`` under torchrun, or
-        initialise the process group first."""
-        if "WORLD_SIZE" not in environ:
-            return None
-        try:
-            return cls(int(environ.get("RANK", "0")), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")),
-                       rendezvous="MASTER_ADDR" in environ,
-                       local_world_size=int(environ.get("LOCAL_WORLD_SIZE", "1")))
-        except ValueError:
-            raise ConfigError("RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers (torchrun sets them)"
-                          ) from None
-
 
 def resolve_launch(launch: Launch | None) -> Launch | None:
     """The launch to use: the one given, else an initialised process group's, else None (one process)."""
@@ -109,7 +94,7 @@ def check_setup(cfg: Config, launch: Launch | None) -> None:
         raise ConfigError(
             f"{mesh}, but this process was not started by torchrun (no WORLD_SIZE); launch it with "
             f"`torchrun --nproc-per-node {p.world_size} -m elbowroom train ...` (from Python: initialise the process "
-            "group, or pass train(cfg, Launch.from_environment(os.environ))), or drop the --parallel flags"
+            "group first, or pass train(cfg, Launch(rank, world_size, local_rank))), or drop the --parallel flags"
         )
     if world != p.world_size:
         hint = (f"set --parallel.dp_replicate {world} (DDP) or --parallel.dp_shard {world} (FSDP2)"

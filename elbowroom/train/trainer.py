@@ -398,8 +398,8 @@ def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
     Args:
         cfg: the resolved run configuration (see ``elbowroom.config.Config``).
         launch: this process's rank and world size (default: the initialised process group's, else one process;
-            under torchrun from Python, pass ``Launch.from_environment(os.environ)``: the library reads no
-            environment).
+            under torchrun from Python, initialise the process group first or pass a ``Launch``: the library reads
+            no environment; the CLI reads torchrun's variables, ``elbowroom.cli.launch_from_environment``).
 
     Returns:
         A :class:`TrainResult` with the logged training and validation losses.
