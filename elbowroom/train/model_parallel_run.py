@@ -133,24 +133,9 @@ def wrap(run: Any, model: nn.Module, build_optimizer: Any,
 def plan_to_follow(cfg: Config, out: Path) -> Any:
     """The saved plans a model-parallel run follows (a :class:`~elbowroom.plan.ranks.RankPlans`): on ``--resume``
     the run's own ``OUT/plan.toml``, else ``--plan FILE``; None when there are none."""
-    from elbowroom.config import memory_overrides
-    from elbowroom.train.planning import PLAN_FILE
+    from elbowroom.train import planning
 
-    saved = out / PLAN_FILE
-    if cfg.resume and saved.is_file():
-        plans = _load(saved)
-        if memory_overrides(cfg):
-            raise ConfigError(f"{out} was trained under its plans {saved}, which decide these; drop "
-                              f"{', '.join(memory_overrides(cfg))} to resume it")
-        if cfg.plan is not None and _load(cfg.plan) != plans:
-            raise ConfigError(f"--resume continues under the run's own plans {saved}; drop --plan {cfg.plan}")
-        log.info("resuming under the run's plans %s (not planning again)", saved)
-        return plans
-    if cfg.resume and (cfg.budget is not None or cfg.plan is not None):
-        flag = "--budget" if cfg.budget is not None else "--plan"
-        raise ConfigError(f"--resume: {out} was trained without a plan (no {saved.name}); drop {flag} to continue "
-                          "it as it was trained")
-    return _load(cfg.plan) if cfg.plan is not None else None
+    return planning.plan_to_follow(cfg, out, load=_load, what="plans")
 
 
 def _load(path: str | Path) -> Any:

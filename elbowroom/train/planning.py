@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,31 +70,37 @@ def load_plan(path: str | Path) -> Plan:
         raise ConfigError(f"{e}; fix the plan file or plan again with `elbowroom plan`") from None
 
 
-def plan_to_follow(cfg: Config, out: Path) -> Plan | None:
+def plan_to_follow(cfg: Config, out: Path, load: Callable[[str | Path], Any] | None = None,
+                   what: str = "plan") -> Any:
     """The saved plan this run applies: on ``--resume`` the run's own ``OUT/plan.toml`` (the layout its checkpoint
     was trained with), else ``--plan FILE``; None when there is none (a ``--budget`` run plans once it has a model).
+
+    ``load`` reads a plan file (default :func:`load_plan`; a model-parallel run reads its ranks' plans, ``what``
+    "plans", and gets a :class:`~elbowroom.plan.ranks.RankPlans`).
     """
     from elbowroom.plan import parse_budget
 
+    load = load or load_plan
     saved = out / PLAN_FILE
     if cfg.resume and saved.is_file():
-        plan = load_plan(saved)
+        plan = load(saved)
         overrides = memory_overrides(cfg)
         if overrides:
-            raise ConfigError(f"{out} was trained under its plan {saved}, which decides these; drop "
+            verb = "decides" if what == "plan" else "decide"
+            raise ConfigError(f"{out} was trained under its {what} {saved}, which {verb} these; drop "
                               f"{', '.join(overrides)} to resume it")
-        if cfg.plan is not None and load_plan(cfg.plan) != plan:
-            raise ConfigError(f"--resume continues under the run's own plan {saved}; drop --plan {cfg.plan}")
+        if cfg.plan is not None and load(cfg.plan) != plan:
+            raise ConfigError(f"--resume continues under the run's own {what} {saved}; drop --plan {cfg.plan}")
         if cfg.budget is not None and parse_budget(cfg.budget) != plan.budget_bytes:
-            log.warning("--budget %s differs from the %d bytes the run was planned for; resuming under its plan "
-                        "(start a new run to plan for the new budget)", cfg.budget, plan.budget_bytes)
-        log.info("resuming under the run's plan %s (not planning again)", saved)
+            log.warning("--budget %s differs from the %d bytes the run was planned for; resuming under its %s "
+                        "(start a new run to plan for the new budget)", cfg.budget, plan.budget_bytes, what)
+        log.info("resuming under the run's %s %s (not planning again)", what, saved)
         return plan
     if cfg.resume and (cfg.budget is not None or cfg.plan is not None):
         flag = "--budget" if cfg.budget is not None else "--plan"
         raise ConfigError(f"--resume: {out} was trained without a plan (no {saved.name}); drop {flag} to continue "
                           "it as it was trained")
-    return load_plan(cfg.plan) if cfg.plan is not None else None
+    return load(cfg.plan) if cfg.plan is not None else None
 
 
 def sharded(cfg: Config) -> bool:
