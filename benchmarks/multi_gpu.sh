@@ -15,20 +15,27 @@ N=${N:-2}
 PARTS=${PARTS:-1 2 3 4 5}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 OUT=${OUT:-runs/multi-gpu}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-W1="--config configs/w1.toml --steps 30 --train.eval_batches 0 --checkpoint.enabled false --logging.log_every 1 \
-    --logging.progress false"
+# The runs' directories go under WORK; OUT gets the summary and one archive of logs and metrics (a device call
+# returns a few files). DEADLINE (seconds from the start) skips the runs that would not finish in time, and says so.
+WORK=${WORK:-$OUT/runs}
+DEADLINE=${DEADLINE:-100000}
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH=${PYTHONPATH:-$PWD} NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+W1=${W1_ARGS:-"--config configs/w1.toml --steps 30 --train.eval_batches 0 --checkpoint.enabled false --logging.log_every 1 \
+    --logging.progress false"}
+START=$SECONDS
 run() {  # name, nproc, args...
   local name=$1 nproc=$2; shift 2
-  echo "== $name (nproc $nproc)"
-  timeout 900 torchrun --nproc-per-node "$nproc" -m elbowroom train $W1 --out "$OUT/$name" "$@" \
-    > "$OUT/$name.log" 2>&1
-  echo "   rc=$? $(tail -1 "$OUT/$name.log" | cut -c1-160)"
+  local left=$((DEADLINE - (SECONDS - START)))
+  if ((left < 45)); then echo "== $name skipped: ${left}s left of DEADLINE" | tee -a "$OUT/skipped.txt"; return; fi
+  echo "== $name (nproc $nproc) at $((SECONDS - START))s"
+  timeout $((left < 900 ? left : 900)) torchrun --nproc-per-node "$nproc" -m elbowroom train $W1 \
+    --out "$WORK/$name" "$@" > "$WORK/$name.log" 2>&1
+  echo "   rc=$? in $((SECONDS - START))s: $(tail -1 "$WORK/$name.log" | cut -c1-160)"
 }
 # 1. the link, and single-GPU W1: plain and the planner at 24 GiB (per-GPU budgets below are the same)
 if part 1; then
-  torchrun --nproc-per-node "$N" benchmarks/nccl_bandwidth.py | tee "$OUT/nccl.txt"
+  timeout 120 torchrun --nproc-per-node "$N" benchmarks/nccl_bandwidth.py 2>&1 | tee "$WORK/nccl.txt"
   run single-plain 1 --data.batch_size 4
   run single-budget24 1 --data.batch_size 4 --budget 24GiB --optimizer.param_dtype bfloat16
 fi
@@ -50,26 +57,34 @@ if part 3; then
 for clip in 1.0 0; do
 run "fsdp-our-offload-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" --optimizer.offload_fraction 1.0 \
   --optimizer.param_dtype bfloat16 --activations.checkpoint full --activations.offload_checkpoint_inputs true \
-  --train.max_grad_norm $clip
+  --train.max_grad_norm $clip --steps 20
 run "fsdp-cpu-offload-policy-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
-  --parallel.fsdp_cpu_offload --activations.checkpoint full --train.max_grad_norm $clip
+  --parallel.fsdp_cpu_offload --activations.checkpoint full --train.max_grad_norm $clip --steps 20
 run "fsdp-our-offload-selective-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
   --optimizer.offload_fraction 1.0 --optimizer.param_dtype bfloat16 --activations.checkpoint selective \
-  --train.max_grad_norm $clip
+  --train.max_grad_norm $clip --steps 20
 run "fsdp-cpu-offload-policy-norecompute-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
-  --parallel.fsdp_cpu_offload --train.max_grad_norm $clip
+  --parallel.fsdp_cpu_offload --train.max_grad_norm $clip --steps 20
 done
 fi
-# 4. TP 2 and PP 2 (8 micro-batches, 1F1B) on the 7B shape
+# 4. TP 2 and PP 2 (8 micro-batches, 1F1B) on the 7B shape, against one GPU running the same 8 micro-batches (fp32
+#    AdamW on the device: 108 GB, fits a 141 GB H200); PP's ideal is 2 x one GPU x m / (m + p - 1)
 if part 4; then
-run 7b-tp2 2 --model.preset 7b --data.batch_size 1 --parallel.tp 2 --activations.checkpoint full --steps 10
+run 7b-single 1 --model.preset 7b --data.batch_size 1 --train.gradient_accumulation_steps 8 \
+  --activations.checkpoint full --steps 6
 run 7b-pp2 2 --model.preset 7b --data.batch_size 8 --parallel.pp 2 --parallel.pp_schedule 1f1b \
-  --parallel.pp_microbatches 8 --activations.checkpoint full --steps 10
+  --parallel.pp_microbatches 8 --activations.checkpoint full --steps 6
+run 7b-tp2 2 --model.preset 7b --data.batch_size 1 --train.gradient_accumulation_steps 8 --parallel.tp 2 \
+  --activations.checkpoint full --steps 6
 fi
 # 5. gradient compression on DDP: bytes on the wire per step (comm_bytes_per_step), tokens/s, loss after 300 steps
+#    (sequences of 1024 tokens, so that 300 steps fit a call and communication weighs more than at 4096)
 if part 5; then
   for hook in none bf16 powersgd topk int8; do
-    run "ddp-hook-$hook" "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.comm_hook $hook --steps 300
+    run "ddp-hook-$hook" "$N" --data.batch_size $B --data.seq_len 1024 --parallel.dp_replicate "$N" \
+      --parallel.comm_hook $hook --steps 300
   done
 fi
-python3 benchmarks/multi_gpu_summary.py "$OUT"
+cp "$WORK"/nccl.txt "$OUT"/ 2>/dev/null
+python3 benchmarks/multi_gpu_summary.py "$WORK" "$N" | tee "$OUT/summary.md"
+tar czf "$OUT/runs.tar.gz" -C "$WORK" --exclude=trace.json --exclude='*.pickle' --exclude='*.pt' --exclude='*.safetensors' .

@@ -8,8 +8,10 @@ import statistics
 import sys
 from pathlib import Path
 
+from elbowroom.report.trace import comm_overlap, read_trace
 
-def main(out: str) -> None:
+
+def main(out: str, n: int) -> None:
     rows = []
     for run in sorted(p for p in Path(out).iterdir() if (p / "metrics.jsonl").is_file()):
         ms = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -20,15 +22,28 @@ def main(out: str) -> None:
                      max((m.get("peak_reserved_bytes") or 0) for m in steps) / 2**30 if steps else 0.0,
                      steps[-1]["loss"] if steps else float("nan"),
                      steps[-1].get("comm_bytes_per_step") if steps else None))
-    single = {name: tps for name, tps, *_ in rows if name.startswith("single")}
-    base = single.get("single-plain")
-    print("| run | tokens/s | per GPU vs single plain | peak GiB/GPU (alloc / reserved) | last loss | "
+    single = {name: tps for name, tps, *_ in rows if "single" in name}
+
+    def of_ideal(name: str, tps: float) -> str:  # against N x the same shape on one GPU
+        base = single.get("7b-single" if name.startswith("7b") else "single-plain")
+        return f"{tps / (base * (1 if 'single' in name else n)):.1%}" if base else ""
+
+    print(f"| run | tokens/s | of {n} x one GPU | peak GiB/GPU (alloc / reserved) | last loss | "
           "bytes on the wire/step |")
     print("|---|---|---|---|---|---|")
     for name, tps, peak, reserved, loss, comm in rows:
-        ratio = f"{tps / base:.2f}x" if base else ""
-        print(f"| {name} | {tps:,.0f} | {ratio} | {peak:.2f} / {reserved:.2f} | {loss:.4f} | {comm or ''} |")
+        print(f"| {name} | {tps:,.0f} | {of_ideal(name, tps)} | {peak:.2f} / {reserved:.2f} | {loss:.4f} | "
+              f"{f'{comm / 2**20:,.1f} MiB' if comm else ''} |")
+    traces = sorted(Path(out).glob("*/profile/trace.json"))
+    if traces:
+        print("\n| run | step | window ms | compute ms | NCCL ms | NCCL under compute |")
+        print("|---|---|---|---|---|---|")
+    for path in traces:
+        ov = comm_overlap(read_trace(path))
+        if ov is not None:
+            print(f"| {path.parent.parent.name} | {ov.step} | {ov.window_s * 1e3:.1f} | {ov.compute_s * 1e3:.1f} | "
+                  f"{ov.comm_s * 1e3:.1f} | {ov.hidden:.0%} |")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "runs/multi-gpu")
+    main(sys.argv[1] if len(sys.argv) > 1 else "runs/multi-gpu", int(sys.argv[2]) if len(sys.argv) > 2 else 2)

@@ -284,3 +284,26 @@ def test_cuda_report_compares_peak_and_time(cuda_run: Path) -> None:
     row = text[text.index('data-key="peak_bytes"') :].split("</tr>")[0]
     # the plan's peak includes the allocator's margin: it is compared with the reserved peak
     assert f'data-value="{int(9.5 * GIB)}"' in row and f'data-value="{int(10.6 * GIB)}"' in row
+
+
+def test_comm_overlap_counts_nccl_time_under_compute_kernels() -> None:
+    from elbowroom.report.trace import comm_overlap
+
+    def k(name: str, ts: float, dur: float, stream: int) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
+                "args": {"stream": stream}}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "elbowroom step 5", "pid": 0, "tid": 1, "ts": 0.0,
+         "dur": 1000.0},
+        k("ampere_bf16_gemm", 0.0, 600.0, 7), k("ampere_bf16_gemm", 650.0, 100.0, 7),  # compute: 0-600, 650-750
+        k("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 500.0, 200.0, 20),  # 500-700: 150 hidden, 50 exposed
+        k("ncclDevKernel_ReduceScatter_Sum_f32", 800.0, 100.0, 20),  # after compute: exposed
+        k("ncclDevKernel_AllReduce_Sum_f32", 1500.0, 100.0, 20),  # outside the step
+    ]
+    ov = comm_overlap(events)
+    assert ov is not None and ov.step == 5
+    assert ov.window_s == pytest.approx(1e-3)
+    assert ov.comm_s == pytest.approx(300e-6) and ov.overlapped_s == pytest.approx(150e-6)
+    assert ov.compute_s == pytest.approx(700e-6) and ov.hidden == pytest.approx(0.5)
+    assert comm_overlap([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 5.0}]) is None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LinkTimeline", "read_trace", "link_timeline"]
+__all__ = ["CommOverlap", "LinkTimeline", "comm_overlap", "read_trace", "link_timeline"]
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
@@ -69,6 +69,89 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
+def _window(events: list[dict[str, Any]], device_events: list[dict[str, Any]]) -> tuple[int | None, float, float]:
+    """The last step the recorder marked on the host, as ``(step, start, end)`` in microseconds; without a mark,
+    the span of ``device_events`` (step None)."""
+    marks = [e for e in events if str(e.get("name", "")).startswith("elbowroom step ")
+             and not str(e.get("cat", "")).startswith("gpu_")]
+    if marks:
+        last = max(marks, key=lambda e: e["ts"])
+        t0, t1 = float(last["ts"]), float(last["ts"]) + float(last.get("dur", 0))
+        if t1 > t0:
+            try:
+                return int(str(last["name"]).rsplit(" ", 1)[1]), t0, t1
+            except ValueError:
+                return None, t0, t1
+    return (None, min(float(e["ts"]) for e in device_events),
+            max(float(e["ts"]) + float(e.get("dur", 0)) for e in device_events))
+
+
+def _is_comm(e: dict[str, Any]) -> bool:
+    name = str(e.get("name", "")).lower()
+    return "nccl" in name or "allreduce" in name or "all_reduce" in name or "reducescatter" in name
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _covered(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Time of ``spans`` (disjoint) that ``cover`` (disjoint, sorted) also covers."""
+    return sum(_overlap(a, b, c, d) for a, b in spans for c, d in cover if c < b and d > a)
+
+
+@dataclass(frozen=True)
+class CommOverlap:
+    """How much of one step's collective-communication kernel time ran while compute kernels ran."""
+
+    step: int | None
+    """The recorder's step the window is (None: the whole trace)."""
+    window_s: float
+    """The window's length."""
+    comm_s: float
+    """Time at least one communication kernel (NCCL) ran."""
+    overlapped_s: float
+    """Part of ``comm_s`` during which a compute kernel also ran, on another stream."""
+    compute_s: float
+    """Time at least one compute (non-communication) kernel ran."""
+
+    @property
+    def hidden(self) -> float:
+        """Share of communication time hidden behind compute (1.0: all of it; 1.0 when there is none)."""
+        return self.overlapped_s / self.comm_s if self.comm_s > 0 else 1.0
+
+
+def comm_overlap(events: list[dict[str, Any]]) -> CommOverlap | None:
+    """Communication against compute over the last recorded step: NCCL kernels (all-reduce, reduce-scatter,
+    all-gather) are the communication, every other kernel the compute.
+
+    Args:
+        events: complete events of a trace (:func:`read_trace`).
+
+    Returns:
+        The overlap, or None when the trace has no kernels (a CPU run).
+    """
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not kernels:
+        return None
+    step, t0, t1 = _window(events, kernels)
+
+    def spans(comm: bool) -> list[tuple[float, float]]:
+        return _union([(max(float(e["ts"]), t0), min(float(e["ts"]) + float(e.get("dur", 0)), t1))
+                       for e in kernels if _is_comm(e) == comm
+                       and float(e["ts"]) < t1 and float(e["ts"]) + float(e.get("dur", 0)) > t0])
+
+    comm, compute = spans(True), spans(False)
+    return CommOverlap(step=step, window_s=(t1 - t0) * 1e-6, comm_s=sum(b - a for a, b in comm) * 1e-6,
+                       overlapped_s=_covered(comm, compute) * 1e-6, compute_s=sum(b - a for a, b in compute) * 1e-6)
+
+
 def link_timeline(events: list[dict[str, Any]], bins: int = 100) -> LinkTimeline | None:
     """Bin one step's copies and kernels.
 
@@ -83,20 +166,7 @@ def link_timeline(events: list[dict[str, Any]], bins: int = 100) -> LinkTimeline
     copies = [e for e in events if e.get("cat") == "gpu_memcpy" and _direction(e)]
     if not kernels and not copies:
         return None
-    step, t0, t1 = None, None, None
-    marks = [e for e in events if str(e.get("name", "")).startswith("elbowroom step ")
-             and not str(e.get("cat", "")).startswith("gpu_")]
-    if marks:
-        last = max(marks, key=lambda e: e["ts"])
-        t0, t1 = float(last["ts"]), float(last["ts"]) + float(last.get("dur", 0))
-        try:
-            step = int(str(last["name"]).rsplit(" ", 1)[1])
-        except ValueError:
-            step = None
-    dev = kernels + copies
-    if t0 is None or t1 is None or t1 <= t0:
-        t0 = min(float(e["ts"]) for e in dev)
-        t1 = max(float(e["ts"]) + float(e.get("dur", 0)) for e in dev)
+    step, t0, t1 = _window(events, kernels + copies)
     width = (t1 - t0) / bins if t1 > t0 else 1.0
     edges = [t0 + i * width for i in range(bins + 1)]
     h2d, d2h, busy = [0.0] * bins, [0.0] * bins, [0.0] * bins
