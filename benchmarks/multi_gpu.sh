@@ -26,6 +26,7 @@ W1=${W1_ARGS:-"--config configs/w1.toml --steps 30 --train.eval_batches 0 --chec
 START=$SECONDS
 run() {  # name, nproc, args...
   local name=$1 nproc=$2; shift 2
+  if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="name ...": these runs alone
   local left=$((DEADLINE - (SECONDS - START)))
   if ((left < 45)); then echo "== $name skipped: ${left}s left of DEADLINE" | tee -a "$OUT/skipped.txt"; return; fi
   echo "== $name (nproc $nproc) at $((SECONDS - START))s"
@@ -49,6 +50,10 @@ run ddp-engines "$N" --data.batch_size $B --parallel.dp_replicate "$N" --activat
   --activations.offload_checkpoint_inputs true --optimizer.offload_fraction 0.5
 run fsdp-engines "$N" --data.batch_size $B --parallel.dp_shard "$N" --activations.checkpoint full \
   --activations.offload_checkpoint_inputs true
+# the planner at a per-GPU budget (FSDP2: each rank plans its own 1/N of the model states)
+run ddp-budget24 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --budget 24GiB \
+  --optimizer.param_dtype bfloat16
+run fsdp-budget16 "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB --optimizer.param_dtype bfloat16
 fi
 # 3. FSDP2 with our optimizer offload against FSDP2's CPUOffloadPolicy (peak per GPU in metrics.jsonl)
 if part 3; then
@@ -80,6 +85,7 @@ fi
 # 5. gradient compression on DDP: bytes on the wire per step (comm_bytes_per_step), tokens/s, loss after 300 steps
 #    (sequences of 1024 tokens, so that 300 steps fit a call and communication weighs more than at 4096)
 if part 5; then
+  run single-plain-1024 1 --data.batch_size 4 --data.seq_len 1024 --steps 100
   for hook in none bf16 powersgd topk int8; do
     run "ddp-hook-$hook" "$N" --data.batch_size $B --data.seq_len 1024 --parallel.dp_replicate "$N" \
       --parallel.comm_hook $hook --steps 300

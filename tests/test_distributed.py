@@ -199,6 +199,10 @@ def _ranks_compose(rank: int, world: int) -> dict:
         "powersgd": (ParallelConfig(dp_replicate=2, comm_hook="powersgd", powersgd_rank=4), 50, None, False),
         "topk": (ParallelConfig(dp_replicate=2, comm_hook="topk", topk_ratio=0.1), 50, None, False),
         "int8": (ParallelConfig(dp_replicate=2, comm_hook="int8"), 50, None, False),
+        # buckets of 10 KB, which DDP rebuilds after the first step into others (first one up to 1 MiB): the
+        # residuals carried across follow the parameters, not the bucket's index
+        "topk_rebucketed": (ParallelConfig(dp_replicate=2, comm_hook="topk", topk_ratio=0.1), 50, None, False),
+        "int8_rebucketed": (ParallelConfig(dp_replicate=2, comm_hook="int8"), 50, None, False),
         "none50": (ParallelConfig(dp_replicate=2), 50, None, False),
         "recompute": (ParallelConfig(dp_replicate=2), 10, "full", False),
         "fsdp_recompute": (ParallelConfig(dp_shard=2), 10, "selective", False),
@@ -211,7 +215,7 @@ def _ranks_compose(rank: int, world: int) -> dict:
         if recompute:
             apply_activation_policy(model, checkpoint=recompute)
         params = list(model.parameters())
-        model, comm = apply_data_parallel(model, topo)
+        model, comm = apply_data_parallel(model, topo, **({"bucket_cap_mb": 0.01} if "rebucketed" in name else {}))
         if offload:
             opt = CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-2, offload_fraction=0.5)
         else:
@@ -220,6 +224,9 @@ def _ranks_compose(rank: int, world: int) -> dict:
         if offload:
             opt.close()
         out[name] = {"losses": losses, "bytes": comm.take_bytes() if comm is not None else None}
+        if "rebucketed" in name:
+            sizes = {k: v.numel() for k, v in comm.state_dict()["residuals"].items()}
+            out[name]["residuals"] = sizes == {n: p.numel() for n, p in model.module.named_parameters()}
     return out
 
 
@@ -234,7 +241,10 @@ def test_compression_recompute_and_offload_under_data_parallel() -> None:
     # the uncompressed 50-step baseline; beyond ~10 steps at this learning rate the order of the gradient sums
     # shows in the 5th digit, so it is compared over the first 10
     assert r0["none50"]["losses"][:10] == pytest.approx(ref10, rel=1e-5)
-    for name in ("powersgd", "topk", "int8"):  # compressed and error-fed: the curve still falls with plain's
+    for name in ("topk_rebucketed", "int8_rebucketed"):
+        assert r0[name]["residuals"] and r1[name]["residuals"], name  # one residual per parameter, by name
+    for name in ("powersgd", "topk", "int8", "topk_rebucketed", "int8_rebucketed"):
+        # compressed and error-fed: the curve still falls with plain's
         assert r0[name]["losses"][-1] < ref50[0] * 0.8, (name, r0[name]["losses"][-1], ref50[0])
         assert abs(r0[name]["losses"][-1] - ref50[-1]) < 0.15 * ref50[0], (name, r0[name]["losses"][-1], ref50[-1])
     full = r0["none50"]["bytes"] / 50

@@ -20,12 +20,15 @@ metrics. The hooks run on DDP's reducer thread for the whole bucket at once: no 
 """
 
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,8 +41,11 @@ class CompressionState:
     """top-k: share of entries sent."""
     generator: torch.Generator | None = None
     """int8: the source of the stochastic rounding's noise (seeded per rank, so runs repeat)."""
-    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Bucket index -> error carried to the next step (the part of ``g + e`` not sent)."""
+    residuals: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Parameter name -> its flat error carried to the next step (the part of ``g + e`` not sent). Kept per
+    parameter, not per bucket: DDP rebuilds its buckets after the first step, in the order gradients arrived."""
+    names: dict[int, str] = field(default_factory=dict)
+    """``id(parameter)`` -> its name in the DDP module (the residuals' keys, stable across processes)."""
     bytes_sent: int = 0
     """Bytes this rank put on the wire since the last :meth:`take_bytes`."""
 
@@ -49,10 +55,15 @@ class CompressionState:
         return n
 
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {k: v.cpu() for k, v in self.residuals.items()}}
+        return {"residuals": {k: v.to("cpu", copy=True) for k, v in self.residuals.items()}}  # views: copied
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residuals = {int(k): v for k, v in state["residuals"].items()}
+        residuals = {str(k): v for k, v in state["residuals"].items()}
+        if any(k.isdigit() for k in residuals):  # keyed by bucket index, by an older version
+            log.warning("the checkpoint's compression residuals are keyed by DDP bucket, which the buckets "
+                        "rebuilt since no longer match; the error feedback starts from zero")
+            residuals = {k: v for k, v in residuals.items() if not k.isdigit()}
+        self.residuals = residuals
 
 
 # ---------------------------------------------------------------- the compressors (pure, tested on their own)
@@ -110,8 +121,19 @@ def _error_fed(
     """The shape of both compressing hooks: add the carried residual, compress into two tensors (keeping the new
     residual), all-gather both, and write the average of every rank's decompressed bucket into the bucket."""
     buf = bucket.buffer()
-    x = buf + state.residuals[bucket.index()] if bucket.index() in state.residuals else buf.clone()
-    a, b, state.residuals[bucket.index()] = compress(x)
+    params = bucket.parameters()
+    keys = [state.names.get(id(p), f"bucket{bucket.index()}.{i}") for i, p in enumerate(params)]
+    sizes = [p.numel() for p in params]
+    if sum(sizes) != buf.numel():  # the bucket is the parameters' gradients end to end; anything else is one piece
+        keys, sizes = [f"bucket{bucket.index()}"], [buf.numel()]
+    carried = [state.residuals.get(k) for k in keys]
+    carried = [c if c is not None and c.numel() == n else None for c, n in zip(carried, sizes)]
+    if all(c is None for c in carried):
+        x = buf.clone()
+    else:
+        x = buf + torch.cat([c.to(buf.device) if c is not None else buf.new_zeros(n) for c, n in zip(carried, sizes)])
+    a, b, residual = compress(x)
+    state.residuals.update(zip(keys, residual.split(sizes)))
     gathered_a, gathered_b = _gather(state, a), _gather(state, b)
     world = _world(state)
 
@@ -224,14 +246,15 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, nam
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+    names = {id(p): n for n, p in ddp_model.module.named_parameters()}
     if name == "topk":
-        state = CompressionState(process_group=process_group, ratio=topk_ratio)
+        state = CompressionState(process_group=process_group, ratio=topk_ratio, names=names)
         ddp_model.register_comm_hook(state, _then(topk_hook, then))
         return state
     if name == "int8":
         generator = torch.Generator(device=ddp_model.device if ddp_model.device_ids else "cpu")
         generator.manual_seed(seed + dist.get_rank())  # independent noise per rank, the same on every rerun
-        state = CompressionState(process_group=process_group, generator=generator)
+        state = CompressionState(process_group=process_group, generator=generator, names=names)
         ddp_model.register_comm_hook(state, _then(int8_hook, then))
         return state
     if name == "powersgd":

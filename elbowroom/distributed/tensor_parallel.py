@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -91,12 +93,21 @@ class FusedColwiseParallel(ParallelStyle):
                 x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
             if x.placements != (Replicate(),):
                 x = x.redistribute(placements=(Replicate(),), async_op=False)  # the sequence-parallel all-gather
-            return (x, *inputs[1:])
+            # each rank's matmul gives its share of the input's gradient: summed over ranks on the way back
+            return (x.to_local(grad_placements=(Partial(),)), *inputs[1:])
 
-        def local_output(_mod: nn.Module, output: Any, _mesh: Any) -> torch.Tensor:
-            return output.to_local()
+        module = distribute_module(module, device_mesh, partition, gather_input)
+        # The matmul runs on the local shards. DTensor's own linear on a _StridedShard weight is not the same
+        # across torch versions: 2.11 cannot redistribute the transposed weight's placement and raises.
+        module.forward = types.MethodType(_local_linear, module)
+        return module
 
-        return distribute_module(module, device_mesh, partition, gather_input, local_output)
+
+def _local_linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear``'s forward on this rank's shard of a :class:`FusedColwiseParallel` weight (and bias): the input
+    is whole, the output is this rank's ``[q_r | k_r | v_r]``; gradients reach the parameters as DTensors."""
+    bias = mod.bias.to_local() if mod.bias is not None else None
+    return F.linear(x, mod.weight.to_local(), bias)
 
 
 def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
