@@ -7,10 +7,10 @@ error feedback); this module adds two from the classic compression literature:
 - **top-k**: each rank sends the ``ratio`` share of its bucket's entries that are largest in magnitude
   (values and int32 indices) and keeps the rest as a residual added to the next step's bucket (error
   feedback, so that nothing is lost, only delayed);
-- **int8**: each rank sends its bucket quantised to int8 with one fp32 scale, rounded stochastically
-  (unbiased: E[q] = x / scale), and keeps the rounding error as its residual.
+- **int8**: each rank sends its bucket quantised to int8 with one fp32 scale per 2048 entries, rounded
+  stochastically (unbiased: E[q] = x / scale), and keeps the rounding error as its residual.
 
-Both exchange their compressed buckets with an all-gather (each rank's selection differs, so they cannot be
+Both exchange their compressed buckets with one all-gather each (each rank's selection differs, so they cannot be
 summed on the wire) and decompress the sum locally; every rank then holds the same averaged bucket. The
 invariant the tests check: ``decompress(compress(g + e)) + e' == g + e`` exactly, where ``e`` is the residual
 carried in and ``e'`` the one carried out.
@@ -84,19 +84,32 @@ def topk_decompress(values: torch.Tensor, indices: torch.Tensor, numel: int) -> 
     return out
 
 
+INT8_BLOCK = 2048
+"""Entries per int8 scale. One scale per bucket (tens of millions of entries, or the whole model in DDP's first
+step) lets one large entry set the step for all: the rounding noise then drowns the gradient."""
+
+
 def int8_compress(
-    x: torch.Tensor, generator: torch.Generator | None = None
+    x: torch.Tensor, generator: torch.Generator | None = None, block: int = INT8_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` as int8 with one fp32 scale, stochastically rounded: (q, scale, residual = x - q * scale)."""
-    scale = (x.abs().max().float() / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    noise = torch.rand(x.shape, generator=generator, device=x.device if generator is None else generator.device)
-    q = torch.floor(x.float() / scale + noise.to(x.device)).clamp_(-127, 127).to(torch.int8)
-    residual = x - int8_decompress(q, scale).to(x.dtype)
-    return q, scale.reshape(1), residual
+    """Flat ``x`` as int8 with one fp32 scale per ``block`` entries (the last block may be short), stochastically
+    rounded: (q, scales, residual = x - decompressed)."""
+    n = x.numel()
+    blocks = -(-n // block)
+    padded = torch.nn.functional.pad(x.float(), (0, blocks * block - n)).view(blocks, block)
+    scale = (padded.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    noise = torch.rand(padded.shape, generator=generator,
+                       device=x.device if generator is None else generator.device).to(x.device)
+    q = torch.floor(padded / scale[:, None] + noise).clamp_(-127, 127).to(torch.int8).view(-1)[:n]
+    residual = x - int8_decompress(q, scale, block).to(x.dtype)
+    return q, scale, residual
 
 
-def int8_decompress(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float()
+def int8_decompress(q: torch.Tensor, scale: torch.Tensor, block: int = INT8_BLOCK) -> torch.Tensor:
+    """The flat values of int8 ``q``, one scale for each ``block`` entries."""
+    n = q.numel()
+    padded = torch.nn.functional.pad(q.float(), (0, scale.numel() * block - n)).view(scale.numel(), block)
+    return (padded * scale.float()[:, None]).view(-1)[:n]
 
 
 # ---------------------------------------------------------------- the DDP hooks
@@ -104,12 +117,21 @@ def _world(state: CompressionState) -> int:
     return dist.get_world_size(state.process_group)
 
 
-def _gather(state: CompressionState, tensor: torch.Tensor) -> torch.futures.Future:
-    """All-gather ``tensor`` (same shape on every rank) into a list, asynchronously."""
-    out = [torch.empty_like(tensor) for _ in range(_world(state))]
-    work = dist.all_gather(out, tensor, group=state.process_group, async_op=True)
-    state.bytes_sent += tensor.numel() * tensor.element_size()
-    return work.get_future().then(lambda _: out)
+def _gather(state: CompressionState, parts: tuple[torch.Tensor, ...]) -> torch.futures.Future[list]:
+    """All-gather ``parts`` (the same shapes on every rank) as one collective: the list of every rank's parts.
+
+    One byte tensor rather than one collective per part: a future joined from several (``collect_all``) is not
+    ordered after NCCL's stream, so reading its values raced the transfers (garbage indices, on the GPU)."""
+    payload = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
+    out = [torch.empty_like(payload) for _ in range(_world(state))]
+    work = dist.all_gather(out, payload, group=state.process_group, async_op=True)
+    state.bytes_sent += payload.numel()
+    sizes = [p.numel() * p.element_size() for p in parts]
+
+    def unpack(_: Any) -> list[list[torch.Tensor]]:
+        return [[b.view(p.dtype).view(p.shape) for b, p in zip(o.split(sizes), parts)] for o in out]
+
+    return work.get_future().then(unpack)
 
 
 def _error_fed(
@@ -134,14 +156,14 @@ def _error_fed(
         x = buf + torch.cat([c.to(buf.device) if c is not None else buf.new_zeros(n) for c, n in zip(carried, sizes)])
     a, b, residual = compress(x)
     state.residuals.update(zip(keys, residual.split(sizes)))
-    gathered_a, gathered_b = _gather(state, a), _gather(state, b)
     world = _world(state)
 
-    def decompress(_: Any) -> torch.Tensor:
-        buf.copy_(dense_sum(gathered_a.value(), gathered_b.value(), buf.numel()).div_(world))
+    def decompress(fut: torch.futures.Future[list]) -> torch.Tensor:
+        ranks = fut.value()
+        buf.copy_(dense_sum([r[0] for r in ranks], [r[1] for r in ranks], buf.numel()).div_(world))
         return buf
 
-    return torch.futures.collect_all([gathered_a, gathered_b]).then(decompress)
+    return _gather(state, (a, b)).then(decompress)
 
 
 def topk_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
