@@ -80,6 +80,7 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     res = {name: _train(tmp_path / name, *args) for name, args in CASES.items()}  # one run directory for all ranks
     res["ddp_fp16"] = _train(tmp_path / "ddp_fp16", *DDP, "--parallel.comm_hook", "fp16")
     res["after_reduction"] = _offload_after_reduction(rank)
+    res["ddp_budget"] = _train(tmp_path / "ddp_budget", *DDP, "--budget", "64GiB")  # planned for DDP's buckets
     # ws2 -> ws1: the first half under FSDP2 with the optimizer half on the host; the parent continues it
     res["half"] = _train(tmp_path / "ws2", *FSDP, *OFFLOAD, *FIRST_HALF)
     # ws1 -> ws2: the parent's single-process first half, continued here under FSDP2
@@ -127,6 +128,13 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path, capsys) -> Non
         assert r["after_reduction"]["d2h"] == r["after_reduction"]["grad_bytes"]
     for a, b in zip(r0["after_reduction"]["params"], r1["after_reduction"]["params"]):
         assert torch.equal(a, b)  # the ranks stepped on the same (reduced) gradients
+
+    # --budget under DDP plans for its buckets: every gradient held from the forward on, none sent to the host early
+    from elbowroom.plan import Plan
+
+    ddp_plan = Plan.load(tmp_path / "ddp_budget" / "plan.toml")
+    assert ddp_plan.persistent_gradients and not ddp_plan.offload_gradients
+    assert sorted(r0["ddp_budget"]["losses"]) == sorted(ref["plain"]["losses"])
 
     # rank 0 alone writes the metrics: one row per step and evaluation, not two
     assert len((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()) == 6 + 2

@@ -256,6 +256,8 @@ class Decisions:
     grad_clipping: bool = True
     """The loop clips gradients (or uses a GradScaler): the host step starts after the whole backward."""
     offload_gradients: bool = False  # offloaded parameters' gradients leave the device in the backward (costly)
+    persistent_gradients: bool = False
+    """Every gradient exists for the whole step, the forward too: DDP's buckets (its ``.grad`` are views of them)."""
     offload_config: Any = None
     """The CPU-offloaded optimizer's engine settings (``CPUOffloadConfig``; None: its defaults), whose staging
     slots the plan prices."""
@@ -570,7 +572,8 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     largest, in_max = sums.largest, sums.in_max
     grad_t = 2 * sums.params_max if (autocast and weight == "float32") else 0
     g_head, g_blocks = gradient_bytes(profile, d)
-    transient = d.accumulation == 1  # else they live through every later micro-batch's forward
+    # else they live through every later micro-batch's forward, or in DDP's buckets from its construction on
+    transient = d.accumulation == 1 and not d.persistent_gradients
     # offloaded gradients: their pinned host copies, and the whole host step and their copy exposed (W1, H100:
     # measured so at 16 GiB)
     og_bytes = int((4 if off_dtype == "float32" else 2) * p_off) if d.offload_gradients else 0

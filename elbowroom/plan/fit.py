@@ -81,6 +81,7 @@ def fit(
     grad_clipping: bool = True,
     selective: bool = True,
     gradient_offload: bool | None = None,
+    persistent_gradients: bool = False,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -131,6 +132,8 @@ def fit(
             clip with ``optimizer.clip_grad_norm_``. None (default): allowed when ``grad_clipping`` is False
             (``torch.nn.utils.clip_grad_norm_`` would miss them). Never under DDP, whose buckets keep every
             gradient.
+        persistent_gradients: every gradient exists for the whole step (the model is, or will be, wrapped in
+            DDP, whose buckets hold them from its construction on): priced in the forward too, none offloaded.
         selective: allow selective recompute (False for blocks whose forward changes state a recompute would
             see differently; a Hugging Face KV cache is switched off by :func:`~elbowroom.plan.apply` instead).
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
@@ -166,6 +169,7 @@ def fit(
         grad_clipping=grad_clipping,
         selective_allowed=selective,
         gradient_offload_allowed=gradient_offload,
+        persistent_gradients=persistent_gradients,
         offload_config=opt_kwargs.get("offload_config"),
         bf16_bytes=bf16_prof,
     )

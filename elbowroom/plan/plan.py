@@ -130,6 +130,8 @@ class Plan:
     offload_gradients: bool = False
     """Gradients of the host-stepped parameters leave the device during the backward (pinned host copies), instead
     of staying there until the step: their device bytes saved, one copy's link time paid."""
+    persistent_gradients: bool = False
+    """Planned for gradients that exist for the whole step (DDP's buckets), not from the backward on."""
     peak_phase: str = ""
     """Where the predicted peak falls."""
     memory: dict[str, int] = field(default_factory=dict)
@@ -217,6 +219,7 @@ class Plan:
             expandable_segments="expandable_segments:True" in self.allocator_settings,
             grad_clipping=self.grad_clipping,
             offload_gradients=self.offload_gradients,
+            persistent_gradients=self.persistent_gradients,
         )
 
     def repredicted(self, profile: Any) -> Plan:
@@ -258,7 +261,8 @@ class Plan:
                      + ("; their gradients leave the device in the backward" if self.offload_gradients else ""))
         lines.append(f"fused head + loss: {'on' if self.fused_loss else 'off'}; allocator: "
                      f"{self.allocator_settings or 'defaults'}; planned "
-                     f"{'with' if self.grad_clipping else 'without'} gradient clipping")
+                     f"{'with' if self.grad_clipping else 'without'} gradient clipping"
+                     + ("; gradients held all step (DDP's buckets)" if self.persistent_gradients else ""))
         lines.append("")
         lines.append(f"{'block':>5}  {'activations':<26} {'optimizer':<9} {'kept GiB':>9} {'offloaded':>10} "
                      f"{'recomputed':>11} {'ms':>8}")

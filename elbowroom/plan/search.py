@@ -240,6 +240,7 @@ def plan_for(
     offload_allowed: bool = True,
     gradient_offload_allowed: bool | None = None,
     grad_clipping: bool = True,
+    persistent_gradients: bool = False,
     allocator_allowed: bool = True,
     prefetch_window_bytes: int | None = None,
     selective_allowed: bool = True,
@@ -265,6 +266,8 @@ def plan_for(
             Only the optimizer sees them then: a loop that clips must use ``optimizer.clip_grad_norm_``. None: allowed
             when ``grad_clipping`` is False (a loop clipping with ``torch.nn.utils.clip_grad_norm_`` would miss them).
         grad_clipping: the loop clips gradients (or uses a GradScaler): the host step waits for the whole backward.
+        persistent_gradients: every gradient exists for the whole step, in the forward too (DDP's buckets, which
+            its ``.grad`` are views of); no gradient leaves the device early then.
         allocator_allowed: the plan may set CUDA allocator options (``expandable_segments:True``).
         prefetch_window_bytes: the activation offload engine's prefetch window (its default when None).
         offload_config: the ``CPUOffloadConfig`` the optimizer will be built with (its staging slots are priced).
@@ -295,6 +298,8 @@ def plan_for(
         raise ValueError("the profile has no blocks: the planner decides block by block")
     if gradient_offload_allowed is None:
         gradient_offload_allowed = not grad_clipping
+    if persistent_gradients:
+        gradient_offload_allowed = False
     if prefetch_window_bytes is None:
         from elbowroom.activations.offload import DEFAULT_PREFETCH_WINDOW_BYTES
 
@@ -317,7 +322,8 @@ def plan_for(
         # exact, so a tighter budget still never predicts a faster step)
         kw = dict(global_batch=global_batch, precision=precision, fused_loss_allowed=fused_loss_allowed,
                   offload_allowed=offload_allowed, gradient_offload_allowed=gradient_offload_allowed,
-                  grad_clipping=grad_clipping, allocator_allowed=allocator_allowed,
+                  grad_clipping=grad_clipping, persistent_gradients=persistent_gradients,
+                  allocator_allowed=allocator_allowed,
                   prefetch_window_bytes=prefetch_window_bytes, selective_allowed=selective_allowed,
                   offload_config=offload_config)
         found: list[Plan] = []
@@ -386,7 +392,7 @@ def plan_for(
                     offload_config=offload_config, options=(Option(),) * n, offload_blocks=offload_blocks,
                     offload_other=other,
                     layout=layout, micro_batch=mb, accumulation=acc, fused_loss=fused,
-                    grad_clipping=grad_clipping, offload_gradients=og,
+                    grad_clipping=grad_clipping, offload_gradients=og, persistent_gradients=persistent_gradients,
                 )
                 g = cost.globals_for(profile, d)
                 if g.host_bytes > host_mem or math.isinf(g.host_exposed_s):
@@ -442,6 +448,7 @@ def plan_for(
             expandable_segments=outer.expandable,
             grad_clipping=grad_clipping,
             offload_gradients=outer.gradients_out,
+            persistent_gradients=persistent_gradients,
         )
 
     best = _refine(profile, best, admitted, budget, decisions, prefetch_window_bytes)
@@ -594,6 +601,7 @@ def plan_from_decisions(
         allocator_settings="expandable_segments:True" if d.expandable_segments else "",
         grad_clipping=d.grad_clipping,
         offload_gradients=d.offload_gradients,
+        persistent_gradients=d.persistent_gradients,
         peak_phase=pred.peak_phase,
         memory=dict(pred.memory),
         time=dict(pred.time),

@@ -169,7 +169,7 @@ def plan_for_budget(
             precision="bf16" if cfg.optimizer.param_dtype == "bfloat16" else "fp32",
             fused_loss=fused_loss,
             grad_clipping=bool(cfg.train.max_grad_norm),
-            gradient_offload=cfg.parallel.mode != "ddp",  # DDP's buckets keep every gradient
+            persistent_gradients=cfg.parallel.mode == "ddp",  # DDP's buckets keep every gradient, all step long
             # the machine's numbers, measured once per machine and torch, beside the corpus cache
             cache_dir=str(cfg.data.cache_dir or default_cache_dir()),
             compute_dtype=amp_dtype,  # the profile runs the step as the training loop will
