@@ -161,3 +161,27 @@ def test_rank_plans_save_and_load(tmp_path) -> None:
     plans.plans[0].save(whole)  # one whole model's plan is not a model-parallel run's
     with pytest.raises(ValueError, match="not the plans of a model-parallel run"):
         RankPlans.load(whole)
+
+
+def test_ranks_of_one_host_share_its_memory_and_its_host_optimizer() -> None:
+    # measured on 2 H200s under DDP: each rank's host AdamW ran at about half the one-process rate (both step at
+    # once, bound by the host's memory bandwidth); a plan priced at the whole rate predicted 374 ms for 516
+    from test_plan_support import GiB, make_profile
+
+    from elbowroom.plan.ranks import host_share, per_rank_profile
+
+    p = make_profile(n_layers=6)
+    m = p.machine
+    two = host_share(m, 2)
+    assert two.host_adam_params_per_s == m.host_adam_params_per_s / 2
+    assert two.host_memory_bytes == m.host_memory_bytes // 2
+    assert two.h2d_bandwidth == m.h2d_bandwidth and host_share(m, 1) is m  # each GPU's own link
+    assert per_rank_profile(p, 2, ranks_per_host=2).machine == two
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        host_share(m, 0)
+    # the same plan's host step takes twice as long on a shared host
+    shared = dataclasses.replace(p, machine=two)
+    d = plan_for(p, 60 * GiB).decisions()
+    d = dataclasses.replace(d, offload_blocks=(True,) * len(p.blocks))
+    alone, both = predict(p, d, 60 * GiB), predict(shared, d, 60 * GiB)
+    assert both.step_seconds > alone.step_seconds
