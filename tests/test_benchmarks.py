@@ -58,3 +58,24 @@ def test_bf16_model_mode_and_microbatch_harness(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in mb.stdout.splitlines() if line.startswith("{")]
     assert [r["variant"] for r in rows] == ["bf16", "amp+ckpt2", "bf16+unfused+sel"]
     assert all(r["ms"] > 0 and r["layers"] == 4 for r in rows)
+
+
+def test_prediction_plot_counts_the_points_in_each_band(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    planned = [("w1", 0.35, 0.34, 23.1, 23.7), ("w1", 0.54, 0.81, 9.85, 7.94), ("w3", 0.86, 1.05, 74.3, 76.0)]
+    lines = [json.dumps({"workload": "w1", "mode": "plain", "step_s": 0.34, "reserved_peak_GiB": 55.6})]  # no plan
+    lines += [json.dumps({"workload": w, "mode": "fit@x", "step_s": s, "pred_step_s": ps, "reserved_peak_GiB": r,
+                          "pred_peak_GiB": pr}) for w, s, ps, r, pr in planned]
+    rows.write_text("\n".join(lines) + "\n")
+    png = tmp_path / "pred.png"
+    script = str(ROOT / "benchmarks" / "plot_predictions.py")
+    proc = subprocess.run([sys.executable, script, str(png), str(rows)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| w") and "fit@x" in line]
+    assert len(table) == 3 and "(0.67)" in table[1] and "(1.24)" in table[1]  # measured / predicted
+    empty = tmp_path / "none.jsonl"
+    empty.write_text(lines[0] + "\n")
+    proc = subprocess.run([sys.executable, script, str(tmp_path / "x.png"), str(empty)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "no planned rows" in proc.stderr and not (tmp_path / "x.png").exists()
