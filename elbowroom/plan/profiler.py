@@ -244,7 +244,7 @@ def profile(
     blocks: Sequence[nn.Module] | str | None = None,
     cache_dir: str | None = None,
     warmup: int = 1,
-    iters: int = 2,
+    iters: int = 3,
 ) -> Profile:
     """Profile ``model`` on one micro-batch: per block saved bytes by kind and times, the head, the machine.
 
@@ -267,7 +267,9 @@ def profile(
             finds them (:func:`elbowroom.activations.recompute.find_blocks`).
         cache_dir: where :func:`measure_machine` caches the machine's numbers (None: no cache).
         warmup: untimed steps before each timed mode (measured source).
-        iters: timed steps per mode, the median counts (measured source).
+        iters: timed steps per mode, the median counts (measured source). Three, so that one slow step is
+            rejected: with two the median is their mean, and near-equal plans swapped between runs with it (W1 at
+            16 GiB planned from one call to the next into plans measuring 82% to 93% of plain).
 
     Returns:
         The :class:`Profile`.
