@@ -131,12 +131,39 @@ def allocator_settings_setter() -> Any:
     return setter
 
 
-def expandable_segments_on() -> bool | None:
+def expandable_segments_on(probe: bool = True) -> bool | None:
     """Whether the CUDA caching allocator runs with ``expandable_segments:True`` now (the environment's
-    ``PYTORCH_CUDA_ALLOC_CONF`` as torch parsed it, or a run-time setting); None when this torch cannot say."""
+    ``PYTORCH_CUDA_ALLOC_CONF`` as torch parsed it, or a run-time setting); None when this torch cannot say.
+
+    Torch 2.11 can set the option at run time but has no getter. There, with ``probe``, a fresh 4 MiB block is
+    allocated on the current CUDA device (after ``empty_cache``, so that it opens a segment of the current
+    setting) and the allocator's snapshot says whether its segment is expandable.
+    """
     import torch
 
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if getter is None:
+    if getter is not None:
+        return "expandable_segments:true" in str(getter()).replace(" ", "").lower()
+    if not probe or not torch.cuda.is_available():
         return None
-    return "expandable_segments:true" in str(getter()).replace(" ", "").lower()
+    return _probe_expandable(torch.cuda.memory._snapshot)
+
+
+def _probe_expandable(snapshot: Any) -> bool | None:
+    """The probe of :func:`expandable_segments_on`; ``snapshot()`` is the allocator's snapshot function."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    x = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")  # large pool: the small one is never expandable
+    try:
+        addr = x.data_ptr()
+        for seg in snapshot().get("segments", []):
+            start = int(seg.get("address", -1))
+            if start <= addr < start + int(seg.get("total_size", 0)):
+                flag = seg.get("is_expandable")
+                return None if flag is None else bool(flag)
+        return None
+    finally:
+        del x
+        torch.cuda.empty_cache()
