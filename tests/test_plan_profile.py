@@ -573,3 +573,17 @@ def test_priced_offload_bytes_are_what_the_engine_moves(option) -> None:
     moved = step() / 2  # two blocks alike
     assert moved == priced, (moved, priced, share)
     assert priced > 0
+
+
+def test_the_snapshot_tells_an_expandable_segment() -> None:
+    # torch 2.11 has no getter for the allocator's settings: a fresh block's segment in the snapshot tells
+    from elbowroom.plan.devices import segment_is_expandable
+
+    segments = [{"address": 1000, "total_size": 100, "is_expandable": False},
+                {"address": 5000, "total_size": 1 << 20, "is_expandable": True},
+                {"address": 9 << 20, "total_size": 100}]  # an older torch's snapshot: no flag
+    assert segment_is_expandable(segments, 5000 + 4096) is True
+    assert segment_is_expandable(segments, 1099) is False
+    assert segment_is_expandable(segments, 1100) is None  # past the first segment's end: no segment holds it
+    assert segment_is_expandable(segments, (9 << 20) + 1) is None
+    assert segment_is_expandable([], 0) is None

@@ -146,24 +146,22 @@ def expandable_segments_on(probe: bool = True) -> bool | None:
         return "expandable_segments:true" in str(getter()).replace(" ", "").lower()
     if not probe or not torch.cuda.is_available():
         return None
-    return _probe_expandable(torch.cuda.memory._snapshot)
-
-
-def _probe_expandable(snapshot: Any) -> bool | None:
-    """The probe of :func:`expandable_segments_on`; ``snapshot()`` is the allocator's snapshot function."""
-    import torch
-
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     x = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")  # large pool: the small one is never expandable
     try:
-        addr = x.data_ptr()
-        for seg in snapshot().get("segments", []):
-            start = int(seg.get("address", -1))
-            if start <= addr < start + int(seg.get("total_size", 0)):
-                flag = seg.get("is_expandable")
-                return None if flag is None else bool(flag)
-        return None
+        return segment_is_expandable(torch.cuda.memory._snapshot().get("segments", []), x.data_ptr())
     finally:
         del x
         torch.cuda.empty_cache()
+
+
+def segment_is_expandable(segments: list[dict[str, Any]], address: int) -> bool | None:
+    """Whether the allocator segment holding ``address`` is expandable, from a snapshot's ``segments``; None when
+    no segment holds it or the snapshot does not say."""
+    for seg in segments:
+        start = int(seg.get("address", -1))
+        if start <= address < start + int(seg.get("total_size", 0)):
+            flag = seg.get("is_expandable")
+            return None if flag is None else bool(flag)
+    return None

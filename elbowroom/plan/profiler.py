@@ -268,8 +268,8 @@ def profile(
         cache_dir: where :func:`measure_machine` caches the machine's numbers (None: no cache).
         warmup: untimed steps before each timed mode (measured source).
         iters: timed steps per mode, the median counts (measured source). Three, so that one slow step is
-            rejected: with two the median is their mean, and near-equal plans swapped between runs with it (W1 at
-            16 GiB planned from one call to the next into plans measuring 82% to 93% of plain).
+            rejected (with two the median is their mean). Near-equal plans still differ from fit to fit: W1 at
+            16 GiB gave two plans in one call, at 91.7% and 93.2% of plain (BENCHMARKS.md).
 
     Returns:
         The :class:`Profile`.
