@@ -3,7 +3,13 @@
 # its own process group, single-GPU baselines on the same host. Logs and metrics go under ${OUT:-runs/multi-gpu}.
 #
 #   N=2 bash benchmarks/multi_gpu.sh          # on nvidia-h200-x2;  N=4 on nvidia-h200-x4
-#   N=2 PARTS="1 2" bash benchmarks/multi_gpu.sh; N=2 PARTS="3"; N=2 PARTS="4 5"   # calls of 10 minutes
+#   N=2 PARTS="1 2" DEADLINE=540 WORK=/tmp/mg bash benchmarks/multi_gpu.sh   # one device call (~4 min on 2 H200s)
+#   N=2 PARTS="3 4" DEADLINE=555 ...; N=2 PARTS="5" ...                      # ~9 and ~5 min
+#   N=2 PARTS="2 4 5" ONLY="ddp-budget24 fsdp-budget16 7b-tp2 ddp-hook-topk ddp-hook-int8" ...   # chosen runs
+#
+# On a device call: DEADLINE keeps the call inside its limit (the runs that would not fit are listed in
+# OUT/skipped.txt), WORK keeps the run directories out of OUT, which gets summary.md, nccl.txt and runs.tar.gz
+# (logs and metrics, no traces). A warm machine keeps WORK between calls, so the summary covers them all.
 #
 # Parts 2 and 3 need N >= 2 (at N=1, --parallel.dp_shard 1 is one plain process; FSDP2 on one GPU is
 # --parallel.data_parallel fsdp).
@@ -80,7 +86,7 @@ run 7b-single 1 --model.preset 7b --data.batch_size 1 --train.gradient_accumulat
 run 7b-pp2 2 --model.preset 7b --data.batch_size 8 --parallel.pp 2 --parallel.pp_schedule 1f1b \
   --parallel.pp_microbatches 8 --activations.checkpoint full --steps 6
 run 7b-tp2 2 --model.preset 7b --data.batch_size 1 --train.gradient_accumulation_steps 8 --parallel.tp 2 \
-  --activations.checkpoint full --steps 6
+  --activations.checkpoint full --steps 6 --profile.steps 4-5  # the trace: GPU busy, or waiting for the host?
 fi
 # 5. gradient compression on DDP: bytes on the wire per step (comm_bytes_per_step), tokens/s, loss after 300 steps
 #    (sequences of 1024 tokens, so that 300 steps fit a call and communication weighs more than at 4096)

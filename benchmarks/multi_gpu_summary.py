@@ -37,12 +37,14 @@ def main(out: str, n: int) -> None:
               f"{f'{comm / 2**20:,.1f} MiB' if comm else ''} |")
     traces = sorted(Path(out).glob("*/profile/trace.json"))
     if traces:
-        print("\n| run | step | window ms | compute ms | NCCL ms | NCCL under compute |")
+        print("\n| run | step | window ms | compute ms (busy) | NCCL ms | NCCL under compute |")
         print("|---|---|---|---|---|---|")
     for path in traces:
         ov = comm_overlap(read_trace(path))
         if ov is not None:
-            print(f"| {path.parent.parent.name} | {ov.step} | {ov.window_s * 1e3:.1f} | {ov.compute_s * 1e3:.1f} | "
+            busy = ov.compute_s / ov.window_s if ov.window_s > 0 else 0.0  # low: the GPU waits (for the host)
+            print(f"| {path.parent.parent.name} | {ov.step} | {ov.window_s * 1e3:.1f} | "
+                  f"{ov.compute_s * 1e3:.1f} ({busy:.0%}) | "
                   f"{ov.comm_s * 1e3:.1f} | {ov.hidden:.0%} |")
 
 
