@@ -51,6 +51,7 @@ def test_table_and_out(profile_file: str, tmp_path: Path, capsys: pytest.Capture
         (["--budget", "24GiB", "--frobnicate"], "unrecognized arguments"),
         (["--budget", "24GiB", "--precision", "fp8"], "invalid choice"),
         (["--budget", "24GiB", "--dp-shard", "0"], "--dp-shard must be a positive number of ranks"),
+        (["--budget", "24GiB", "--dp-replicate", "0"], "--dp-replicate must be a positive number of ranks"),
     ],
 )
 def test_bad_input_returns_2_with_one_line(
@@ -128,3 +129,27 @@ def test_one_rank_of_fsdp2(profile_file: str, capsys: pytest.CaptureFixture[str]
     assert plan.profile.shard_factor == 8 and not plan.fused_loss  # (the fused loss is refused under data parallel)
     assert plan.memory["FSDP2 gathered parameters and gradients"] > 0
     assert (plan.weight_dtype, plan.offload_param_dtype) != ("float32", "bfloat16")
+
+
+def test_one_rank_of_ddp(profile_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--dp-replicate N`` plans one DDP rank as the trainer does: every gradient held all step (DDP's buckets),
+    the host's memory and optimizer rate shared by the ranks on it, no fused loss."""
+    def run(*extra: str) -> Plan:
+        assert cmd_plan(["--profile", profile_file, "--budget", "24GiB", "--no-fused-loss", "--json", *extra]) == 0
+        return Plan.from_dict(json.loads(capsys.readouterr().out))
+
+    one, ddp = run(), run("--dp-replicate", "4")
+    assert ddp.persistent_gradients and not one.persistent_gradients and not ddp.fused_loss
+    assert ddp.predicted_peak_bytes <= 24 * 2**30
+    # the same decisions cost a DDP rank its buckets in the forward, and its share of the host step
+    from dataclasses import replace
+
+    from elbowroom.plan import profile_from_dict
+    from elbowroom.plan.cost import predict
+    from elbowroom.plan.ranks import host_share
+
+    prof = profile_from_dict(json.loads(Path(profile_file).read_text()))
+    shared = replace(prof, machine=host_share(prof.machine, 4))
+    again = predict(shared, ddp.decisions(), 24 * 2**30)
+    assert again.peak_bytes == ddp.predicted_peak_bytes
+    assert abs(again.step_seconds - ddp.predicted_step_seconds) < 1e-9

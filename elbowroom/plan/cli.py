@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-shard", type=int, default=1, help="plan one rank of FSDP2 sharding over this many ranks "
                    "(the trainer's --parallel.dp_shard; --budget is then one GPU's, --batch one rank's micro-batch, "
                    "8 ranks per host at most share its memory)")
+    p.add_argument("--dp-replicate", type=int, default=1, help="plan one rank of DDP over this many replicas (the "
+                   "trainer's --parallel.dp_replicate; with --dp-shard, HSDP): DDP's buckets hold every gradient "
+                   "all step, and up to 8 ranks share the host's memory and optimizer rate")
     p.add_argument("--profile", default=None, help="plan from a saved profile (JSON of Profile.to_dict()) instead "
                    "of profiling --model")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -133,6 +136,9 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"elbowroom plan: --global-batch must be positive, got {args.global_batch}")
         if args.dp_shard < 1:
             raise _UsageError(f"elbowroom plan: --dp-shard must be a positive number of ranks, got {args.dp_shard}")
+        if args.dp_replicate < 1:
+            raise _UsageError(f"elbowroom plan: --dp-replicate must be a positive number of ranks, got "
+                              f"{args.dp_replicate}")
         if args.profile is not None:
             try:
                 prof = profile_from_dict(json.loads(Path(args.profile).read_text()))
@@ -141,18 +147,27 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
         else:
             prof = _profile_from_args(args)
         sharded: dict[str, Any] = {}
+        per_host = min(args.dp_shard * args.dp_replicate, 8)
         if args.dp_shard > 1:  # as the trainer plans a rank under FSDP2 (elbowroom.train.planning)
             from elbowroom.plan.ranks import per_rank_profile
 
-            prof = per_rank_profile(prof, args.dp_shard, ranks_per_host=min(args.dp_shard, 8))
+            prof = per_rank_profile(prof, args.dp_shard, ranks_per_host=per_host)
             sharded = {"weight_layouts": ("fp32", "bf16")}  # no bf16 device copies of fp32 shards
+        elif args.dp_replicate > 1:  # as the trainer plans a rank under DDP
+            from dataclasses import replace
+
+            from elbowroom.plan.ranks import host_share
+
+            prof = replace(prof, machine=host_share(prof.machine, per_host))
+            sharded = {"persistent_gradients": True}
         try:
             plan = plan_for(
                 prof,
                 budget,
                 global_batch=args.global_batch,
                 precision=args.precision,
-                fused_loss_allowed=not args.no_fused_loss and args.dp_shard == 1,  # (refused under data parallel)
+                # (refused under data parallel)
+                fused_loss_allowed=not args.no_fused_loss and args.dp_shard == args.dp_replicate == 1,
                 grad_clipping=not args.no_clip,
                 **sharded,
             )
