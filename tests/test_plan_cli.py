@@ -153,3 +153,12 @@ def test_one_rank_of_ddp(profile_file: str, capsys: pytest.CaptureFixture[str]) 
     again = predict(shared, ddp.decisions(), 24 * 2**30)
     assert again.peak_bytes == ddp.predicted_peak_bytes
     assert abs(again.step_seconds - ddp.predicted_step_seconds) < 1e-9
+
+
+def test_budget_hints_name_this_commands_flags(profile_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cmd_plan(["--profile", profile_file, "--budget", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "--precision bf16 allows" in err and "precision='bf16'" not in err and "global_batch=" not in err
+    # under data parallel the fused loss is refused: not offered as a way out
+    assert cmd_plan(["--profile", profile_file, "--budget", "1GiB", "--dp-replicate", "2", "--no-fused-loss"]) == 2
+    assert "fused" not in capsys.readouterr().err
