@@ -16,7 +16,11 @@
   for it; whether gradients leave during the backward is the plan's decision (``plan.offload_gradients``;
   ``+og`` is kept for old command lines and changes nothing);
   ``+gb`` gives the planner the workload's batch as the global batch, so that it may choose a smaller
-  micro-batch with accumulation (the loop then runs the plan's micro-batches).
+  micro-batch with accumulation (the loop then runs the plan's micro-batches);
+  ``+cap`` caps the process's CUDA allocator at the budget once the plan is applied
+  (``torch.cuda.set_per_process_memory_fraction``), as on a device of the budget's size: the allocator then frees
+  its cache and retries (``alloc_retries``) or runs out of memory, where an uncapped row only reports what it
+  reserved on the larger card.
 
 Each row adds the plan's predictions (``pred_peak_GiB``, ``pred_step_s``, their ratios to the measurement), the
 same plan's predictions from the analytic profile (the device table, no measurement: ``analytic_*``), and the
@@ -56,13 +60,25 @@ def resolve(name: str) -> Callable[..., Setup] | None:
             return lambda model, args: _setup(model, args, budget=flags[0],
                                              precision="bf16" if "bf16" in prefix else "fp32",
                                              fused=getattr(args, "fused_loss", False), clip="clip" in flags,
-                                             split="gb" in flags)
+                                             split="gb" in flags, cap="cap" in flags)
     return None
+
+
+def _cap_at(budget_bytes: int) -> float | None:
+    """Cap this process's CUDA allocator at ``budget_bytes`` (its cache emptied first, so that what the profile
+    left cached does not count); the cap in GiB, or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
+    return round(budget_bytes / 2**30, 2)
 
 
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
            plan_file: str | None = None, fused: bool = False, clip: bool = False,
-           split: bool = False, uniform: str | None = None) -> Setup:
+           split: bool = False, uniform: str | None = None, cap: bool = False) -> Setup:
     from elbowroom.plan import Plan, apply, fit
 
     idx, tgt = args.sample
@@ -95,6 +111,8 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
     plan_s = time.perf_counter() - t0
     notes: dict[str, Any] = {"plan_seconds": round(plan_s, 2), "weights": plan.weight_dtype,
                              "fused_loss": plan.fused_loss}
+    if cap:
+        notes["capped_GiB"] = _cap_at(plan.budget_bytes)
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     if plan.weight_dtype == "bfloat16":
         # a bf16 model runs as it is: the harness's autocast would run the norms in fp32 and save fp32 outputs
