@@ -81,6 +81,12 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     res["ddp_fp16"] = _train(tmp_path / "ddp_fp16", *DDP, "--parallel.comm_hook", "fp16")
     res["after_reduction"] = _offload_after_reduction(rank)
     res["ddp_budget"] = _train(tmp_path / "ddp_budget", *DDP, "--budget", "64GiB")  # planned for DDP's buckets
+    # compression with error feedback: each rank's residuals (and int8's noise) travel with the checkpoint
+    for hook in ("topk", "int8"):
+        args = [*DDP, "--parallel.comm_hook", hook, "--scheduler.decay_steps", "6"]
+        res[f"{hook}_whole"] = _train(tmp_path / f"{hook}-whole", *args)
+        _train(tmp_path / f"{hook}-halves", *args, *FIRST_HALF)
+        res[f"{hook}_resumed"] = _train(tmp_path / f"{hook}-halves", *args, "--resume")
     # ws2 -> ws1: the first half under FSDP2 with the optimizer half on the host; the parent continues it
     res["half"] = _train(tmp_path / "ws2", *FSDP, *OFFLOAD, *FIRST_HALF)
     # ws1 -> ws2: the parent's single-process first half, continued here under FSDP2
@@ -135,6 +141,17 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path, capsys) -> Non
     ddp_plan = Plan.load(tmp_path / "ddp_budget" / "plan.toml")
     assert ddp_plan.persistent_gradients and not ddp_plan.offload_gradients
     assert sorted(r0["ddp_budget"]["losses"]) == sorted(ref["plain"]["losses"])
+
+    # a compressed run resumed at step 3 continues its own curve: each rank's residuals (and int8's generator) came
+    # back. Top-k exactly: this model's gradients fit one bucket, whatever order DDP puts them in. int8 within
+    # 1e-4: its noise and its 2048-entry scales follow positions in the bucket, and a new DDP orders its first
+    # bucket otherwise until it rebuilds it. Without the residuals top-k's curve departs at step 4.
+    for hook, rel in (("topk", 0.0), ("int8", 1e-4)):
+        whole = r0[f"{hook}_whole"]["losses"]
+        assert sorted(whole) == list(range(1, 7)), hook
+        _close({s: v for s, v in r0[f"{hook}_resumed"]["losses"].items() if s > 3},
+               {s: v for s, v in whole.items() if s > 3}, rel, hook)
+        assert (tmp_path / f"{hook}-halves" / "checkpoints" / "step_00000003" / "rank-00001.pt").is_file()
 
     # rank 0 alone writes the metrics: one row per step and evaluation, not two
     assert len((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()) == 6 + 2

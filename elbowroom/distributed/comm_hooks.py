@@ -55,9 +55,13 @@ class CompressionState:
         return n
 
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {k: v.to("cpu", copy=True) for k, v in self.residuals.items()}}  # views: copied
+        """This rank's residuals and its rounding noise's generator: what a resumed run needs to continue exactly."""
+        return {"residuals": {k: v.to("cpu", copy=True) for k, v in self.residuals.items()},  # views: copied
+                "generator": None if self.generator is None else self.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.generator is not None and state.get("generator") is not None:
+            self.generator.set_state(state["generator"])
         residuals = {str(k): v for k, v in state["residuals"].items()}
         if any(k.isdigit() for k in residuals):  # keyed by bucket index, by an older version
             log.warning("the checkpoint's compression residuals are keyed by DDP bucket, which the buckets "
@@ -211,6 +215,15 @@ class _Counting:
         return n
 
 
+def _load_powersgd(ps: Any, saved: dict[str, Any]) -> None:
+    """Restore PowerSGD's iteration count: whether it compresses yet. Its error feedback and warm-start factors
+    restart from zero: torch keys them by DDP bucket index, and a resumed DDP starts with its first buckets (rebuilt
+    after step 1), of other sizes (they are also the size of the gradients, too large to write with every
+    checkpoint)."""
+    ps.iter = int(saved["iter"])
+    log.info("PowerSGD resumes at iteration %d; its error feedback and factors restart from zero", ps.iter)
+
+
 def _powersgd_wire_bytes(ps: Any) -> Callable[[dist.GradBucket], int]:
     """PowerSGD's bytes per bucket, by its own rule: a full all-reduce before ``start_powerSGD_iter``; then
     each matrix it compresses sends its P (n x r) and Q (m x r) factors in the gradient's dtype, and
@@ -286,9 +299,9 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, nam
         )
         counting = _Counting(powerSGD_hook.powerSGD_hook, None, wire_bytes=_powersgd_wire_bytes(ps))
         ddp_model.register_comm_hook(ps, _then(counting, then))
-        counting.state = ps  # PowerSGD's own state (its factors and error) travels with checkpoints
-        counting.state_dict = lambda: {"powersgd": ps.__getstate__()}
-        counting.load_state_dict = lambda sd: ps.__setstate__(dict(sd["powersgd"]))
+        counting.state = ps
+        counting.state_dict = lambda: {"powersgd": {"iter": ps.iter}}  # what a checkpoint keeps of it
+        counting.load_state_dict = lambda sd: _load_powersgd(ps, sd["powersgd"])
         return counting
     hooks = {
         "none": (default_hooks.allreduce_hook, None),

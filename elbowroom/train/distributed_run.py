@@ -452,6 +452,23 @@ class DistributedRun:
         else:
             model.load_state_dict(loaded.state["model"])
             optimizer.load_state_dict(loaded.state["optimizer"])
+        self._restore_comm(loaded)
+
+    def _restore_comm(self, loaded: Loaded) -> None:
+        """The compression hook's state of this rank (its error-feedback residuals), from a checkpoint the same
+        world wrote: each rank's residuals are its own, so at another world size they start from zero."""
+        if not hasattr(self.comm, "load_state_dict"):
+            return
+        from elbowroom.train import sharded_checkpoint as S
+
+        path = S.rank_state_file(loaded.path, self.topo.rank)
+        if loaded.state.get("world_size") != self.topo.world_size or not path.is_file():
+            log.warning("%s holds no compression state of this rank at world size %d: the error feedback of "
+                        "--parallel.comm_hook %s starts from zero", loaded.path, self.topo.world_size,
+                        self.cfg.parallel.comm_hook)
+            return
+        # on the host: a generator's state must be (the residuals move to the device with their first bucket)
+        self.comm.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["comm"])
 
     def save(self, ckpts: CheckpointManager, step: int, model: nn.Module, optimizer: Any,
              extra: dict[str, Any], meta: dict[str, Any]) -> Path | None:
@@ -464,8 +481,11 @@ class DistributedRun:
             return ckpts.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}, meta)
         from elbowroom.train import sharded_checkpoint as S
 
-        extra = {**extra, "dp_size": self.dp_size, "global_batch": self.cfg.data.batch_size}
-        return S.save_sharded(ckpts, step, model, optimizer, extra, meta, is_main=self.is_main)
+        extra = {**extra, "dp_size": self.dp_size, "global_batch": self.cfg.data.batch_size,
+                 "world_size": self.topo.world_size}
+        rank_state = {"comm": self.comm.state_dict()} if hasattr(self.comm, "state_dict") else None
+        return S.save_sharded(ckpts, step, model, optimizer, extra, meta, is_main=self.is_main, rank=self.topo.rank,
+                              rank_state=rank_state)
 
     def metrics(self, out: Path, **kwargs: Any) -> Any:
         """The metrics logger: rank 0's, nothing elsewhere."""

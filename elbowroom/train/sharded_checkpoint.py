@@ -38,8 +38,13 @@ def _barrier() -> None:
 
 
 def save_sharded(ckpts: CheckpointManager, step: int, model: nn.Module, optimizer: Any, extra: dict[str, Any],
-                 meta: dict[str, Any], *, is_main: bool) -> Path | None:
+                 meta: dict[str, Any], *, is_main: bool, rank: int = 0,
+                 rank_state: dict[str, Any] | None = None) -> Path | None:
     """Write and publish a sharded checkpoint for ``step`` (a collective: every rank calls it).
+
+    Args:
+        rank_state: what this rank alone holds (a compression hook's residuals): written by each rank as
+            ``rank-NNNNN.pt`` (:func:`rank_state_file`) beside the shards, hashed and published with them.
 
     Returns:
         Its path on rank 0, None on the others.
@@ -54,6 +59,8 @@ def save_sharded(ckpts: CheckpointManager, step: int, model: nn.Module, optimize
     _barrier()
     # tensor-parallel weights split in strides are written as contiguous chunks: they load at another tp
     dcp.save(checkpoint_view(state_for_save(model, optimizer)), checkpoint_id=str(tmp), no_dist=not _distributed())
+    if rank_state is not None:
+        torch.save(rank_state, rank_state_file(tmp, rank))
     _barrier()  # every rank's shards are on disk before rank 0 hashes and publishes them
     path = None
     if is_main:
@@ -61,6 +68,11 @@ def save_sharded(ckpts: CheckpointManager, step: int, model: nn.Module, optimize
         path = ckpts.publish(step, tmp, meta)
     _barrier()  # no rank goes on (or saves again) before the checkpoint is in place
     return path
+
+
+def rank_state_file(directory: Path, rank: int) -> Path:
+    """The file of one rank's own state in a sharded checkpoint."""
+    return Path(directory) / f"rank-{rank:05d}.pt"
 
 
 def load_sharded(directory: Path, model: nn.Module, optimizer: Any) -> None:
