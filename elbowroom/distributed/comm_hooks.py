@@ -4,11 +4,16 @@ A DDP communication hook receives one gradient bucket at a time (a flat buffer, 
 returns a future of the averaged bucket. torch ships fp16/bf16 casting hooks and PowerSGD (low rank, with
 error feedback); this module adds two from the classic compression literature:
 
-- **top-k**: each rank sends the ``ratio`` share of its bucket's entries that are largest in magnitude
-  (values and int32 indices) and keeps the rest as a residual added to the next step's bucket (error
+- **top-k**: each rank sends the ``ratio`` share of each parameter's gradient entries that are largest in
+  magnitude (values and int32 indices) and keeps the rest as a residual added to the next step's gradient (error
   feedback, so that nothing is lost, only delayed);
-- **int8**: each rank sends its bucket quantised to int8 with one fp32 scale per 2048 entries, rounded
-  stochastically (unbiased: E[q] = x / scale), and keeps the rounding error as its residual.
+- **int8**: each rank sends each parameter's gradient quantised to int8 with one fp32 scale per 2048 entries,
+  rounded stochastically (unbiased: E[q] = x / scale), and keeps the rounding error as its residual.
+
+Both work parameter by parameter inside the bucket: the selection, the scales, the rounding noise (drawn from a
+seed of the rank, the parameter and its count of draws) and the residuals do not depend on how DDP buckets the
+gradients. DDP's first buckets differ from those it rebuilds after step 1, and from one run to its resumed self: a
+resumed run continues its curve exactly.
 
 Both exchange their compressed buckets with one all-gather each (each rank's selection differs, so they cannot be
 summed on the wire) and decompress the sum locally; every rank then holds the same averaged bucket. The
@@ -16,11 +21,12 @@ invariant the tests check: ``decompress(compress(g + e)) + e' == g + e`` exactly
 carried in and ``e'`` the one carried out.
 
 :class:`CompressionState` counts the bytes each rank puts on the wire per step (``bytes_sent``), for the
-metrics. The hooks run on DDP's reducer thread for the whole bucket at once: no per-parameter Python work.
+metrics. The hooks run on DDP's reducer thread; their Python work is one compression per parameter.
 """
 
 
 import logging
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +46,13 @@ class CompressionState:
     ratio: float = 0.01
     """top-k: share of entries sent."""
     generator: torch.Generator | None = None
-    """int8: the source of the stochastic rounding's noise (seeded per rank, so runs repeat)."""
+    """int8: the source of the stochastic rounding's noise, re-seeded for every parameter's draw."""
+    seed: int = 0
+    """int8: the run's seed; with the rank, the parameter and its count of draws it seeds each draw."""
+    rank: int = 0
+    """This process's rank (its noise is its own)."""
+    draws: dict[str, int] = field(default_factory=dict)
+    """int8: parameter name -> draws so far."""
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)
     """Parameter name -> its flat error carried to the next step (the part of ``g + e`` not sent). Kept per
     parameter, not per bucket: DDP rebuilds its buckets after the first step, in the order gradients arrived."""
@@ -55,13 +67,12 @@ class CompressionState:
         return n
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's residuals and its rounding noise's generator: what a resumed run needs to continue exactly."""
+        """This rank's residuals and counts of draws: what a resumed run needs to continue exactly."""
         return {"residuals": {k: v.to("cpu", copy=True) for k, v in self.residuals.items()},  # views: copied
-                "generator": None if self.generator is None else self.generator.get_state()}
+                "draws": dict(self.draws)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.generator is not None and state.get("generator") is not None:
-            self.generator.set_state(state["generator"])
+        self.draws = {str(k): int(v) for k, v in state.get("draws", {}).items()}
         residuals = {str(k): v for k, v in state["residuals"].items()}
         if any(k.isdigit() for k in residuals):  # keyed by bucket index, by an older version
             log.warning("the checkpoint's compression residuals are keyed by DDP bucket, which the buckets "
@@ -116,6 +127,21 @@ def int8_decompress(q: torch.Tensor, scale: torch.Tensor, block: int = INT8_BLOC
     return (padded * scale.float()[:, None]).view(-1)[:n]
 
 
+def scale_index(sizes: list[int], block: int = INT8_BLOCK, device: Any = None) -> torch.Tensor:
+    """For pieces of ``sizes`` quantised one after another (:func:`int8_compress` each), the index of each entry's
+    scale in their concatenated scales."""
+    parts, first = [], 0
+    for n in sizes:
+        parts.append(first + torch.arange(n, device=device) // block)
+        first += -(-n // block)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def _draw_seed(seed: int, rank: int, key: str, count: int) -> int:
+    """The seed of one parameter's draw: the same whatever bucket it sits in."""
+    return (seed * 1_000_003 + rank * 7_919 + zlib.crc32(key.encode()) * 104_729 + count) % (1 << 63)
+
+
 # ---------------------------------------------------------------- the DDP hooks
 def _world(state: CompressionState) -> int:
     return dist.get_world_size(state.process_group)
@@ -141,49 +167,64 @@ def _gather(state: CompressionState, parts: tuple[torch.Tensor, ...]) -> torch.f
 def _error_fed(
     state: CompressionState,
     bucket: dist.GradBucket,
-    compress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    dense_sum: Callable[[list[torch.Tensor], list[torch.Tensor], int], torch.Tensor],
+    compress: Callable[[str, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    dense_sum: Callable[[list[torch.Tensor], list[torch.Tensor], list[int]], torch.Tensor],
 ) -> torch.futures.Future[torch.Tensor]:
-    """The shape of both compressing hooks: add the carried residual, compress into two tensors (keeping the new
-    residual), all-gather both, and write the average of every rank's decompressed bucket into the bucket."""
+    """The shape of both compressing hooks: per parameter of the bucket, add its carried residual and compress it
+    into two tensors (``compress(name, gradient, offset in the bucket)``, keeping the new residual); all-gather the
+    bucket's, and write the average of every rank's decompressed bucket into it (``dense_sum(every rank's first
+    tensors, their second tensors, the parameters' sizes)``)."""
     buf = bucket.buffer()
     params = bucket.parameters()
     keys = [state.names.get(id(p), f"bucket{bucket.index()}.{i}") for i, p in enumerate(params)]
     sizes = [p.numel() for p in params]
     if sum(sizes) != buf.numel():  # the bucket is the parameters' gradients end to end; anything else is one piece
         keys, sizes = [f"bucket{bucket.index()}"], [buf.numel()]
-    carried = [state.residuals.get(k) for k in keys]
-    carried = [c if c is not None and c.numel() == n else None for c, n in zip(carried, sizes)]
-    if all(c is None for c in carried):
-        x = buf.clone()
-    else:
-        x = buf + torch.cat([c.to(buf.device) if c is not None else buf.new_zeros(n) for c, n in zip(carried, sizes)])
-    a, b, residual = compress(x)
-    state.residuals.update(zip(keys, residual.split(sizes)))
+    parts_a, parts_b, offset = [], [], 0
+    for key, x in zip(keys, buf.split(sizes)):
+        carried = state.residuals.get(key)
+        x = x + carried.to(x.device) if carried is not None and carried.numel() == x.numel() else x.clone()
+        a, b, state.residuals[key] = compress(key, x, offset)
+        parts_a.append(a)
+        parts_b.append(b)
+        offset += x.numel()
     world = _world(state)
 
     def decompress(fut: torch.futures.Future[list]) -> torch.Tensor:
         ranks = fut.value()
-        buf.copy_(dense_sum([r[0] for r in ranks], [r[1] for r in ranks], buf.numel()).div_(world))
+        buf.copy_(dense_sum([r[0] for r in ranks], [r[1] for r in ranks], sizes).div_(world))
         return buf
 
-    return _gather(state, (a, b)).then(decompress)
+    return _gather(state, (torch.cat(parts_a), torch.cat(parts_b))).then(decompress)
 
 
 def topk_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: top-k sparsification with error feedback (see the module docstring)."""
-    return _error_fed(
-        state, bucket, lambda x: topk_compress(x, state.ratio),
-        lambda values, indices, numel: topk_decompress(torch.cat(values), torch.cat(indices), numel),
-    )
+
+    def compress(_key: str, x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        values, indices, residual = topk_compress(x, state.ratio)
+        return values, indices + offset, residual  # indices into the bucket
+
+    return _error_fed(state, bucket, compress,
+                      lambda values, indices, sizes: topk_decompress(torch.cat(values), torch.cat(indices), sum(sizes)))
 
 
 def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: int8 quantisation with stochastic rounding and error feedback (see the module docstring)."""
-    return _error_fed(
-        state, bucket, lambda x: int8_compress(x, state.generator),
-        lambda qs, scales, numel: sum(int8_decompress(q, s) for q, s in zip(qs, scales)),
-    )
+
+    def compress(key: str, x: torch.Tensor, _offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        count = state.draws.get(key, 0)
+        state.draws[key] = count + 1
+        generator = state.generator
+        if generator is not None:
+            generator.manual_seed(_draw_seed(state.seed, state.rank, key, count))
+        return int8_compress(x, generator)
+
+    def dense_sum(qs: list[torch.Tensor], scales: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+        where = scale_index(sizes, device=qs[0].device)
+        return sum(q.float() * s.float()[where] for q, s in zip(qs, scales))
+
+    return _error_fed(state, bucket, compress, dense_sum)
 
 
 class _Counting:
@@ -288,8 +329,8 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, nam
         return state
     if name == "int8":
         generator = torch.Generator(device=ddp_model.device if ddp_model.device_ids else "cpu")
-        generator.manual_seed(seed + dist.get_rank())  # independent noise per rank, the same on every rerun
-        state = CompressionState(process_group=process_group, generator=generator, names=names)
+        state = CompressionState(process_group=process_group, generator=generator, names=names, seed=seed,
+                                 rank=dist.get_rank())  # independent noise per rank, the same on every rerun
         ddp_model.register_comm_hook(state, _then(int8_hook, then))
         return state
     if name == "powersgd":
