@@ -307,3 +307,26 @@ def test_comm_overlap_counts_nccl_time_under_compute_kernels() -> None:
     assert ov.comm_s == pytest.approx(300e-6) and ov.overlapped_s == pytest.approx(150e-6)
     assert ov.compute_s == pytest.approx(700e-6) and ov.hidden == pytest.approx(0.5)
     assert comm_overlap([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 5.0}]) is None
+
+
+
+def test_report_shows_communication_of_a_data_parallel_step(tmp_path: Path, cuda_run: Path) -> None:
+    # the same run with NCCL kernels at the step's end: 2 ms from 197 ms (under the gemms of 196-197.5 and
+    # 198-199.5 ms: 1.5 ms hidden) and 1 ms from 199 ms (0.5 ms under the last gemm), step-relative
+    import shutil
+
+    run = tmp_path / "ddp-run"
+    shutil.copytree(cuda_run, run)
+    shutil.rmtree(run / "report")
+    trace = _trace()
+    for ts, dur in ((1000.0 + 198_000 - 1000, 2000.0), (1000.0 + 199_000, 1000.0)):
+        trace["traceEvents"].append({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+                                     "pid": 0, "tid": 30, "ts": ts, "dur": dur, "args": {"device": 0, "stream": 30}})
+    (run / "profile" / "trace.json").write_text(json.dumps(trace))
+    assert cmd_report([str(run)]) == 0
+    page = (run / "report" / "report.html").read_text()
+    assert "Communication and compute" in page
+    assert "NCCL kernels running</td><td>3.0 ms" in page
+    assert "NCCL time under compute kernels</td><td>2.0 ms (67%)" in page
+    # without collectives (the single-GPU run) the section is left out
+    assert "Communication and compute" not in (cuda_run / "report" / "report.html").read_text()

@@ -42,12 +42,14 @@ def write_report(run_dir: str | Path) -> Path:
     if importlib.util.find_spec("matplotlib") is None:
         raise MissingPlotsError("elbowroom report draws with matplotlib: pip install 'elbowroom[plots]'")
     notes: list[str] = []
-    timeline = None
+    timeline = comm = None
     if data.trace_path is not None:
-        from elbowroom.report.trace import link_timeline, read_trace
+        from elbowroom.report.trace import comm_overlap, link_timeline, read_trace
 
         try:
-            timeline = link_timeline(read_trace(data.trace_path))
+            events = read_trace(data.trace_path)
+            timeline = link_timeline(events)
+            comm = comm_overlap(events)
         except (ValueError, OSError) as e:
             raise RunDirError(
                 f"{data.trace_path} is not a readable Chrome trace ({e}); record the steps again"
@@ -82,7 +84,7 @@ def write_report(run_dir: str | Path) -> Path:
         "metrics": plots.draw_metrics(data, out / "metrics.png"),
     }
     page = out / "report.html"
-    page.write_text(render_html(data, pictures, peak, notes))
+    page.write_text(render_html(data, pictures, peak, notes, comm=comm))
     return page
 
 

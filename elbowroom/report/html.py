@@ -16,6 +16,7 @@ from typing import Any
 from elbowroom.report.categories import CATEGORIES, CATEGORY_LABELS
 from elbowroom.report.rundir import RunData, step_samples
 from elbowroom.report.snapshot import PeakAllocations
+from elbowroom.report.trace import CommOverlap
 
 __all__ = ["render_html", "summary"]
 
@@ -241,7 +242,23 @@ def _alloc_table(peak: PeakAllocations | None) -> str:
     return "\n".join(out)
 
 
-def render_html(data: RunData, pictures: dict[str, Path | None], peak: PeakAllocations | None, notes: list[str]) -> str:
+def _comm_table(c: CommOverlap) -> str:
+    """NCCL's kernels against the compute kernels over the recorded step: how much of the communication the
+    compute hid, and how busy the GPU was (low: it waited, for the collectives or for the host)."""
+    busy = c.compute_s / c.window_s if c.window_s > 0 else 0.0
+    rows = [
+        ("step", "" if c.step is None else str(c.step)),
+        ("step time (recorded, under the profiler)", f"{c.window_s * 1e3:.1f} ms"),
+        ("compute kernels running", f"{c.compute_s * 1e3:.1f} ms ({busy:.0%} of the step)"),
+        ("NCCL kernels running", f"{c.comm_s * 1e3:.1f} ms"),
+        ("NCCL time under compute kernels", f"{c.overlapped_s * 1e3:.1f} ms ({c.hidden:.0%})"),
+    ]
+    body = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f"<table>{body}</table>"
+
+
+def render_html(data: RunData, pictures: dict[str, Path | None], peak: PeakAllocations | None, notes: list[str],
+                comm: CommOverlap | None = None) -> str:
     """The page.
 
     Args:
@@ -249,6 +266,7 @@ def render_html(data: RunData, pictures: dict[str, Path | None], peak: PeakAlloc
         pictures: ``{"memory": path, "plan": ..., "link": ..., "metrics": ...}``, None for those not drawn.
         peak: the snapshot's peak allocations (CUDA), or None.
         notes: sentences on what is missing and why (shown at the top).
+        comm: the recorded step's collectives against its compute (a run on several GPUs), or None.
 
     Returns:
         The HTML text.
@@ -282,6 +300,9 @@ def render_html(data: RunData, pictures: dict[str, Path | None], peak: PeakAlloc
     if pictures.get("link"):
         parts.append("<h2>Host-device link and compute stream</h2>")
         parts.append(_img(pictures["link"], "link traffic"))
+    if comm is not None and comm.comm_s > 0:
+        parts.append("<h2>Communication and compute (this rank)</h2>")
+        parts.append(_comm_table(comm))
     parts.append("<h2>Training metrics</h2>")
     parts.append(_img(pictures.get("metrics"), "metrics curves"))
     parts.append(_metrics_table(s))
