@@ -411,3 +411,35 @@ def test_export_from_a_sharded_checkpoint(runs, llama, tmp_path, capsys):
     bad = tmp_path / "hf-bad"
     assert cmd_export(["hf", str(again.path), "--out", str(bad)]) == 2
     assert not bad.exists() and "does not verify" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not _have("transformers") or not _have("safetensors"), reason="needs the hf extra")
+def test_a_hugging_face_run_exports_in_its_own_format(tmp_path, capsys):
+    """A --model.hf run's checkpoint holds the Hugging Face model's own state_dict: `export hf` writes it back as
+    from_pretrained reads it (the same logits); the exports of elbowroom's own models refuse it, writing nothing."""
+    import transformers
+
+    from elbowroom.cli import main
+
+    src_dir = tmp_path / "hf-src"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(src_dir)
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), "--model.hf", str(src_dir), "--steps", "3", "--data.seq_len", "32",
+                 "--data.num_workers", "0", "--train.device", "cpu", "--train.eval_batches", "1"]) in (0, None)
+    out = tmp_path / "out"
+    assert cmd_export(["hf", str(run), "--out", str(out)]) == 0
+    assert _report(out)["arch"] == "hf:llama" and (out / "model.safetensors").is_file()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out)
+    trained = load_source(run)
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, trained.model(ids), rtol=0, atol=0)
+    before = transformers.AutoModelForCausalLM.from_pretrained(src_dir)
+    assert any(not torch.equal(a, b) for a, b in zip(before.parameters(), exported.parameters()))  # it trained
+    capsys.readouterr()
+    assert cmd_export(["onnx", str(run), "--out", str(tmp_path / "onnx")]) == 2
+    assert "`elbowroom export hf` writes it back in its own format" in capsys.readouterr().err
+    assert not (tmp_path / "onnx").exists()

@@ -8,6 +8,7 @@ the uninterrupted curve within 1e-6.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -26,6 +27,8 @@ ACCUM = ["--train.gradient_accumulation_steps", "2"]
 RECOMPUTE = ["--activations.checkpoint", "full"]
 OFFLOAD = ["--optimizer.offload_fraction", "0.5"]
 FIRST_HALF = ["--steps", "3", "--scheduler.decay_steps", "6"]  # stopped at 3 on the 6-step schedule
+HF_BASE = [a for i, a in enumerate(BASE) if not (a.startswith("--model.") or BASE[i - 1].startswith("--model."))]
+"""BASE without its model shape: a Hugging Face model (--model.hf) brings its own."""
 
 CASES = {
     "ddp": DDP, "fsdp": FSDP, "ddp_accum": DDP + ACCUM, "fsdp_accum": FSDP + ACCUM,
@@ -81,6 +84,14 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     res["ddp_fp16"] = _train(tmp_path / "ddp_fp16", *DDP, "--parallel.comm_hook", "fp16")
     res["after_reduction"] = _offload_after_reduction(rank)
     res["ddp_budget"] = _train(tmp_path / "ddp_budget", *DDP, "--budget", "64GiB")  # planned for DDP's buckets
+    # a Hugging Face model under DDP and FSDP2: checkpoints written (its wrapper's state_dict is the model's own,
+    # whose keys torch.distributed.checkpoint walks) and resumed
+    hf = tmp_path / "hf-llama"
+    if hf.is_dir():
+        res["hf_ddp"] = train_losses(HF_BASE, tmp_path / "hf-ddp", "--model.hf", str(hf), *DDP)
+        train_losses(HF_BASE, tmp_path / "hf-fsdp", "--model.hf", str(hf), *FSDP, *FIRST_HALF)
+        res["hf_fsdp_resumed"] = train_losses(HF_BASE, tmp_path / "hf-fsdp", "--model.hf", str(hf), *FSDP,
+                                              "--resume")
     # compression with error feedback: each rank's residuals (and int8's noise) travel with the checkpoint
     for hook in ("topk", "int8"):
         args = [*DDP, "--parallel.comm_hook", hook, "--scheduler.decay_steps", "6"]
@@ -107,6 +118,13 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path, capsys) -> Non
     ws1_half = _train(tmp_path / "ws1", *FIRST_HALF)
     assert ws1_half["step"] == 3
 
+    if importlib.util.find_spec("transformers") is not None:  # (an extra: the check below runs where it is)
+        import transformers
+
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(tmp_path / "hf-llama")
     r0, r1 = run_ranks(_ranks, str(tmp_path))
 
     if os.environ.get("DEBUG_DP"):
@@ -141,6 +159,12 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path, capsys) -> Non
     ddp_plan = Plan.load(tmp_path / "ddp_budget" / "plan.toml")
     assert ddp_plan.persistent_gradients and not ddp_plan.offload_gradients
     assert sorted(r0["ddp_budget"]["losses"]) == sorted(ref["plain"]["losses"])
+
+    if "hf_ddp" in r0:  # the FSDP2 run resumed at step 3 continues the DDP run's curve
+        assert sorted(r0["hf_ddp"]["losses"]) == list(range(1, 7))
+        assert (tmp_path / "hf-ddp" / "checkpoints" / "step_00000006" / ".metadata").is_file()
+        _close({s: v for s, v in r0["hf_fsdp_resumed"]["losses"].items() if s > 3},
+               {s: v for s, v in r0["hf_ddp"]["losses"].items() if s > 3}, 1e-5, "hf")
 
     # a compressed run resumed at step 3 continues its own curve exactly: each rank's residuals and counts of draws
     # came back, and the compression does not depend on the buckets, which a new DDP makes otherwise until it

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from elbowroom.distributed.data_parallel import unwrap
+from elbowroom.distributed.data_parallel import state_owner
 from elbowroom.distributed.tensor_parallel import checkpoint_view
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -40,7 +40,7 @@ def _distributed() -> bool:
 
 def state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Model and optimizer state keyed by parameter names (sharded tensors stay sharded)."""
-    model_sd, optim_sd = get_state_dict(unwrap(model), optimizer, options=_OPTIONS)
+    model_sd, optim_sd = get_state_dict(state_owner(model), optimizer, options=_OPTIONS)
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -101,7 +101,7 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
     state = state_for_save(model, optimizer)
     load_state(state, directory)
     set_state_dict(
-        unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        state_owner(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
         options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True),
     )
     return torch.load(Path(directory) / "extra.pt", weights_only=False)

@@ -199,6 +199,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+def state_owner(model: nn.Module) -> nn.Module:
+    """The module whose ``state_dict`` keys are its own attribute paths, which torch.distributed.checkpoint walks:
+    the user's module inside DDP, and inside that a wrapper's ``state_dict_owner`` where it has one (the trainer's
+    Hugging Face wrapper writes the Hugging Face model's own keys, without its ``model.`` prefix)."""
+    inner = unwrap(model)
+    return getattr(inner, "state_dict_owner", inner)
+
+
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Turn gradient synchronisation off (``enabled=False``) for a micro-batch's forward *and* backward.

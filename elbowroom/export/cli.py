@@ -77,6 +77,11 @@ def _export_hf(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str, An
     from elbowroom.export.hf import parse_size, save_hf
 
     limit = parse_size(args.max_shard_size)
+    if src.hf is not None:  # a --model.hf run: the model in its own format, as from_pretrained reads it
+        model = copy.deepcopy(src.hf).to(_DTYPES[args.dtype])
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=limit)
+        files = sorted(tmp.glob("*.safetensors"))
+        return {"files": [f.name for f in files], "size_bytes": sum(f.stat().st_size for f in files)}
     files = save_hf(src.model, src.config, tmp, max_shard_size=limit, dtype=_DTYPES[args.dtype])
     report = {"files": [f.name for f in files], "size_bytes": sum(f.stat().st_size for f in files)}
     return {**report, **_qat_note(src)}
@@ -195,8 +200,12 @@ def run_export(args: argparse.Namespace) -> dict[str, Any]:
     """
     _preflight(args)
     src = load_source(args.source)
+    if src.hf is not None and args.what != "hf":
+        raise ExportError(f"{src.path} holds a Hugging Face model (a --model.hf run): `elbowroom export hf` writes it "
+                          f"back in its own format; export {args.what} works on elbowroom's own models (llama, gpt2)")
+    arch = src.config.arch if src.config is not None else f"hf:{getattr(src.hf.config, 'model_type', '?')}"
     with staged_output(args.out) as tmp:
-        report = {"export": args.what, "source": str(src.path), "step": src.step, "arch": src.config.arch,
+        report = {"export": args.what, "source": str(src.path), "step": src.step, "arch": arch,
                   **_EXPORTS[args.what](src, args, tmp)}
         (tmp / "export.json").write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -43,13 +43,15 @@ class Source:
     """A trained model read back from a checkpoint."""
 
     model: DecoderLM
-    """The model in fp32, in eval mode, on the CPU."""
-    config: ModelConfig
-    """Its shape."""
+    """The model in fp32, in eval mode, on the CPU (a ``--model.hf`` run's: the trainer's wrapper of it)."""
+    config: ModelConfig | None
+    """Its shape (None for a ``--model.hf`` run's model: :attr:`hf` is its own)."""
     meta: dict[str, Any]
     """The checkpoint's metadata (``step``, ``model``, ``config``: the run's resolved config)."""
     path: Path
     """The checkpoint directory read."""
+    hf: Any = None
+    """The transformers model of a ``--model.hf`` run (its checkpoints hold that model's own state_dict)."""
 
     @property
     def step(self) -> int:
@@ -113,6 +115,9 @@ def load_source(path: str | os.PathLike[str]) -> Source:
         meta, state, ckpt = loaded.meta, loaded.state, loaded.path
     else:
         raise ExportError(f"{p} does not exist; give a run directory or a checkpoint directory step_NNNNNNNN")
+    raw = meta.get("model")
+    if isinstance(raw, dict) and raw.get("source") == "hf":
+        return _hf_source(raw, meta, state, ckpt)
     cfg = _model_config(meta, ckpt)
     model = build_model(cfg)
     if isinstance(state, dict) and state.get("sharded"):
@@ -126,6 +131,35 @@ def load_source(path: str | os.PathLike[str]) -> Source:
     except RuntimeError as e:
         raise ExportError(f"{ckpt}: the weights do not fit the model config in meta.json ({e})") from None
     return Source(model=model.float().eval(), config=cfg, meta=meta, path=ckpt)
+
+
+def _hf_source(raw: dict[str, Any], meta: dict[str, Any], state: Any, ckpt: Path) -> Source:
+    """A ``--model.hf`` run's model: rebuilt from the config its checkpoint records, with the weights it holds."""
+    try:
+        import transformers
+    except ImportError:
+        raise ExportError(f"{ckpt} holds a Hugging Face model (--model.hf); reading it needs transformers: pip "
+                          "install transformers") from None
+    from elbowroom.train.hf import HFCausalLM
+
+    fields = {k: v for k, v in raw.items() if k != "source"}
+    try:
+        config = transformers.AutoConfig.for_model(**fields)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ExportError(f"{ckpt}: transformers cannot rebuild the model its meta.json records ({e})") from None
+    if isinstance(state, dict) and state.get("sharded"):
+        weights = _sharded_weights(ckpt, model)
+    else:
+        weights = state.get("model") if isinstance(state, dict) else None
+        if not isinstance(weights, dict):
+            raise ExportError(f"{ckpt}: state.pt holds no model weights under 'model'")
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise ExportError(f"{ckpt}: the weights do not fit the model its meta.json records ({e})") from None
+    model = model.float().eval()
+    return Source(model=HFCausalLM(model).eval(), config=None, meta=meta, path=ckpt, hf=model)
 
 
 def validation_batches(

@@ -32,6 +32,12 @@ class HFCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
+    @property
+    def state_dict_owner(self) -> nn.Module:
+        """The module whose attribute paths this wrapper's state_dict keys are (torch.distributed.checkpoint
+        walks them): the Hugging Face model."""
+        return self.model
+
     # checkpoints hold the Hugging Face model's own keys (no "model." prefix from this wrapper)
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.model.state_dict(*args, **kwargs)

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 from elbowroom.distributed.checkpoint import load_state, state_for_save
-from elbowroom.distributed.data_parallel import unwrap
+from elbowroom.distributed.data_parallel import state_owner
 from elbowroom.distributed.tensor_parallel import checkpoint_view
 from elbowroom.train.checkpoint import CheckpointManager
 
@@ -80,14 +80,14 @@ def load_sharded(directory: Path, model: nn.Module, optimizer: Any) -> None:
     with _learning_kept(optimizer):
         state = state_for_save(model, optimizer)
         load_state(state, directory)  # tensors in place (tensor-parallel strides too), the learning rates
-        set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"],
+        set_state_dict(state_owner(model), optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(strict=True))
 
 
 def load_full(state: dict[str, Any], model: nn.Module, optimizer: Any) -> None:
     """Load a single-process checkpoint (full tensors, optimizer state keyed by parameter index) into a model
     wrapped for data parallel: each rank keeps its shards."""
-    inner = unwrap(model)
+    inner = state_owner(model)
     names = {id(p): n for n, p in inner.named_parameters()}
     flat = [p for g in optimizer.param_groups for p in g["params"]]
     osd = state["optimizer"]
