@@ -185,3 +185,31 @@ def test_ranks_of_one_host_share_its_memory_and_its_host_optimizer() -> None:
     d = dataclasses.replace(d, offload_blocks=(True,) * len(p.blocks))
     alone, both = predict(p, d, 60 * GiB), predict(shared, d, 60 * GiB)
     assert both.step_seconds > alone.step_seconds
+
+
+
+def test_fit_plans_one_rank_of_a_shared_host(monkeypatch) -> None:
+    # fit(ranks_per_host=N), as a DDP loop of N ranks on one host calls it: the plan is priced on the host's share
+    import torch
+
+    from elbowroom.plan import fit, search
+
+    seen = []
+
+    def planned(prof, *args, **kwargs):
+        seen.append((prof.machine, kwargs.get("persistent_gradients")))
+        return plan_for(prof, *args, **kwargs)
+
+    monkeypatch.setattr(search, "plan_for", planned)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
+    ids = torch.randint(0, 64, (2, 16))
+    for n in (1, 2):
+        torch.manual_seed(0)
+        _, opt, plan = fit(build_model(cfg), (ids, ids), budget="1GiB", machine="h100-80gb", source="analytic",
+                           ranks_per_host=n, persistent_gradients=n > 1, lr=1e-3)
+        assert plan.persistent_gradients == (n > 1)
+        if hasattr(opt, "close"):
+            opt.close()
+    (one, p1), (two, p2) = seen
+    assert two.host_adam_params_per_s * 2 == one.host_adam_params_per_s and not p1 and p2
+    assert two.host_memory_bytes == one.host_memory_bytes // 2

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -82,6 +83,7 @@ def fit(
     selective: bool = True,
     gradient_offload: bool | None = None,
     persistent_gradients: bool = False,
+    ranks_per_host: int = 1,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -134,6 +136,8 @@ def fit(
             gradient.
         persistent_gradients: every gradient exists for the whole step (the model is, or will be, wrapped in
             DDP, whose buckets hold them from its construction on): priced in the forward too, none offloaded.
+        ranks_per_host: data-parallel ranks on this host that plan alike: each gets that share of the host's
+            memory and of its host optimizer rate (they step at once, bound by its memory bandwidth).
         selective: allow selective recompute (False for blocks whose forward changes state a recompute would
             see differently; a Hugging Face KV cache is switched off by :func:`~elbowroom.plan.apply` instead).
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
@@ -157,6 +161,10 @@ def fit(
     if loss_fn is not None:
         prof_kwargs["loss_fn"] = loss_fn
     prof = take_profile(model, sample_batch, **prof_kwargs)
+    if ranks_per_host > 1:
+        from elbowroom.plan.ranks import host_share
+
+        prof = dataclasses.replace(prof, machine=host_share(prof.machine, ranks_per_host))
     bf16_prof = None
     if precision == "bf16" and prof.param_dtype != "bfloat16" and prof.compute_dtype == "bfloat16":
         bf16_prof = _bf16_profile(model, sample_batch, prof, take_profile, loss_fn)

@@ -161,13 +161,6 @@ def plan_for_budget(
     # run's dropout stream must be the one an unplanned run with this seed draws
     rng = torch.get_rng_state()
     try:
-        machine = None
-        if _ranks_per_host(cfg) > 1:  # DDP: the ranks of this host share its memory and its host optimizer rate
-            from elbowroom.plan.machine import measure_machine
-            from elbowroom.plan.ranks import host_share
-
-            machine = host_share(measure_machine(next(model.parameters()).device, cache_dir=str(
-                cfg.data.cache_dir or default_cache_dir())), _ranks_per_host(cfg))
         return fit(
             model,
             (sample["input_ids"], sample["targets"]),
@@ -177,7 +170,7 @@ def plan_for_budget(
             fused_loss=fused_loss,
             grad_clipping=bool(cfg.train.max_grad_norm),
             persistent_gradients=cfg.parallel.mode == "ddp",  # DDP's buckets keep every gradient, all step long
-            machine=machine,
+            ranks_per_host=_ranks_per_host(cfg),  # DDP: they share the host's memory and its optimizer rate
             # the machine's numbers, measured once per machine and torch, beside the corpus cache
             cache_dir=str(cfg.data.cache_dir or default_cache_dir()),
             compute_dtype=amp_dtype,  # the profile runs the step as the training loop will
