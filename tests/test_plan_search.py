@@ -260,3 +260,16 @@ def test_weight_layouts_limit_the_search() -> None:
     assert plan_for(p, 40 * GiB, precision="bf16", weight_layouts=("bf16",)).weight_dtype == "bfloat16"
     with pytest.raises(ValueError, match="weight_layouts must name some of"):
         plan_for(p, 40 * GiB, weight_layouts=("fp16",))
+
+
+def test_a_small_model_s_budget_error_names_sizes_in_a_unit_that_shows_them() -> None:
+    from test_plan_support import make_profile
+
+    from elbowroom.plan import BudgetError
+    from elbowroom.plan.search import plan_for
+
+    p = make_profile(n_layers=2, dim=32, ffn=64, vocab=64, seq_len=16)
+    with pytest.raises(BudgetError) as e:
+        plan_for(p, 1024)
+    msg = str(e.value)
+    assert "0.0 GiB" not in msg and ("MiB" in msg or "KiB" in msg), msg

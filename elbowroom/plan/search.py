@@ -59,7 +59,12 @@ class BudgetError(ValueError):
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """Bytes in the unit that shows them: GiB from 0.1 GiB, else MiB (a small model's "0.0 GiB" says nothing)."""
+    if n >= 0.1 * 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    if n >= 0.1 * 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB"
 
 
 @dataclass(frozen=True)
