@@ -201,9 +201,12 @@ def _error_fed(
 def topk_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: top-k sparsification with error feedback (see the module docstring)."""
 
+    wide = bucket.buffer().numel() >= 2**31  # (DDP's first bucket can hold a whole large model)
+
     def compress(_key: str, x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         values, indices, residual = topk_compress(x, state.ratio)
-        return values, indices + offset, residual  # indices into the bucket
+        at = indices.long() + offset  # indices into the bucket
+        return values, at if wide else at.to(torch.int32), residual
 
     return _error_fed(state, bucket, compress,
                       lambda values, indices, sizes: topk_decompress(torch.cat(values), torch.cat(indices), sum(sizes)))
