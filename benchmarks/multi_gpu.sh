@@ -52,6 +52,7 @@ B=$((4 * N))
 if part 2; then
 run ddp "$N" --data.batch_size $B --parallel.dp_replicate "$N" --profile.steps 20-21
 run fsdp "$N" --data.batch_size $B --parallel.dp_shard "$N" --profile.steps 20-21
+run ddp-bucket100 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.ddp_bucket_mb 100  # 93% at 25
 run ddp-engines "$N" --data.batch_size $B --parallel.dp_replicate "$N" --activations.checkpoint full \
   --activations.offload_checkpoint_inputs true --optimizer.offload_fraction 0.5
 run fsdp-engines "$N" --data.batch_size $B --parallel.dp_shard "$N" --activations.checkpoint full \

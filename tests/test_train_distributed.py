@@ -32,7 +32,8 @@ HF_BASE = [a for i, a in enumerate(BASE) if not (a.startswith("--model.") or BAS
 
 CASES = {
     "ddp": DDP, "fsdp": FSDP, "ddp_accum": DDP + ACCUM, "fsdp_accum": FSDP + ACCUM,
-    "ddp_recompute": DDP + RECOMPUTE, "fsdp_recompute": FSDP + RECOMPUTE + ACCUM,
+    "ddp_recompute": DDP + RECOMPUTE + ["--parallel.ddp_bucket_mb", "0.01"],  # many small buckets
+    "fsdp_recompute": FSDP + RECOMPUTE + ACCUM,
     "ddp_offload": DDP + OFFLOAD + ACCUM, "fsdp_offload": FSDP + OFFLOAD,
     "hsdp_2x1": DDP + HSDP, "hsdp_1x2_offload": FSDP + HSDP + OFFLOAD,
 }
@@ -233,6 +234,7 @@ def test_sharded_checkpoint_verification_finds_a_flipped_byte(tmp_path: Path) ->
         ("2", [*FSDP, "--parallel.comm_hook", "fp16"], "set --parallel.dp_shard 1 or --parallel.comm_hook none"),
         ("2", ["--parallel.tp", "2", "--train.compile"], "--train.compile does not run with --parallel.tp 2"),
         ("2", [*DDP, "--distill.teacher", "runs/teacher"], "drop --distill.teacher under data parallel"),
+        ("2", [*DDP, "--parallel.ddp_bucket_mb", "0"], "parallel.ddp_bucket_mb must be a positive number of MiB"),
     ],
 )
 def test_bad_setups_exit_2(tmp_path: Path, monkeypatch, capsys, world: str | None, args: list[str],

@@ -41,12 +41,18 @@ class ParallelConfig:
     powersgd_rank: int = 4
     """Rank of PowerSGD's low-rank approximation."""
     topk_ratio: float = 0.01
-    """Share of each gradient bucket's entries that top-k sends (the rest is carried to the next step)."""
+    """Share of each parameter's gradient entries that top-k sends (the rest is carried to the next step)."""
+    ddp_bucket_mb: float = 25.0
+    """DDP's gradient bucket size in MiB (torch's ``bucket_cap_mb``): larger buckets launch fewer all-reduces, the
+    last one, which no backward hides, is larger."""
     fsdp_cpu_offload: bool = False
     """FSDP2's own CPUOffloadPolicy (parameters, gradients and the step on the host); elbowroom's optimizer
     offload (optimizer.offload_fraction) is the faster engine for the same job."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.ddp_bucket_mb, bool) or not isinstance(self.ddp_bucket_mb, (int, float)) or not (
+                self.ddp_bucket_mb > 0):
+            raise ValueError(f"parallel.ddp_bucket_mb must be a positive number of MiB, got {self.ddp_bucket_mb!r}")
         for name in ("dp_replicate", "dp_shard", "tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -114,7 +114,7 @@ def apply_data_parallel(
     blocks: list[nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | None = None,
     seed: int = 0,
     after_reduction: Any = None,
     shard_placement_fn: Any = None,
@@ -128,7 +128,7 @@ def apply_data_parallel(
         blocks: FSDP2's units (default: ``find_blocks(model)``).
         param_dtype: FSDP2's compute dtype for parameters (None: as stored).
         reduce_dtype: FSDP2's gradient reduction dtype.
-        bucket_cap_mb: DDP's bucket size.
+        bucket_cap_mb: DDP's bucket size in MiB (None: the topology's ``parallel.ddp_bucket_mb``).
         seed: seeds the compression hooks' randomness.
         after_reduction: DDP: called with each bucket's parameters once their gradients are all-reduced (the
             CPU-offloaded optimizer's :meth:`~elbowroom.optim.CPUOffloadOptimizer.after_reduction`).
@@ -152,7 +152,8 @@ def apply_data_parallel(
         group = topo.mesh["dp_replicate"].get_group()
         ddp = DDP(
             model, process_group=group, device_ids=[device] if device.type == "cuda" else None,
-            bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
+            bucket_cap_mb=topo.parallel.ddp_bucket_mb if bucket_cap_mb is None else bucket_cap_mb,
+            gradient_as_bucket_view=True,
         )
         p = topo.parallel
         state = register_comm_hook(ddp, p.comm_hook, process_group=group, powersgd_rank=p.powersgd_rank,
