@@ -208,6 +208,7 @@ def test_fit_plans_one_rank_of_a_shared_host(monkeypatch) -> None:
         _, opt, plan = fit(build_model(cfg), (ids, ids), budget="1GiB", machine="h100-80gb", source="analytic",
                            ranks_per_host=n, persistent_gradients=n > 1, lr=1e-3)
         assert plan.persistent_gradients == (n > 1)
+        assert any("one of 2 ranks on this host" in note for note in plan.notes) == (n > 1)  # printed with it
         if hasattr(opt, "close"):
             opt.close()
     (one, p1), (two, p2) = seen

@@ -181,6 +181,10 @@ def fit(
         offload_config=opt_kwargs.get("offload_config"),
         bf16_bytes=bf16_prof,
     )
+    if ranks_per_host > 1:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, (
+            f"one of {ranks_per_host} ranks on this host: planned on 1/{ranks_per_host} of its memory and of its host "
+            f"optimizer rate ({prof.machine.host_adam_params_per_s / 1e9:.2f} G params/s)")))
     model, opt = apply(model, plan, optimizer, blocks=blocks, **opt_kwargs)
     logger.info("%s", plan.table())
     return model, opt, plan
