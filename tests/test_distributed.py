@@ -148,6 +148,19 @@ def test_int8_error_feedback_is_exact_and_unbiased() -> None:
     assert int8_decompress(qs, s)[1:].mean().item() == pytest.approx(0.3, abs=2e-3)
 
 
+def test_int8_scales_follow_each_parameter() -> None:
+    # pieces quantised one after another: each starts a block of its own, so a bucket's layout changes nothing
+    from elbowroom.distributed.comm_hooks import scale_index
+
+    where = scale_index([3000, 10], block=2048)
+    assert where.tolist() == [0] * 2048 + [1] * 952 + [2] * 10
+    x = torch.randn(3010)
+    pieces = [int8_compress(p, torch.Generator().manual_seed(i)) for i, p in enumerate(x.split([3000, 10]))]
+    q = torch.cat([p[0] for p in pieces])
+    scales = torch.cat([p[1] for p in pieces])
+    torch.testing.assert_close(q.float() * scales[where] + torch.cat([p[2] for p in pieces]), x, rtol=0, atol=1e-5)
+
+
 # ---------------------------------------------------------------- bad set-ups
 @pytest.mark.parametrize(
     "kwargs, message",

@@ -53,6 +53,8 @@ class CompressionState:
     """This process's rank (its noise is its own)."""
     draws: dict[str, int] = field(default_factory=dict)
     """int8: parameter name -> draws so far."""
+    scale_indices: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
+    """int8: :func:`scale_index` of each bucket layout met (made once, not every step)."""
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)
     """Parameter name -> its flat error carried to the next step (the part of ``g + e`` not sent). Kept per
     parameter, not per bucket: DDP rebuilds its buckets after the first step, in the order gradients arrived."""
@@ -224,7 +226,10 @@ def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures
         return int8_compress(x, generator)
 
     def dense_sum(qs: list[torch.Tensor], scales: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
-        where = scale_index(sizes, device=qs[0].device)
+        layout = (tuple(sizes), str(qs[0].device))
+        where = state.scale_indices.get(layout)
+        if where is None:
+            where = state.scale_indices[layout] = scale_index(sizes, device=qs[0].device)
         return sum(q.float() * s.float()[where] for q, s in zip(qs, scales))
 
     return _error_fed(state, bucket, compress, dense_sum)
