@@ -116,3 +116,32 @@ def test_fit_trains_like_plain(make, where: str) -> None:
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         err = ((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30)).item()
         assert err <= 1e-5, f"{name}: relative error {err:.3e}"
+
+
+def test_fit_with_a_loss_fn_that_leaves_the_kv_cache_on() -> None:
+    # a caller's loss_fn calls the Hugging Face model as it is (use_cache on by default): the profile recomputes
+    # every block once, which refuses a cache written twice, so profiling turns it off and gives it back; the
+    # plan's apply turns it off for training where blocks are recomputed
+    from elbowroom.plan import profile
+
+    def loss_fn(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        ids, _ = batch
+        logits = model(input_ids=ids).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    ids = torch.randint(0, 128, (2, 32))
+    model = hf_gpt2()
+    assert model.config.use_cache
+    profile(model, (ids, ids), loss_fn=loss_fn, machine=DEVICE, source="measured")
+    assert model.config.use_cache  # the profile leaves the model as it found it
+    with pytest.raises(BudgetError) as e:
+        plan_for(profile(hf_gpt2(), (ids, ids), loss_fn=loss_fn, machine=DEVICE, source="measured"), 1,
+                 offload_config=KNOBS)
+    model, opt, plan = fit(model, (ids, ids), budget=e.value.minimum_bytes, loss_fn=loss_fn, machine=DEVICE,
+                           source="measured", lr=1e-3, offload_config=KNOBS)
+    recomputes = any(b.checkpoint != "none" for b in plan.blocks)
+    assert recomputes and not model.config.use_cache  # the minimum recomputes: the cache is off for training
+    loss_fn(model, (ids, ids)).backward()  # trains under the plan
+    opt.step()
+    if hasattr(opt, "close"):
+        opt.close()

@@ -409,9 +409,17 @@ class _Runner:
             # is on, which raises for "meta"; the meta trace has no real autocast, so the cache is moot
             torch.set_autocast_cache_enabled(False)
         model.train()
+        # a Hugging Face model builds a KV cache unless told, also under a caller's loss_fn, and a recomputed block
+        # refuses to write it twice: off while profiling (plan.apply turns it off for training the same way)
+        config = getattr(model, "config", None)
+        use_cache = getattr(config, "use_cache", None)
+        if use_cache:
+            config.use_cache = False
         try:
             yield
         finally:
+            if use_cache:
+                config.use_cache = use_cache
             for b in self.blocks:
                 uncheckpoint(b)
             for m, t in flags:
