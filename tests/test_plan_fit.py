@@ -145,3 +145,35 @@ def test_fit_with_a_loss_fn_that_leaves_the_kv_cache_on() -> None:
     opt.step()
     if hasattr(opt, "close"):
         opt.close()
+
+
+def test_a_model_without_found_blocks_is_told_how_to_name_them() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10))
+    with pytest.raises(ValueError, match="has no repeated blocks.*blocks='path.to.list'"):
+        fit(model, torch.randint(0, 10, (2, 5)), budget="1GiB")
+
+
+def test_the_plan_names_a_small_model_s_parameter_count_readably() -> None:
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x)) + x
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.layers, self.head = torch.nn.Embedding(10, 8), torch.nn.ModuleList(
+                [Block() for _ in range(3)]), torch.nn.Linear(8, 10)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids)
+            for b in self.layers:
+                x = b(x)
+            return self.head(x)
+
+    _, _, plan = fit(Tiny(), torch.randint(0, 10, (2, 5)), budget="1GiB", lr=1e-3)
+    n = sum(p.numel() for p in Tiny().parameters())
+    assert plan.table().splitlines()[0].endswith(f"profile, {n} parameters)")

@@ -54,7 +54,10 @@ def resolve_blocks(model: nn.Module, blocks: str | Sequence[nn.Module] | nn.Modu
     from elbowroom.activations.recompute import find_blocks
 
     if blocks is None:
-        return find_blocks(model)
+        try:
+            return find_blocks(model)
+        except ValueError as e:  # the planner also takes the blocks by name
+            raise ValueError(f"{e}; or name them: blocks='path.to.list' (fit, apply, profile)") from None
     if isinstance(blocks, str):
         try:
             mod = model.get_submodule(blocks)

@@ -30,6 +30,14 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _count(n: int) -> str:
+    """A parameter count as people write it: 1.36B, 124M, 386K, 12."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """One block: its activation policy, its optimizer placement and what it is predicted to cost."""
@@ -238,7 +246,7 @@ class Plan:
         tokens = self.global_batch * p.seq_len
         lines = [
             f"elbowroom plan: {self.num_blocks} blocks on {p.machine or '?'} ({p.source or '?'} profile, "
-            f"{p.num_params / 1e9:.3g}B parameters)",
+            f"{_count(p.num_params)} parameters)",
             f"budget {_gib(self.budget_bytes)}; predicted peak {_gib(self.predicted_peak_bytes)} at {self.peak_phase}; "
             f"step {self.predicted_step_seconds * 1e3:.1f} ms; {self.predicted_tokens_per_s:,.0f} tokens/s",
             f"batch: micro-batch {self.micro_batch} x {p.seq_len} tokens, accumulation "

@@ -83,7 +83,10 @@ _POINTWISE_TRAFFIC = 2.0
 def _resolve_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None) -> tuple[list[nn.Module], str]:
     names = {id(m): n for n, m in model.named_modules()}
     if blocks is None:
-        found = find_blocks(model)
+        try:
+            found = find_blocks(model)
+        except ValueError as e:  # the planner also takes the blocks by name
+            raise ValueError(f"{e}; or name them: blocks='path.to.list' (fit, apply, profile)") from None
         return list(found), names.get(id(found), "")
     if isinstance(blocks, str):
         try:
