@@ -119,9 +119,15 @@ def load_source(path: str | os.PathLike[str]) -> Source:
     if isinstance(raw, dict) and raw.get("source") == "hf":
         return _hf_source(raw, meta, state, ckpt)
     cfg = _model_config(meta, ckpt)
-    model = build_model(cfg)
+    model = _load_weights(build_model(cfg), state, ckpt)
+    return Source(model=model.float().eval(), config=cfg, meta=meta, path=ckpt)
+
+
+def _load_weights(model: nn.Module, state: Any, ckpt: Path) -> nn.Module:
+    """``model`` with the checkpoint's weights: its ``state.pt``'s, or a sharded checkpoint's (a run on several
+    processes: torch.distributed.checkpoint)."""
     if isinstance(state, dict) and state.get("sharded"):
-        weights = _sharded_weights(ckpt, model)  # a run on several processes: torch.distributed.checkpoint
+        weights = _sharded_weights(ckpt, model)
     else:
         weights = state.get("model") if isinstance(state, dict) else None
         if not isinstance(weights, dict):
@@ -130,7 +136,7 @@ def load_source(path: str | os.PathLike[str]) -> Source:
         model.load_state_dict(weights)
     except RuntimeError as e:
         raise ExportError(f"{ckpt}: the weights do not fit the model config in meta.json ({e})") from None
-    return Source(model=model.float().eval(), config=cfg, meta=meta, path=ckpt)
+    return model
 
 
 def _hf_source(raw: dict[str, Any], meta: dict[str, Any], state: Any, ckpt: Path) -> Source:
@@ -148,17 +154,7 @@ def _hf_source(raw: dict[str, Any], meta: dict[str, Any], state: Any, ckpt: Path
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except (ValueError, KeyError, TypeError) as e:
         raise ExportError(f"{ckpt}: transformers cannot rebuild the model its meta.json records ({e})") from None
-    if isinstance(state, dict) and state.get("sharded"):
-        weights = _sharded_weights(ckpt, model)
-    else:
-        weights = state.get("model") if isinstance(state, dict) else None
-        if not isinstance(weights, dict):
-            raise ExportError(f"{ckpt}: state.pt holds no model weights under 'model'")
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        raise ExportError(f"{ckpt}: the weights do not fit the model its meta.json records ({e})") from None
-    model = model.float().eval()
+    model = _load_weights(model, state, ckpt).float().eval()
     return Source(model=HFCausalLM(model).eval(), config=None, meta=meta, path=ckpt, hf=model)
 
 
