@@ -74,13 +74,8 @@ class CompressionState:
                 "draws": dict(self.draws)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.draws = {str(k): int(v) for k, v in state.get("draws", {}).items()}
-        residuals = {str(k): v for k, v in state["residuals"].items()}
-        if any(k.isdigit() for k in residuals):  # keyed by bucket index, by an older version
-            log.warning("the checkpoint's compression residuals are keyed by DDP bucket, which the buckets "
-                        "rebuilt since no longer match; the error feedback starts from zero")
-            residuals = {k: v for k, v in residuals.items() if not k.isdigit()}
-        self.residuals = residuals
+        self.draws = {str(k): int(v) for k, v in state["draws"].items()}
+        self.residuals = {str(k): v for k, v in state["residuals"].items()}
 
 
 # ---------------------------------------------------------------- the compressors (pure, tested on their own)

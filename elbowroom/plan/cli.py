@@ -172,7 +172,8 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                 **sharded,
             )
         except BudgetError as e:
-            raise _UsageError(f"elbowroom plan: {_in_flags(str(e), args.dp_shard * args.dp_replicate > 1)}") from None
+            refused = (_HINTS[_FUSED],) if args.dp_shard * args.dp_replicate > 1 else ()  # data parallel refuses it
+            raise _UsageError(f"elbowroom plan: {e.reworded(_HINTS, refused)}") from None
     except _UsageError as e:
         print(str(e).replace("\n", " "), file=sys.stderr)
         return 2
@@ -187,22 +188,12 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+_FUSED = "fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss"
 _HINTS = {
     "global_batch= lets the planner split the batch into micro-batches":
         "--global-batch lets the planner split the batch into micro-batches",
     "precision='bf16' allows bf16 device weights": "--precision bf16 allows bf16 device weights",
-    "fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss":
-        "the fused head and loss (no --no-fused-loss) shrinks the head and loss",
+    _FUSED: "the fused head and loss (no --no-fused-loss) shrinks the head and loss",
     "(elbowroom plan --host-memory)": "(--host-memory)",
 }
 """The planner's hints name ``fit``'s arguments; this command's user has its flags."""
-
-
-def _in_flags(text: str, data_parallel: bool) -> str:
-    """A BudgetError's text in this command's flags; under data parallel without the fused loss, which it refuses."""
-    for api, flag in _HINTS.items():
-        text = text.replace(api, flag)
-    if data_parallel:
-        gone = _HINTS["fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss"]
-        text = text.replace(f"; {gone}", "").replace(f"{gone}; ", "").replace(gone, "")
-    return text

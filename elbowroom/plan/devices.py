@@ -131,11 +131,11 @@ def allocator_settings_setter() -> Any:
     return setter
 
 
-def expandable_segments_on(probe: bool = True) -> bool | None:
+def expandable_segments_on() -> bool | None:
     """Whether the CUDA caching allocator runs with ``expandable_segments:True`` now (the environment's
     ``PYTORCH_CUDA_ALLOC_CONF`` as torch parsed it, or a run-time setting); None when this torch cannot say.
 
-    Torch 2.11 can set the option at run time but has no getter. There, with ``probe``, a fresh 4 MiB block is
+    Torch 2.11 can set the option at run time but has no getter. There a fresh 4 MiB block is
     allocated on the current CUDA device (after ``empty_cache``, so that it opens a segment of the current
     setting) and the allocator's snapshot says whether its segment is expandable.
     """
@@ -144,7 +144,7 @@ def expandable_segments_on(probe: bool = True) -> bool | None:
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is not None:
         return "expandable_segments:true" in str(getter()).replace(" ", "").lower()
-    if not probe or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -57,6 +57,17 @@ class BudgetError(ValueError):
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
 
+    def reworded(self, names: dict[str, str], refused: tuple[str, ...] = ()) -> str:
+        """The message on one line in a front end's terms: its hints name ``fit``'s arguments, ``names`` maps each
+        hint to the front end's wording, and the reworded hints in ``refused`` (settings that front end refuses
+        here) are left out, since they are no way out."""
+        text = " ".join(str(self).split())
+        for api, flag in names.items():
+            text = text.replace(api, flag)
+        for hint in refused:
+            text = text.replace(f"; {hint}", "").replace(f"{hint}; ", "").replace(hint, "")
+        return text.replace(" ()", "")
+
 
 def _gib(n: float) -> str:
     """Bytes in the unit that shows them: GiB from 0.1 GiB, else MiB (a small model's "0.0 GiB" says nothing)."""

@@ -467,7 +467,7 @@ class DistributedRun:
                         "--parallel.comm_hook %s starts from zero", loaded.path, self.topo.world_size,
                         self.cfg.parallel.comm_hook)
             return
-        # on the host: a generator's state must be (the residuals move to the device with their first bucket)
+        # on the host: the residuals move to the device with their first bucket
         self.comm.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["comm"])
 
     def save(self, ckpts: CheckpointManager, step: int, model: nn.Module, optimizer: Any,

@@ -231,13 +231,8 @@ def _ranks_per_host(cfg: Config) -> int:
 def _budget_error(e: Any, cfg: Config) -> ConfigError:
     """The planner's BudgetError in the trainer's terms: its hints as flags, the minimum in bytes (a small model's
     needs finer units than its GiB), per rank under FSDP2."""
-    text = " ".join(str(e).split())
-    for api, flag in _CLI_HINTS.items():  # the planner's hints name fit()'s arguments; a trainer user has flags
-        text = text.replace(api, flag)
-    if cfg.parallel.mode != "single":  # flags refused under data parallel are no way out
-        for flag in _NOT_UNDER_DATA_PARALLEL:
-            text = text.replace(f"; {flag}", "").replace(f"{flag}; ", "").replace(flag, "")
-        text = text.replace(" ()", "")
+    # the planner's hints name fit()'s arguments; a trainer user has flags, and some data parallel refuses
+    text = e.reworded(_CLI_HINTS, _NOT_UNDER_DATA_PARALLEL if cfg.parallel.mode != "single" else ())
     least = f"{e.minimum_bytes:,} bytes: pass --budget {_size_at_least(e.minimum_bytes)} or more"
     if sharded(cfg):
         return ConfigError(f"--budget is one rank's memory under FSDP2 over {shard_factor(cfg)} shards: {text}; the "
