@@ -12,6 +12,10 @@
   ``selective:0.25``, ``selective:all``, ``full``, ``full:input``), the optimizer on the device, fp32 weights:
   the cost model's price of that one option against the measurement (the calibration of its per-option terms).
   ``ELBOWROOM_BENCH_PROFILE=FILE`` keeps the measured profile in FILE (JSON) for the next rows of the workload.
+- ``ELBOWROOM_BENCH_PROFILES=DIR`` (``fit`` modes): each profile ``fit`` takes is written to DIR as
+  ``<workload>-<precision>-<n>.json`` (n: its order within the call) and read from there by the next rows of the
+  same workload and precision: the rows then plan on one measurement, and the cost model can be replayed on CPU
+  against the measured rows (``Plan.repredicted``).
 - ``...@<budget>+clip``: the loop clips gradients at global norm 1.0 (as the trainer does), and the planner plans
   for it; whether gradients leave during the backward is the plan's decision (``plan.offload_gradients``;
   ``+og`` is kept for old command lines and changes nothing);
@@ -92,14 +96,15 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
     else:
         # the harness's loss (cross-entropy over its own targets) and loop (no clipping: the host step may start
         # as soon as the late blocks' gradients are final)
-        model, opt, plan = fit(model, (idx, tgt), budget=budget, precision=precision, fused_loss=fused,
-                               source="measured", grad_clipping=clip, lr=1e-4, fused=True,
-                               # the workload's step as the global batch: with +gb, or when it accumulates
-                               global_batch=idx.shape[0] * getattr(args, "step_accum", 1)
-                               if split or getattr(args, "step_accum", 1) > 1 else None,
-                               # the harness clips through the optimizer, which sees gradients already on the host:
-                               # the planner may send them there where that fits and nothing faster does
-                               gradient_offload=True)
+        with _kept_profiles(getattr(args, "workload", "model"), precision):
+            model, opt, plan = fit(model, (idx, tgt), budget=budget, precision=precision, fused_loss=fused,
+                                   source="measured", grad_clipping=clip, lr=1e-4, fused=True,
+                                   # the workload's step as the global batch: with +gb, or when it accumulates
+                                   global_batch=idx.shape[0] * getattr(args, "step_accum", 1)
+                                   if split or getattr(args, "step_accum", 1) > 1 else None,
+                                   # the harness clips through the optimizer, which sees gradients already on the host:
+                                   # the planner may send them there where that fits and nothing faster does
+                                   gradient_offload=True)
         if clip:
             def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
                 if hasattr(o, "clip_grad_norm_"):
@@ -138,6 +143,40 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
 
     return Setup(opt, context=context, stats=stats, notes=notes, fused_loss=plan.fused_loss,
                  micro_batch=plan.micro_batch)
+
+
+@contextlib.contextmanager
+def _kept_profiles(workload: str, precision: str) -> Any:
+    """``ELBOWROOM_BENCH_PROFILES=DIR``: the profiles ``fit`` takes in this block, written to DIR (or read back
+    from there when an earlier row of the same workload and precision wrote them)."""
+    import json
+    import os
+
+    folder = os.environ.get("ELBOWROOM_BENCH_PROFILES")
+    if not folder:
+        yield
+        return
+    from elbowroom.plan import profiler
+    from elbowroom.plan.types import profile_from_dict
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    take, count = profiler.profile, [0]
+
+    def kept(*a: Any, **k: Any) -> Any:
+        path = Path(folder) / f"{workload}-{precision}-{count[0]}.json"
+        count[0] += 1
+        if path.exists():
+            return profile_from_dict(json.loads(path.read_text()))
+        prof = take(*a, **k)
+        if prof.source == "measured":
+            path.write_text(json.dumps(prof.to_dict()))
+        return prof
+
+    profiler.profile = kept
+    try:
+        yield
+    finally:
+        profiler.profile = take
 
 
 def _summary(plan: Any) -> dict[str, Any]:
