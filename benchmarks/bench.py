@@ -185,6 +185,19 @@ def model_config(preset: str, seq: int) -> ModelConfig:
     return ModelConfig.from_preset(preset, max_seq_len=max(seq, ModelConfig.from_preset(preset).max_seq_len))
 
 
+def _write_trace(tracer: Any, path: Path) -> None:
+    """The profiler's Chrome trace, gzipped (a step of a large model is tens of MB as text)."""
+    import gzip
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        tracer.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            dst.write(src.read())
+
+
 def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     """Train ``args.steps`` steps of ``workload`` in mode ``name``; time each step with a sync around it."""
     preset, bsz, seq, accum = WORKLOADS[workload]
@@ -219,8 +232,19 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     # (the first one includes any wait of its forward for the optimizer), and of step() + zero_grad()
     events = bool(os.environ.get("ELBOWROOM_BENCH_EVENTS")) and device.type == "cuda"
     marks: list[Any] = []
-    for _ in range(args.steps):
+    # ELBOWROOM_BENCH_TRACE=DIR: the last step under torch.profiler, written to DIR/<workload>-<mode>.json.gz (read it
+    # with benchmarks/trace_summary.py); that step is left out of the timing
+    trace_dir = os.environ.get("ELBOWROOM_BENCH_TRACE")
+    for step in range(args.steps + (1 if trace_dir else 0)):
+        tracing = bool(trace_dir) and step == args.steps
+        if tracing:
+            tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                            + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
+            tracer.__enter__()
+            step_range = torch.profiler.record_function("elbowroom step")
         _sync()
+        if tracing:
+            step_range.__enter__()
         t0 = time.perf_counter()
         if events:
             marks = [torch.cuda.Event(enable_timing=True)]
@@ -253,6 +277,11 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()
         _sync()
+        if tracing:
+            step_range.__exit__(None, None, None)
+            tracer.__exit__(None, None, None)
+            _write_trace(tracer, Path(trace_dir) / f"{workload}-{name.replace('@', '-').replace('+', '-')}.json.gz")
+            break
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     step_s = statistics.median(times[args.warmup :]) if len(times) > args.warmup else min(times)

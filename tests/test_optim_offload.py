@@ -609,14 +609,19 @@ def test_master_weights_bf16(host_step: str) -> None:
 
 @pytest.mark.parametrize("opt_class", [torch.optim.AdamW, torch.optim.SGD])
 def test_device_masters_accumulate_and_step_in_chunks(opt_class, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the device half of a bf16 model keeps fp32 masters on the device; Adam(W) steps them chunk by chunk
-    # (no fp32 copy of all gradients at once), other optimizers through torch's own step on upcast
-    # gradients; both equal a hand-written loop over two accumulated micro-batches per step
+    # the device half of a bf16 model keeps fp32 masters on the device; Adam(W) steps them through one fp32
+    # scratch (no fp32 copy of all gradients at once): a parameter larger than it chunk by chunk, the smaller
+    # ones together in one fused call; other optimizers through torch's own step on upcast gradients; all equal
+    # a hand-written loop over two accumulated micro-batches per step, bitwise
     knobs(device_chunk_numel=192)
     calls: list[int] = []
-    real = _host_adam.step_chunked
+    batched: list[list[int]] = []
+    real, real_batched = _host_adam.step_chunked, _host_adam.step_batched
     monkeypatch.setattr(
         _host_adam, "step_chunked", lambda *a, **k: calls.append(a[2].numel()) or real(*a, **k)
+    )
+    monkeypatch.setattr(
+        _host_adam, "step_batched", lambda *a, **k: batched.append([m.numel() for m in a[2]]) or real_batched(*a, **k)
     )
     kw = {"lr": 1e-2, "momentum": 0.9} if opt_class is torch.optim.SGD else {"lr": 1e-2, "weight_decay": 0.1}
     m1 = make_model().to(torch.bfloat16)
@@ -637,7 +642,11 @@ def test_device_masters_accumulate_and_step_in_chunks(opt_class, monkeypatch: py
     assert all(m.grad is None for m in o1._placement.dev_masters.values())
     device_numel = sorted(m.numel() for m in o1._placement.dev_masters.values())
     if opt_class is torch.optim.AdamW:
-        assert sorted(calls[: len(device_numel)]) == device_numel and len(calls) == 3 * len(device_numel)
+        large = [n for n in device_numel if n > 192]
+        small = [n for n in device_numel if n <= 192]
+        assert large and small and sum(small) <= 192  # both paths run
+        assert sorted(calls[: len(large)]) == large and len(calls) == 3 * len(large)
+        assert [sorted(b) for b in batched] == [small] * 3  # one fused call per step for all the small ones
         assert max(device_numel) > 192  # some parameter spans several chunks
     else:
         assert calls == []

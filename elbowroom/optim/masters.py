@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.optim import Optimizer
 
-from elbowroom.optim import _host_adam
+from elbowroom.optim import _host_adam, shards
 from elbowroom.optim.buffers import HostMemory
 
 if TYPE_CHECKING:
@@ -119,24 +119,50 @@ def step_device(optimizer: Optimizer, masters: dict[torch.Tensor, torch.Tensor],
 
 
 def _step_masters_in_chunks(optimizer: Optimizer, masters: dict[torch.Tensor, torch.Tensor], chunk: int) -> None:
-    """Adam(W) on the device's fp32 masters of low-precision parameters, chunk by chunk: upcast a chunk of the
-    gradient into scratch, torch's fused step on that chunk, cast the master chunk into the parameter."""
+    """Adam(W) on the device's fp32 masters of low-precision parameters through one fp32 scratch of ``chunk``
+    elements: a parameter larger than it chunk by chunk (upcast a chunk of the gradient, torch's fused step on
+    that chunk, cast the master chunk into the parameter); the smaller ones together, as many as fill the scratch,
+    in one fused call (:func:`~elbowroom.optim._host_adam.step_batched`: a model of many small tensors is not
+    bound by launches)."""
     group_of = {id(m): g for g in optimizer.param_groups for m in g["params"]}
     scratch: dict[torch.device, torch.Tensor] = {}  # one chunk per device, freed after the step
+    # the parameters a batch may take: same device and group, contiguous weight, fp32 master of its own
+    batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    batch_key: tuple[torch.device, int] | None = None
+    batch_numel = 0
+
+    def flush() -> None:
+        nonlocal batch, batch_numel
+        if batch:
+            dev = batch[0][0].device
+            _host_adam.step_batched(optimizer, group_of[id(batch[0][0])], [m for m, _, _ in batch],
+                                    [g for _, g, _ in batch], [o for _, _, o in batch], scratch[dev])
+        batch, batch_numel = [], 0
+
     for p, m in masters.items():
         if p.grad is None:
             continue
         if m.device not in scratch:
-            largest = max(min(chunk, q.numel()) for q in masters.values() if q.device == m.device)
-            scratch[m.device] = torch.empty(largest, dtype=torch.float32, device=m.device)
+            total = sum(q.numel() for q in masters.values() if q.device == m.device)
+            scratch[m.device] = torch.empty(min(chunk, total), dtype=torch.float32, device=m.device)
         g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
         out = p.detach()
         contiguous = out.is_contiguous()
+        room = scratch[m.device].numel()
+        if contiguous and not shards.is_sharded(m) and m.numel() <= room:
+            key = (m.device, id(group_of[id(m)]))
+            if key != batch_key or batch_numel + m.numel() > room:
+                flush()
+                batch_key = key
+            batch.append((m, g, out))
+            batch_numel += m.numel()
+            continue
         _host_adam.step_chunked(
             optimizer, group_of[id(m)], m, g, out if contiguous else None, scratch[m.device], [], chunk
         )
         if not contiguous:
             out.copy_(m)
+    flush()
 
 
 def reload_masters(hps: list[HostParam], masters: dict[torch.Tensor, torch.Tensor]) -> None:
