@@ -7,8 +7,10 @@
 #   bash benchmarks/planner_checks.sh
 #   PARTS="2" bash benchmarks/planner_checks.sh      # only the W1 frontier
 #   PARTS="3 2" bash benchmarks/planner_checks.sh    # GPT-2-XL, then W1 (the parts run in the order given)
+#   TRACE="3" bash benchmarks/planner_checks.sh      # and a profiler trace of the last step of part 3's rows
 set -u
 PARTS=${PARTS:-1 2 3}
+TRACE=${TRACE:-}
 OUT=${OUT:-runs/planner-checks}
 mkdir -p "$OUT/logs"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
@@ -17,9 +19,12 @@ export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
 export ELBOWROOM_BENCH_EVENTS=1 ELBOWROOM_BENCH_PROFILES="$OUT/logs/profiles"
 BENCH="python3 benchmarks/bench.py --steps 6 --warmup 2"
 for part in $PARTS; do
+  if [[ " $TRACE " == *" $part "* ]]; then export ELBOWROOM_BENCH_TRACE="$OUT/logs/traces"; else unset ELBOWROOM_BENCH_TRACE; fi
   case $part in
     1)  # the profile on CUDA: the expandable-segments margin measured where torch has no getter (2.11), and the rest
-      timeout 240 python3 -m pytest -q tests/test_plan_profile.py -k cuda 2>&1 | tail -5 | tee "$OUT/logs/gpu-tests.log" ;;
+      # and the device masters' step (chunked and batched) bitwise against torch's AdamW
+      timeout 240 python3 -m pytest -q tests/test_plan_profile.py tests/test_optim_offload_gpu.py -k "cuda or master" \
+        2>&1 | tail -5 | tee "$OUT/logs/gpu-tests.log" ;;
     2)  # W1 at 24, 16 and 8 GiB against plain, capped at the budget
       timeout 330 $BENCH --workload w1 --json "$OUT/w1.jsonl" \
         --modes plain,fit_bf16@24GiB+cap+fl,fit_bf16@16GiB+cap+fl,fit_bf16@8GiB+cap+fl 2>&1 \
