@@ -130,9 +130,10 @@ backward's end in forward order (``t_j = 0``, ``T_0 = 0``). Recompute is not cou
 step (it is a per-block choice; leaving it out keeps the cost a sum and errs on the slow side). The parameters
 outside the blocks are treated as the embeddings (gradient final last, weights needed first): a tied or input
 embedding behaves so, an untied output head would hide better, and the profile does not tell them apart.
-With ``offload_gradients`` the pipeline is the same (the gradients go out as they become final either way) and
-their copy at link speed in the backward (``g P_off / d2h_bandwidth``) is added as exposed: it is what the decision
-costs, so a budget with room never takes it.
+With ``offload_gradients``, ``T_host`` is the whole host step plus the gradients' copy (``g P_off /
+d2h_bandwidth``): pessimistic (part of it hides behind the next forward), but the decision has costs the pipeline
+does not see (the host step ran 33% slower beside the gradients' copies into host memory, and gradients freed one
+by one fragment the allocator), so a budget with room must never take it.
 """
 
 from __future__ import annotations
@@ -577,12 +578,14 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     g_head, g_blocks = gradient_bytes(profile, d)
     # else they live through every later micro-batch's forward, or in DDP's buckets from its construction on
     transient = d.accumulation == 1 and not d.persistent_gradients
-    # offloaded gradients: their pinned host copies, and their copy at link speed in the backward, exposed (beside
-    # the activations' prefetch); the host step itself runs as without them, in the same pipeline (W1, H100: at
-    # 8 GiB the forward waited 0.41 s for a 0.47 s host step; pricing the whole step as exposed predicted 0.64)
+    # offloaded gradients: their pinned host copies, and the whole host step and their copy priced as exposed.
+    # Pessimistic where they are needed (W1, H100, 8 GiB: the forward waited 0.41 s of a 0.47 s host step in one
+    # call, 1.27 of 1.53 in the next), but priced as the pipeline it made the planner take them at 16 GiB, where
+    # they cost 9 points of plain's speed (the host step 33% slower beside the gradients' copies into host memory)
+    # and GPT-2-XL ran out of memory (gradients freed one by one in the backward fragment the allocator)
     og_bytes = int((4 if off_dtype == "float32" else 2) * p_off) if d.offload_gradients else 0
     if d.offload_gradients:
-        host_exposed_s += og_bytes / max(m.d2h_bandwidth, 1.0)
+        host_exposed_s = host_step_s + og_bytes / max(m.d2h_bandwidth, 1.0)
     return Globals(
         states=state_bytes(profile, d) + profile.rank_transient_bytes,
         transient_grads=g_head + sum(g_blocks) if transient else 0,
