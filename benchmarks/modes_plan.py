@@ -7,7 +7,7 @@
   weights under autocast; ``fit_bf16@<budget>`` also allows bf16 device weights with fp32 masters (the row says
   which the plan chose). ``+fl`` lets the planner use the fused head and loss; the row follows the plan's choice.
 - ``plan@<file>``: apply a Plan file (TOML or JSON) as it is: a hand plan is a file, not a mode name
-  (``ELBOWROOM_BENCH_CPU_THREADS=N``: its host optimizer step on N threads).
+  (``ELBOWROOM_BENCH_CPU_THREADS=N``: its host optimizer step on N threads; for ``fit`` modes too).
 - ``uniform@<option>``: every block under one option of the planner (``keep``, ``keep:0.5``, ``selective``,
   ``selective:0.25``, ``selective:all``, ``full``, ``full:input``), the optimizer on the device, fp32 weights:
   the cost model's price of that one option against the measurement (the calibration of its per-option terms).
@@ -104,7 +104,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
                                    if split or getattr(args, "step_accum", 1) > 1 else None,
                                    # the harness clips through the optimizer, which sees gradients already on the host:
                                    # the planner may send them there where that fits and nothing faster does
-                                   gradient_offload=True)
+                                   gradient_offload=True, **_threads())
         if clip:
             def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
                 if hasattr(o, "clip_grad_norm_"):
@@ -210,10 +210,16 @@ def _analytic(model: torch.nn.Module, plan: Any, idx: torch.Tensor) -> dict[str,
 
 def _offload_config(plan: Any) -> dict[str, Any]:
     """``ELBOWROOM_BENCH_CPU_THREADS=N``: the host step of a plan that offloads the optimizer runs on N threads."""
+    return _threads() if plan.offloads_optimizer else {}
+
+
+def _threads() -> dict[str, Any]:
+    """``ELBOWROOM_BENCH_CPU_THREADS=N``: the offloaded optimizer's config with its host step on N threads (for
+    ``fit``, which plans with that config and applies it), else nothing."""
     import os
 
     threads = os.environ.get("ELBOWROOM_BENCH_CPU_THREADS")
-    if not threads or not plan.offloads_optimizer:
+    if not threads:
         return {}
     from elbowroom.optim import CPUOffloadConfig
 
