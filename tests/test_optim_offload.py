@@ -779,8 +779,32 @@ def test_a_failed_piece_copy_fails_the_step_without_hanging(monkeypatch: pytest.
     assert done.wait(20), "step() hung after a failed piece copy"
     assert streamed == [2]  # the 40 x 72 weight
     (err,) = errors
-    assert isinstance(err, RuntimeError) and "worker failed" in str(err)
+    assert isinstance(err, RuntimeError) and "worker failed (OSError: device copy failed)" in str(err)
     assert isinstance(err.__cause__, OSError) and "device copy failed" in str(err.__cause__)
+    assert not isinstance(err, torch.OutOfMemoryError)
+    o.close()
+
+
+def test_a_worker_out_of_memory_is_raised_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a worker's device scratch can run out of memory under a capped allocator: step() raises it as
+    # torch.OutOfMemoryError (what the trainer's first-steps guard catches to re-plan), naming the worker
+    m = _wide_model()
+    o = make_opt(m.parameters(), offload_fraction=1.0, lr=1e-2)
+    data = batches(2)
+    loss_of(m, data[0]).backward()
+    o.step()
+    o.zero_grad()
+
+    class NoRoom:
+        def reshape(self, *shape: int) -> torch.Tensor:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    real = engine_mod.Engine._stream_pieces
+    monkeypatch.setattr(engine_mod.Engine, "_stream_pieces",
+                        lambda engine, job, g: real(engine, job, NoRoom()))  # type: ignore[arg-type]
+    loss_of(m, data[1]).backward()
+    with pytest.raises(torch.OutOfMemoryError, match=r"worker failed \(OutOfMemoryError: CUDA out of memory"):
+        o.step()
     o.close()
 
 

@@ -250,9 +250,16 @@ class Engine(HostStep):
             return [j for j in jobs if not j.finished]
 
     def raise_error(self) -> None:
-        """Raise the first worker failure (with its cause) if there was one."""
-        if self.error is not None:
-            raise RuntimeError("the CPUOffloadOptimizer worker failed; the optimizer is unusable") from self.error
+        """Raise the first worker failure (with its cause) if there was one: named in the message, and a device
+        out-of-memory in a worker (its device scratch, under a capped allocator) as ``torch.OutOfMemoryError``, so
+        that what guards a step against running out of memory (the trainer's re-plan) sees it as one."""
+        e = self.error
+        if e is not None:
+            text = (f"the CPUOffloadOptimizer worker failed ({type(e).__name__}: {str(e)[:300]}); "
+                    "the optimizer is unusable")
+            if isinstance(e, torch.OutOfMemoryError):
+                raise torch.OutOfMemoryError(text) from e
+            raise RuntimeError(text) from e
 
     def stop(self, timeout: float) -> None:
         """Stop both worker threads and join them (idempotent: a second call joins again).
