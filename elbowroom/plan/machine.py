@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 import statistics
 import time
@@ -27,6 +28,7 @@ import torch
 
 from elbowroom.optim.config import default_step_threads
 from elbowroom.plan.devices import host_memory_bytes
+from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM
 from elbowroom.plan.types import MachineProfile
 
 __all__ = ["measure_machine", "machine_for"]
@@ -50,7 +52,7 @@ def _best_time(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -
     return best
 
 
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 """Bumped when a measurement changes meaning: 2 measures host AdamW on the optimizer's own thread count (1 took
 torch's count, which a DataLoader's pinning thread may have set to 1)."""
 
@@ -64,9 +66,9 @@ def _host_adam_rate(numel: int, repeats: int, busy_link: Callable[[], None] | No
     """Parameters per second of torch's fused AdamW on fp32 CPU tensors (what the host optimizer runs).
 
     In training the host step shares host memory with the link's copies both ways, and ran 20-50% slower than
-    alone on the lent H100's host (3.4-4.1 against 4.7-6.1 G params/s): with ``busy_link`` (which keeps copies
-    running both ways on the device's copy engines) the rate is taken under that load, and as the median of the
-    repeats, not the best.
+    alone on the lent H100's host (3.4-4.1 against 4.7-6.1 G params/s): with ``busy_link`` (which enqueues the
+    optimizer's own copies of the measured parameters, both ways, on the device's copy engines) the rate is taken
+    under that load, and as the median of the repeats, not the best.
     """
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full((numel,), 1e-3)
@@ -219,14 +221,15 @@ def _measure_cuda(dev: torch.device, name: str, n: int, copy_bytes: int, adam_nu
         matmul_flops = _cuda_matmul_rate(dev, n, repeats, sync)
         memory_bandwidth, h2d_bw, d2h_bw, duplex_bw, alloc_s = _cuda_copy_rates(dev, copy_bytes, repeats, sync)
         total = torch.cuda.get_device_properties(dev).total_memory
-        # copies both ways while the host AdamW runs, as in training (activations and gradients out, weights and
-        # activations back): enough queued for one step of the measurement
+        # copies both ways while the host AdamW runs, as in training: the optimizer's own traffic, each stepped
+        # parameter's fp32 gradient out and fp32 master back (OPTIMIZER_LINK_BYTES_PER_PARAM each way). A link kept
+        # full both ways for the whole step took ~25% more of the host's memory bandwidth than training does: the
+        # rate so measured was 0.75-0.8 of the host step's in training (W1 and GPT-2-XL on the H100, 9 plans)
         numel = copy_bytes // 4
         h_in, h_out = torch.empty(numel, pin_memory=True), torch.empty(numel, pin_memory=True)
         d_in, d_out = torch.empty(numel, device=dev), torch.empty(numel, device=dev)
         up, down = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-        step_s = adam_numel / 3e9  # the copies need only outlast one step at a typical rate
-        copies = max(1, int(step_s * min(h2d_bw, d2h_bw) / copy_bytes) + 1)
+        copies = max(1, math.ceil(OPTIMIZER_LINK_BYTES_PER_PARAM * adam_numel / copy_bytes))
 
         def busy_link() -> None:
             sync()  # host-device sync: the previous repeat's copies are done
