@@ -25,6 +25,7 @@ Modes come from registries: the peers' and the trainer's below, ours from ``mode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import importlib.util
@@ -212,6 +213,7 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     args.sample, args.fused_loss = (idx, tgt), name.endswith(FUSED_LOSS)  # what a planner mode profiles with
     args.step_accum = accum  # micro-batches of the workload's step (a planner mode plans for the whole step)
     setup = mode_setup(name)(model, args)
+    _RUNNING.update(setup=setup, step=None)  # what an out-of-memory row reports
     if device.type == "cuda":
         # the peak of the training steps, not of the set-up (a planner mode profiles the model first)
         gc.collect()
@@ -236,6 +238,7 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     # with benchmarks/trace_summary.py); that step is left out of the timing
     trace_dir = os.environ.get("ELBOWROOM_BENCH_TRACE")
     for step in range(args.steps + (1 if trace_dir else 0)):
+        _RUNNING["step"] = step
         tracing = bool(trace_dir) and step == args.steps
         if tracing:
             tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
@@ -497,6 +500,9 @@ def _apply_recorded_settings(args) -> None:
     os.environ.update(recorded["env"])
 
 
+_RUNNING: dict[str, Any] = {}  # the mode being run: its setup and step (for the row of one that runs out of memory)
+
+
 def run_one(name: str, args) -> dict[str, Any]:
     try:
         if name == "minimal":
@@ -504,8 +510,19 @@ def run_one(name: str, args) -> dict[str, Any]:
         if name == "trainer":
             return run_trainer(args.workload, args)
         return run_mode(name, args.workload, args)
-    except torch.OutOfMemoryError:
-        return {"workload": args.workload, "mode": name, "error": "OOM"}
+    except torch.OutOfMemoryError as e:
+        # the allocator's message and, for a planned mode, its plan and predictions: what ran out, against what
+        row: dict[str, Any] = {"workload": args.workload, "mode": name, "error": "OOM",
+                               "oom": (str(e).splitlines() or [""])[0][:400], "oom_step": _RUNNING.get("step")}
+        setup = _RUNNING.get("setup")
+        if setup is not None and setup.stats is not None:
+            with contextlib.suppress(Exception):  # the row stands without them
+                stats = setup.stats()
+                mechanism = stats.pop("settings", None)
+                row.update({k: v for k, v in stats.items() if k.startswith("pred_") or k in ("budget_GiB", "plan")})
+                if mechanism is not None:
+                    row["settings"] = {"mechanism": mechanism}
+        return row
     except Exception as e:  # noqa: BLE001 - a mode failing is itself a result; the others still run
         return {"workload": args.workload, "mode": name, "error": f"{type(e).__name__}: {e}"[:300]}
 

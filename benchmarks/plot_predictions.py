@@ -24,7 +24,7 @@ def planned_rows(paths: list[str]) -> list[dict]:
         for line in Path(path).read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
-                if "pred_step_s" in row and "pred_peak_GiB" in row:
+                if "pred_step_s" in row and "pred_peak_GiB" in row and "step_s" in row:  # not one that failed
                     rows.append(row)
     return rows
 

@@ -51,7 +51,7 @@ def main() -> None:
         for line in Path(path).read_text().splitlines():
             row = json.loads(line)
             plan = replay(args.profiles, row)
-            if plan is None:
+            if plan is None or "step_s" not in row:
                 continue
             terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in plan.time.items() if v)
             print(f"| {row['workload']} | {row['mode']} | {row['step_s']:.3f} | {row.get('gpu_ms')} | "
