@@ -273,3 +273,19 @@ def test_a_small_model_s_budget_error_names_sizes_in_a_unit_that_shows_them() ->
         plan_for(p, 1024)
     msg = str(e.value)
     assert "0.0 GiB" not in msg and ("MiB" in msg or "KiB" in msg), msg
+
+
+def test_expandable_segments_preferred_where_both_fit() -> None:
+    """On a CUDA machine a plan that fits either way takes expandable segments (they fragment less: a plan that
+    frees gradients one by one in the backward ran out of memory under a capped allocator with the defaults); the
+    defaults only where they alone fit, and never on CPU."""
+    p = make_profile(n_layers=6)
+    roomy = plan_for(p, 60 * GiB)
+    assert roomy.allocator_settings == "expandable_segments:True"
+    assert not roomy.offloads_optimizer  # the setting changes no decision that costs time
+    # a measured margin larger with expandable segments than without: at the edge only the defaults fit
+    wide = dataclasses.replace(p, allocator_overhead_bytes=64 << 20, allocator_overhead_expandable_bytes=4 * GiB)
+    edge = _minimum(wide)
+    assert plan_for(wide, edge).allocator_settings == ""
+    cpu = dataclasses.replace(p, machine=dataclasses.replace(p.machine, name="cpu"))
+    assert plan_for(cpu, 60 * GiB).allocator_settings == ""
