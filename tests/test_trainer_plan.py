@@ -78,7 +78,9 @@ def test_budget_plans_then_trains(tmp_path: Path, budgets: tuple[int, int], capl
     assert caplog.text.index("elbowroom plan:") < caplog.text.index("step      1")
     # the machine's numbers are logged, and cached beside the corpus: the next planned run reads them
     assert "host AdamW" in caplog.text
-    cached = list(Path(os.environ["ELBOWROOM_CACHE"]).glob("machine-v2-cpu-*.json"))
+    from elbowroom.plan.machine import _CACHE_VERSION
+
+    cached = list(Path(os.environ["ELBOWROOM_CACHE"]).glob(f"machine-v{_CACHE_VERSION}-cpu-*.json"))
     assert len(cached) == 1, cached
     saved = json.loads((out / "plan.json").read_text())
     assert saved["budget_bytes"] == budget and saved["predicted_peak_bytes"] <= budget
