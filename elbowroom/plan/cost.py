@@ -130,6 +130,10 @@ backward's end in forward order (``t_j = 0``, ``T_0 = 0``). Recompute is not cou
 step (it is a per-block choice; leaving it out keeps the cost a sum and errs on the slow side). The parameters
 outside the blocks are treated as the embeddings (gradient final last, weights needed first): a tied or input
 embedding behaves so, an untied output head would hide better, and the profile does not tell them apart.
+The host step's pace varies between runs (1.6x between two identical runs of one call), and a plan whose step
+rests on it hiding with little slack loses most when it runs slow: ``T_host`` is the mean of the lateness at the
+measured rate and at :data:`HOST_STEP_SPREAD` of it (a plan with slack to spare pays nothing; one that offloads
+optimizer state only to shorten the device step by a few milliseconds no longer wins by doing so).
 With ``offload_gradients``, ``T_host`` is the whole host step plus the gradients' copy (``g P_off /
 d2h_bandwidth``): pessimistic (part of it hides behind the next forward), but the decision has costs the pipeline
 does not see (the host step ran 33% slower beside the gradients' copies into host memory, and gradients freed one
@@ -168,6 +172,12 @@ the same again in backward (blocks under a policy recast instead of keeping the 
 cast to fp32 (read 2, write 4). On the 7B shape the fp32 half under autocast measured 51 ms per micro-batch over
 3.4 B parameters (~51 B/param at the H100's 3.35 TB/s, ``BENCHMARKS.md``), which also holds fp32 norm outputs and
 gradient accumulation; 18 counts only what the weights themselves move."""
+
+HOST_STEP_SPREAD = 0.75
+"""The host optimizer's rate at the slow end of what training runs showed, as a share of the measured one: between
+0.73x and 1.19x of it on the lent H100's host, and 1.6x apart between two identical runs of one call (W1 and
+GPT-2-XL plans, ``BENCHMARKS.md``, 2026-11-24, fifth session). ``T_host`` is the mean of the pipeline at the measured
+rate and at this share of it."""
 
 DEVICE_ADAM_BYTES_PER_PARAM = 28
 """Fused AdamW on the device per fp32 parameter: reads weight, gradient and two moments (16 B), writes weight and
@@ -561,7 +571,11 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     compute_s = s * max(0.0, base - cast0) + cast_s
     per = DEVICE_MASTER_ADAM_BYTES_PER_PARAM if weight == "bfloat16" else DEVICE_ADAM_BYTES_PER_PARAM
     device_step_s = p_res * per / bwm
-    host_step_s, host_exposed_s = host_exposed_seconds(profile, d, device_step_s)
+    # the host step's pace varies between runs (HOST_STEP_SPREAD): the exposed part is the mean of the pipeline at the
+    # measured rate and at the slow end, so a plan that leans on the host step hiding pays for the risk it takes
+    host_step_s, exposed = host_terms(profile, d, device_step_s)
+    host_exposed_s = exposed if d.offload_gradients else 0.5 * (
+        exposed + host_terms(profile, d, device_step_s, HOST_STEP_SPREAD)[1])
 
     in_last = blocks[-1].input_bytes if blocks else 0
     head_params_cast = 2 * head.num_params if (autocast and weight == "float32") else 0
@@ -578,14 +592,7 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     g_head, g_blocks = gradient_bytes(profile, d)
     # else they live through every later micro-batch's forward, or in DDP's buckets from its construction on
     transient = d.accumulation == 1 and not d.persistent_gradients
-    # offloaded gradients: their pinned host copies, and the whole host step and their copy priced as exposed.
-    # Pessimistic where they are needed (W1, H100, 8 GiB: the forward waited 0.41 s of a 0.47 s host step in one
-    # call, 1.27 of 1.53 in the next), but priced as the pipeline it made the planner take them at 16 GiB, where
-    # they cost 9 points of plain's speed (the host step 33% slower beside the gradients' copies into host memory)
-    # and GPT-2-XL ran out of memory (gradients freed one by one in the backward fragment the allocator)
-    og_bytes = int((4 if off_dtype == "float32" else 2) * p_off) if d.offload_gradients else 0
-    if d.offload_gradients:
-        host_exposed_s = host_step_s + og_bytes / max(m.d2h_bandwidth, 1.0)
+    og_bytes = _offloaded_gradient_bytes(profile, d)
     return Globals(
         states=state_bytes(profile, d) + profile.rank_transient_bytes,
         transient_grads=g_head + sum(g_blocks) if transient else 0,
@@ -601,6 +608,29 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
         host_exposed_s=float(host_exposed_s),
         host_bytes=int(HOST_BYTES_PER_PARAM * p_off) + og_bytes,
     )
+
+
+def _offloaded_gradient_bytes(profile: Profile, d: Decisions) -> int:
+    """Bytes of the pinned host copies of the host-stepped parameters' gradients (``offload_gradients``), else 0."""
+    if not d.offload_gradients:
+        return 0
+    off_dtype = LAYOUTS[d.layout][1]
+    return int((4 if off_dtype == "float32" else 2) * _param_split(profile, d)[1])
+
+
+def host_terms(profile: Profile, d: Decisions, device_step_s: float, rate_scale: float = 1.0) -> tuple[float, float]:
+    """(the whole host step, the part of it priced as exposed) with the host optimizer at ``rate_scale`` times the
+    measured rate: the pipeline of the module docstring, or with ``offload_gradients`` the whole step and their copy.
+
+    Offloaded gradients are priced so pessimistically on purpose: where they are needed (W1, H100, 8 GiB) the forward
+    waited 0.41 s of a 0.47 s host step in one call and 1.27 of 1.53 in the next; priced as the pipeline, the planner
+    took them at 16 GiB, where they cost 9 points of plain's speed (the host step 33% slower beside the gradients'
+    copies into host memory), and GPT-2-XL ran out of memory there (gradients freed one by one fragment the
+    allocator)."""
+    host_step_s, exposed = host_exposed_seconds(profile, d, device_step_s, rate_scale)
+    if d.offload_gradients:
+        exposed = host_step_s + _offloaded_gradient_bytes(profile, d) / max(profile.machine.d2h_bandwidth, 1.0)
+    return host_step_s, exposed
 
 
 def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: float) -> float:

@@ -22,15 +22,17 @@ OPTIMIZER_LINK_BYTES_PER_PARAM = 4
 device weights the casts run on the device, so fp32 travels either way: ``CPUOffloadOptimizer.cast_on_device``)."""
 
 
-def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float) -> tuple[float, float]:
-    """(host step seconds, the part of it the device does not hide): the pipeline of :mod:`elbowroom.plan.cost`."""
+def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
+                         rate_scale: float = 1.0) -> tuple[float, float]:
+    """(host step seconds, the part of it the device does not hide): the pipeline of :mod:`elbowroom.plan.cost`,
+    with the host optimizer at ``rate_scale`` times the machine's measured rate."""
     m = profile.machine
     s = d.micro_batch / profile.micro_batch
     jobs: list[tuple[int, int]] = [(i, b.num_params) for i, (b, o) in enumerate(zip(profile.blocks, d.offload_blocks))
                                    if o]
     if not jobs and not d.offload_other:
         return 0.0, 0.0
-    rate, bw = m.host_adam_params_per_s, m.duplex_bandwidth
+    rate, bw = m.host_adam_params_per_s * rate_scale, m.duplex_bandwidth
     if rate <= 0 or bw <= 0:
         return math.inf, math.inf
     fwd_before = np.concatenate(([0.0], np.cumsum([b.forward_s for b in profile.blocks]))) * s

@@ -574,6 +574,25 @@ def _budget_error(
     return BudgetError(msg, low)
 
 
+_SLOW_HOST_NOTE = "the host optimizer step"
+
+
+def _slow_host_note(profile: Profile, d: Decisions, step_s: float) -> tuple[str, ...]:
+    """A note when the step would take noticeably longer (3% or more) were the host step at the slow end of its
+    measured spread (:data:`~elbowroom.plan.cost.HOST_STEP_SPREAD`; the prediction counts the mean of the two):
+    the prediction's range, where it rests on the host step hiding."""
+    if not (any(d.offload_blocks) or d.offload_other) or profile.machine.host_adam_params_per_s <= 0:
+        return ()
+    g = cost.globals_for(profile, d)
+    _, exposed_slow = cost.host_terms(profile, d, g.device_step_s, cost.HOST_STEP_SPREAD)
+    slow = step_s - g.host_exposed_s + exposed_slow
+    if not slow > 1.03 * step_s:
+        return ()
+    return (f"{_SLOW_HOST_NOTE} ({profile.machine.host_adam_params_per_s / 1e9:.2f} G params/s as measured) must "
+            f"hide behind the device's work: at {cost.HOST_STEP_SPREAD:.2f}x that rate, within its spread between "
+            f"runs, the step would take {slow * 1e3:.0f} ms (predicted {step_s * 1e3:.0f}, the mean of the two)",)
+
+
 def plan_from_decisions(
     profile: Profile,
     d: Decisions,
@@ -604,6 +623,7 @@ def plan_from_decisions(
     )
     tokens = d.micro_batch * d.accumulation * profile.seq_len
     t = pred.step_seconds
+    notes = tuple(n for n in notes if not n.startswith(_SLOW_HOST_NOTE)) + _slow_host_note(profile, d, t)
     return Plan(
         blocks=rows,
         budget_bytes=budget_bytes,
