@@ -588,7 +588,8 @@ def _slow_host_note(profile: Profile, d: Decisions, step_s: float) -> tuple[str,
     slow = step_s - g.host_exposed_s + exposed_slow
     if not slow > 1.03 * step_s:
         return ()
-    return (f"{_SLOW_HOST_NOTE} ({profile.machine.host_adam_params_per_s / 1e9:.2f} G params/s as measured) must "
+    known = "as measured" if profile.machine.source == "measured" else "from the device table"
+    return (f"{_SLOW_HOST_NOTE} ({profile.machine.host_adam_params_per_s / 1e9:.2f} G params/s {known}) must "
             f"hide behind the device's work: at {cost.HOST_STEP_SPREAD:.2f}x that rate, within its spread between "
             f"runs, the step would take {slow * 1e3:.0f} ms (predicted {step_s * 1e3:.0f}, the mean of the two)",)
 
