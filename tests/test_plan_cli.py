@@ -105,6 +105,17 @@ def test_unknown_device_lists_the_known_ones(capsys: pytest.CaptureFixture[str])
     assert len(err.splitlines()) == 1 and "tpu-v9" in err and "h100-80gb" in err
 
 
+def test_device_aliases_and_case(capsys: pytest.CaptureFixture[str]) -> None:
+    """The names elbowroom.plan.get_device takes are the ones the command takes: any case, and the short aliases
+    (it had refused "h100", which the table's lookup accepts)."""
+    pytest.importorskip("elbowroom.plan.profiler")
+    outs = []
+    for device in ("h100", "H100-80GB", "h100-80gb"):
+        assert cmd_plan(["--model", "tiny", "--device", device, "--budget", "8GiB", "--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0] == outs[1] == outs[2]
+
+
 def test_model_path_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert cmd_plan(["--model", "w1", "--device", "tpu-v9", "--budget", "24GiB"]) == 2
     assert "unknown device 'tpu-v9'; known: a100-40gb, a100-80gb, cpu, h100-80gb" in capsys.readouterr().err

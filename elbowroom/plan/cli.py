@@ -91,9 +91,13 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
     if args.device is None:
         raise _UsageError("elbowroom plan: --device is needed to profile a model (e.g. --device h100-80gb), or "
                           "pass --profile FILE.json")
-    names = _known_devices()
-    if args.device not in names:
-        raise _UsageError(f"elbowroom plan: unknown device {args.device!r}; known: {', '.join(names)}")
+    from elbowroom.plan.devices import get_device
+
+    try:
+        get_device(args.device, host_memory=0)  # the table's names, any case, and its short aliases (h100, l4...)
+    except ValueError:
+        raise _UsageError(f"elbowroom plan: unknown device {args.device!r}; known: {', '.join(_known_devices())} "
+                          "(aliases: h100, a100, l4, rtx4090)") from None
     preset = PRESETS[args.model]
     b, s = _parse_batch(args.batch) if args.batch else (1, preset.max_seq_len)
     try:
@@ -104,7 +108,6 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
     cfg = ModelConfig.from_preset(args.model, arch=args.arch, max_seq_len=max(preset.max_seq_len, s))
     model = build_model(cfg, device="meta")
     sample = torch.zeros((b, s), dtype=torch.long, device="meta")
-    from elbowroom.plan.devices import get_device
     from elbowroom.plan.fit import parse_budget
 
     try:
