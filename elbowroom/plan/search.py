@@ -75,6 +75,8 @@ def _gib(n: float) -> str:
         return f"{n / 2**30:.1f} GiB"
     if n >= 0.1 * 2**20:
         return f"{n / 2**20:.1f} MiB"
+    if n <= 0:
+        return "0 B"
     return f"{n / 2**10:.1f} KiB"
 
 
