@@ -1,0 +1,165 @@
+"""``elbowroom.fit`` on Hugging Face causal LMs built from a config (nothing downloaded), in a plain torch loop:
+plain AdamW first, then ``fit`` at each budget, each row with the plan's predictions beside the measurement.
+
+    python3 benchmarks/hf_fit.py --arch llama --budgets 16GiB,10GiB --json runs/hf.jsonl
+    python3 benchmarks/hf_fit.py --arch gpt2 --budgets 12GiB,8GiB                      # dropout on
+
+The loop is the one a user writes for a Hugging Face model (``model(**batch).loss``, ``loss.backward()``,
+``optimizer.step()``, ``optimizer.zero_grad()``), under bf16 autocast; ``fit`` is the only change. Each row runs in
+this process after the previous one's model and optimizer are freed (a fresh model, the same seed), and caps the
+allocator at the budget (``torch.cuda.set_per_process_memory_fraction``), as on a card of that size. The shapes:
+``llama`` is TinyLlama-1.1B's (22 layers of 2048, grouped-query attention, SwiGLU 5632), ``gpt2`` is GPT-2-large's
+(36 layers of 1280, dropout 0.1 everywhere); ``--tiny`` shrinks either to run on CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def build(arch: str, tiny: bool, device: torch.device) -> torch.nn.Module:
+    """A transformers causal LM of ``arch`` from its config, fp32, on ``device``, seeded."""
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        kw = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+        if tiny:
+            kw.update(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+        cfg = transformers.LlamaConfig(**kw, attn_implementation="sdpa")
+        return transformers.LlamaForCausalLM(cfg).to(device)
+    if arch == "gpt2":
+        kw = dict(n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024)
+        if tiny:
+            kw.update(n_embd=64, n_layer=3, n_head=4, vocab_size=256, n_positions=128)
+        cfg = transformers.GPT2Config(**kw, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, attn_implementation="sdpa")
+        return transformers.GPT2LMHeadModel(cfg).to(device)
+    raise SystemExit(f"hf_fit: --arch is llama or gpt2, got {arch!r}")
+
+
+def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """One row: plain AdamW (``budget`` None) or ``fit`` at ``budget``; median step time after warm-up."""
+    from elbowroom.plan import fit
+
+    model = build(arch, args.tiny, device)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
+    batch = {"input_ids": ids, "labels": ids}
+    row: dict[str, Any] = {"workload": f"hf-{arch}{'-tiny' if args.tiny else ''}", "mode": budget or "plain",
+                           "batch": f"{args.batch}x{args.seq}", "params_M": sum(p.numel() for p in model.parameters())
+                           // 10**6}
+    t0 = time.perf_counter()
+    if budget is None:
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        plan = None
+    else:
+        model, opt, plan = fit(model, batch, budget=budget, precision="bf16", grad_clipping=False, lr=1e-4,
+                               fused=device.type == "cuda")
+        row["plan_seconds"] = round(time.perf_counter() - t0, 1)
+    cuda = device.type == "cuda"
+    if cuda:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        if plan is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, plan.budget_bytes / total))
+        torch.cuda.reset_peak_memory_stats()
+    # bf16 weights (a plan's choice) run as they are; fp32 ones under autocast, as the profile ran them
+    bf16 = plan is not None and plan.weight_dtype == "bfloat16"
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16)
+    times, losses = [], []
+    try:
+        for _ in range(args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            with amp:
+                loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            losses.append(loss.detach().item())
+    except torch.OutOfMemoryError as e:
+        row["error"] = "OOM: " + (str(e).splitlines() or [""])[0][:300]
+    if times[args.warmup:]:
+        step = statistics.median(times[args.warmup:])
+        row.update(step_s=round(step, 4), tok_per_s=round(args.batch * args.seq / step), loss_first=round(losses[0], 4),
+                   loss_last=round(losses[-1], 4))
+    if cuda:
+        row.update(peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                   reserved_peak_GiB=round(torch.cuda.max_memory_reserved() / 2**30, 2))
+    if plan is not None:
+        row.update(pred_step_s=round(plan.predicted_step_seconds, 4),
+                   pred_peak_GiB=round(plan.predicted_peak_bytes / 2**30, 2),
+                   plan={"weights": plan.weight_dtype, "micro_batch": plan.micro_batch,
+                         "optimizer_on_host": len(plan.optimizer_offload_blocks),
+                         "blocks": sorted({b.policy_label for b in plan.blocks})},
+                   settings={"mechanism": {"plan": plan.to_dict()}})
+        if "step_s" in row:
+            row["step_vs_pred"] = round(row["step_s"] / row["pred_step_s"], 3)
+        if "reserved_peak_GiB" in row:
+            row["peak_vs_pred"] = round(row["reserved_peak_GiB"] / row["pred_peak_GiB"], 3)
+    if hasattr(opt, "close"):
+        opt.close()
+    del model, opt
+    gc.collect()
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
+    ap.add_argument("--budgets", default="16GiB,10GiB", help="comma-separated budgets for fit (plain runs first)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 4 llama, 8 gpt2)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048 llama, 1024 gpt2)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="a small config that runs on CPU")
+    ap.add_argument("--json", help="append each row to this JSONL file")
+    args = ap.parse_args()
+    if args.batch is None:
+        args.batch = 2 if args.tiny else (4 if args.arch == "llama" else 8)
+    if args.seq is None:
+        args.seq = 32 if args.tiny else (2048 if args.arch == "llama" else 1024)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    budgets: list[str | None] = [None] + [b for b in args.budgets.split(",") if b]
+    plain = None
+    print("| model | mode | tok/s | % of plain | peak / reserved GiB | predicted GiB | step s | predicted s | "
+          "step / pred | plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for budget in budgets:
+        row = run(args.arch, budget, args, device)
+        if budget is None:
+            plain = row.get("tok_per_s")
+        pct = f"{100 * row['tok_per_s'] / plain:.1f}" if plain and row.get("tok_per_s") else ""
+        print(f"| {row['workload']} | {row['mode']} | {row.get('tok_per_s', row.get('error', ''))} | {pct} | "
+              f"{row.get('peak_GiB')} / {row.get('reserved_peak_GiB')} | {row.get('pred_peak_GiB', '')} | "
+              f"{row.get('step_s', '')} | {row.get('pred_step_s', '')} | {row.get('step_vs_pred', '')} | "
+              f"{row.get('plan', '')} |", flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
