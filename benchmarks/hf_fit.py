@@ -87,13 +87,22 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
             if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else []
+            if marks:
+                marks[0].record()
             with amp:
                 loss = model(**batch).loss
             loss.backward()
+            if marks:
+                marks[1].record()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if marks:
+                marks[2].record()
             if cuda:
                 torch.cuda.synchronize()
+                # GPU time of forward + backward (with any wait of the forward for the host step) and of the step
+                row["gpu_ms"] = [round(marks[0].elapsed_time(marks[1]), 1), round(marks[1].elapsed_time(marks[2]), 1)]
             times.append(time.perf_counter() - t)
             losses.append(loss.detach().item())
     except torch.OutOfMemoryError as e:
@@ -116,6 +125,9 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
             row["step_vs_pred"] = round(row["step_s"] / row["pred_step_s"], 3)
         if "reserved_peak_GiB" in row:
             row["peak_vs_pred"] = round(row["reserved_peak_GiB"] / row["pred_peak_GiB"], 3)
+    if hasattr(opt, "stats") and opt.stats().get("offloaded_params"):
+        st = opt.stats()  # the last step's host optimizer work and how long the forward waited for it
+        row.update(host_step_s=round(float(st["cpu_step_s"]), 4), host_wait_s=round(float(st["cpu_wait_s"]), 4))
     if hasattr(opt, "close"):
         opt.close()
     del model, opt
