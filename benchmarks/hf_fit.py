@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -66,8 +67,13 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
         plan = None
     else:
+        extra: dict[str, Any] = {}
+        if args.trace_steps:
+            from elbowroom.optim import CPUOffloadConfig
+
+            extra["offload_config"] = CPUOffloadConfig(trace_steps=True)
         model, opt, plan = fit(model, batch, budget=budget, precision="bf16", grad_clipping=False, lr=1e-4,
-                               fused=device.type == "cuda")
+                               fused=device.type == "cuda", **extra)
         row["plan_seconds"] = round(time.perf_counter() - t0, 1)
     cuda = device.type == "cuda"
     if cuda:
@@ -128,6 +134,15 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
     if hasattr(opt, "stats") and opt.stats().get("offloaded_params"):
         st = opt.stats()  # the last step's host optimizer work and how long the forward waited for it
         row.update(host_step_s=round(float(st["cpu_step_s"]), 4), host_wait_s=round(float(st["cpu_wait_s"]), 4))
+        if st.get("trace"):  # --trace-steps: the last step's host timeline, summed by kind of event
+            kinds: dict[str, list[float]] = {}
+            for what, _, a, b in st["trace"]:
+                k = kinds.setdefault(what, [0, 0.0, math.inf, -math.inf])
+                k[0] += 1
+                k[1] += b - a
+                k[2], k[3] = min(k[2], a), max(k[3], b)
+            row["host_trace"] = {w: {"n": n, "busy_s": round(t, 4), "first_s": round(a, 4), "last_s": round(b, 4)}
+                                 for w, (n, t, a, b) in kinds.items()}
     if hasattr(opt, "close"):
         opt.close()
     del model, opt
@@ -148,6 +163,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="a small config that runs on CPU")
     ap.add_argument("--json", help="append each row to this JSONL file")
+    ap.add_argument("--trace-steps", action="store_true",
+                    help="record the offloaded optimizer's host timeline (CPUOffloadConfig.trace_steps) in each row")
     args = ap.parse_args()
     if args.batch is None:
         args.batch = 2 if args.tiny else (4 if args.arch == "llama" else 8)
