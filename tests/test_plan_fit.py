@@ -151,6 +151,10 @@ def test_a_model_without_found_blocks_is_told_how_to_name_them() -> None:
     model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10))
     with pytest.raises(ValueError, match="has no repeated blocks.*blocks='path.to.list'"):
         fit(model, torch.randint(0, 10, (2, 5)), budget="1GiB")
+    from elbowroom.plan import profile
+
+    with pytest.raises(ValueError, match="has no repeated blocks.*blocks='path.to.list'"):  # the profile alone too
+        profile(model, torch.randint(0, 10, (2, 5)))
 
 
 def test_the_plan_names_a_small_model_s_parameter_count_readably() -> None:

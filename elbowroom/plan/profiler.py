@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from elbowroom.activations import _wrap
-from elbowroom.activations.recompute import checkpoint, find_blocks, uncheckpoint
+from elbowroom.activations.recompute import checkpoint, uncheckpoint
 from elbowroom.plan._trace import HEAD, KINDS, Clock, MetaEmulation, OpRecorder, Tracer, skey
 from elbowroom.plan.devices import allocator_settings_setter, expandable_segments_on, get_device
 from elbowroom.plan.machine import measure_machine
@@ -83,10 +83,9 @@ _POINTWISE_TRAFFIC = 2.0
 def _resolve_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None) -> tuple[list[nn.Module], str]:
     names = {id(m): n for n, m in model.named_modules()}
     if blocks is None:
-        try:
-            found = find_blocks(model)
-        except ValueError as e:  # the planner also takes the blocks by name
-            raise ValueError(f"{e}; or name them: blocks='path.to.list' (fit, apply, profile)") from None
+        from elbowroom.plan.apply import resolve_blocks  # found as fit and apply find them, with the same error
+
+        found = resolve_blocks(model, None)
         return list(found), names.get(id(found), "")
     if isinstance(blocks, str):
         try:
