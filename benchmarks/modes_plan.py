@@ -18,7 +18,7 @@
   against the measured rows (``Plan.repredicted``).
 - ``...@<budget>+clip``: the loop clips gradients at global norm 1.0 (as the trainer does), and the planner plans
   for it; whether gradients leave during the backward is the plan's decision (``plan.offload_gradients``;
-  ``+og`` is kept for old command lines and changes nothing);
+  ``+og`` is kept for old command lines and changes nothing; ``+nog`` forbids it, to measure a plan without them);
   ``+gb`` gives the planner the workload's batch as the global batch, so that it may choose a smaller
   micro-batch with accumulation (the loop then runs the plan's micro-batches);
   ``+cap`` caps the process's CUDA allocator at the budget once the plan is applied
@@ -64,7 +64,7 @@ def resolve(name: str) -> Callable[..., Setup] | None:
             return lambda model, args: _setup(model, args, budget=flags[0],
                                              precision="bf16" if "bf16" in prefix else "fp32",
                                              fused=getattr(args, "fused_loss", False), clip="clip" in flags,
-                                             split="gb" in flags, cap="cap" in flags)
+                                             split="gb" in flags, cap="cap" in flags, og="nog" not in flags)
     return None
 
 
@@ -82,7 +82,7 @@ def _cap_at(budget_bytes: int) -> float | None:
 
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
            plan_file: str | None = None, fused: bool = False, clip: bool = False,
-           split: bool = False, uniform: str | None = None, cap: bool = False) -> Setup:
+           split: bool = False, uniform: str | None = None, cap: bool = False, og: bool = True) -> Setup:
     from elbowroom.plan import Plan, apply, fit
 
     idx, tgt = args.sample
@@ -104,7 +104,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
                                    if split or getattr(args, "step_accum", 1) > 1 else None,
                                    # the harness clips through the optimizer, which sees gradients already on the host:
                                    # the planner may send them there where that fits and nothing faster does
-                                   gradient_offload=True, **_threads())
+                                   gradient_offload=og, **_threads())
         if clip:
             def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
                 if hasattr(o, "clip_grad_norm_"):

@@ -99,7 +99,8 @@ class CPUOffloadOptimizer(Optimizer):
     device parameters (or ``param_dtype=torch.bfloat16``, which casts them) the device keeps 2 bytes per
     offloaded parameter and its gradient, the host the same 12 (the master pinned); the casts run on the
     device (``CPUOffloadConfig.cast_on_device``), so the host step is the same fused fp32 kernel as for fp32
-    weights; a host gradient is then 2 bytes. This is the configuration that trains the 7B shape at 226 model TFLOP/s
+    weights; a host gradient is then fp32 too (4 bytes: the upcast on the host ran the step at half its
+    pace). This is the configuration that trains the 7B shape at 226 model TFLOP/s
     on one H100 with 40% of the parameters offloaded, at 12.8 host bytes per offloaded parameter.
 
     Every setting is a field of :class:`~elbowroom.optim.CPUOffloadConfig` (``config=``); the keyword arguments
@@ -137,7 +138,9 @@ class CPUOffloadOptimizer(Optimizer):
             matrices' device memory, their gradients and their bytes on the link halve; the model must run in
             that dtype or under autocast. Gradients arrive and accumulate over micro-batches in
             ``param_dtype``: under bf16 autocast a matmul weight's gradient is a bf16 value either way, so with
-            one micro-batch per step the update is the same; across micro-batches the sum is rounded to bf16.
+            one micro-batch per step the update is the same; across micro-batches the sum is rounded to bf16
+            on the device (with ``offload_gradients`` and the casts on the device it is formed in fp32 on the
+            host instead).
             Implies ``master_weights``.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``...).
 

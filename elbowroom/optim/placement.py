@@ -102,7 +102,7 @@ class HostParam:
         self.grad_version = -1
         self.norm: torch.Tensor | None = None  # norm of the final grad, computed on the device in the hook
         # step-thread state
-        # pinned host gradient in the param's dtype (offload_gradients only): the first copy of a step lands
+        # pinned host gradient in the staged dtype (offload_gradients only): the first copy of a step lands
         # here directly, at link speed; later micro-batches stage in a slot and are added to it
         self.hgrad: torch.Tensor | None = None
         self.hgrad_valid = False  # holds this step's gradient (set by the copy thread, reset after the step)
@@ -367,8 +367,10 @@ class Placement:
                 )
                 hp = HostParam(base + j, gi, shard, master, device_cast=cfg.cast_on_device, owner=p)
                 if cfg.offload_gradients:
-                    # gradients leave the device at link speed, whatever the CPU step's pace: +4 B/param
-                    hp.hgrad = self.host.empty(shard.shape, shard.dtype, pinned=True)
+                    # gradients leave the device at link speed, whatever the CPU step's pace, in the dtype they
+                    # are staged in: fp32 when the casts run on the device (+4 B/param), so that the host step
+                    # is the fused fp32 kernel and not the upcast path (half its pace: ``_host_adam``)
+                    hp.hgrad = self.host.empty(shard.shape, hp.stage_dtype, pinned=True)
                 host.append(hp)
             else:
                 dev.append(p)
@@ -485,9 +487,9 @@ class Placement:
         piece_slots = [self.host.empty(piece_bytes, torch.uint8, pinned=True) for _ in range(2)] if pieces else []
         needs_cast = any(not hp.same_dtype and not hp.device_cast for hp in self.hps)
         h2d = [self.host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(2)] if needs_cast else []
-        # fp32 scratch for host gradients of another dtype than their master (casts on the host, or bf16 host
-        # gradients under offload_gradients): one chunk when those buckets step chunk by chunk, else room for a
-        # bucket's upcast. None when every gradient reaches the host in its master's dtype (casts on the device)
+        # fp32 scratch for host gradients of another dtype than their master (casts on the host): one chunk when
+        # those buckets step chunk by chunk, else room for a bucket's upcast. None when every gradient reaches the
+        # host in its master's dtype (casts on the device)
         cast = [h for h in self.hps if h.master.dtype != (h.hgrad.dtype if h.hgrad is not None else h.stage_dtype)]
         scratch = None
         if cast:

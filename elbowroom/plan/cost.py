@@ -134,10 +134,11 @@ The host step's pace varies between runs (1.6x between two identical runs of one
 rests on it hiding with little slack loses most when it runs slow: ``T_host`` is the mean of the lateness at the
 measured rate and at :data:`HOST_STEP_SPREAD` of it (a plan with slack to spare pays nothing; one that offloads
 optimizer state only to shorten the device step by a few milliseconds no longer wins by doing so).
-With ``offload_gradients``, ``T_host`` is the whole host step plus the gradients' copy (``g P_off /
-d2h_bandwidth``): pessimistic (part of it hides behind the next forward), but the decision has costs the pipeline
-does not see (the host step ran 33% slower beside the gradients' copies into host memory, and gradients freed one
-by one fragment the allocator), so a budget with room must never take it.
+With ``offload_gradients`` the pipeline is the same: the gradients travel in fp32 either way (4 B each way per
+parameter), into a pinned host gradient instead of a staging slot, and the device frees each one once its copy is
+enqueued (2 B per bf16 parameter, 4 per fp32 one, no longer held from the backward to the step). Their host copies
+are fp32 (:func:`_offloaded_gradient_bytes`): a bf16 host gradient ran the host step at about half the fp32
+kernel's pace (the upcast on the host), which is what made them look costly in earlier measurements.
 """
 
 from __future__ import annotations
@@ -574,8 +575,7 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     # the host step's pace varies between runs (HOST_STEP_SPREAD): the exposed part is the mean of the pipeline at the
     # measured rate and at the slow end, so a plan that leans on the host step hiding pays for the risk it takes
     host_step_s, exposed = host_terms(profile, d, device_step_s)
-    host_exposed_s = exposed if d.offload_gradients else 0.5 * (
-        exposed + host_terms(profile, d, device_step_s, HOST_STEP_SPREAD)[1])
+    host_exposed_s = 0.5 * (exposed + host_terms(profile, d, device_step_s, HOST_STEP_SPREAD)[1])
 
     in_last = blocks[-1].input_bytes if blocks else 0
     head_params_cast = 2 * head.num_params if (autocast and weight == "float32") else 0
@@ -611,26 +611,27 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
 
 
 def _offloaded_gradient_bytes(profile: Profile, d: Decisions) -> int:
-    """Bytes of the pinned host copies of the host-stepped parameters' gradients (``offload_gradients``), else 0."""
+    """Bytes of the pinned host copies of the host-stepped parameters' gradients (``offload_gradients``), else 0:
+    in the dtype the gradients are staged in, fp32 unless bf16 device weights are cast on the host
+    (``CPUOffloadConfig.cast_on_device`` off)."""
     if not d.offload_gradients:
         return 0
-    off_dtype = LAYOUTS[d.layout][1]
-    return int((4 if off_dtype == "float32" else 2) * _param_split(profile, d)[1])
+    from elbowroom.optim.config import CPUOffloadConfig
+
+    cfg = d.offload_config if d.offload_config is not None else CPUOffloadConfig()
+    per = 4 if (LAYOUTS[d.layout][1] == "float32" or cfg.cast_on_device) else 2
+    return int(per * _param_split(profile, d)[1])
 
 
 def host_terms(profile: Profile, d: Decisions, device_step_s: float, rate_scale: float = 1.0) -> tuple[float, float]:
-    """(the whole host step, the part of it priced as exposed) with the host optimizer at ``rate_scale`` times the
-    measured rate: the pipeline of the module docstring, or with ``offload_gradients`` the whole step and their copy.
+    """(the whole host step, the part of it the device does not hide) with the host optimizer at ``rate_scale`` times
+    the measured rate: the pipeline of the module docstring, with or without ``offload_gradients``.
 
-    Offloaded gradients are priced so pessimistically on purpose: where they are needed (W1, H100, 8 GiB) the forward
-    waited 0.41 s of a 0.47 s host step in one call and 1.27 of 1.53 in the next; priced as the pipeline, the planner
-    took them at 16 GiB, where they cost 9 points of plain's speed (the host step 33% slower beside the gradients'
-    copies into host memory), and GPT-2-XL ran out of memory there (gradients freed one by one fragment the
-    allocator)."""
-    host_step_s, exposed = host_exposed_seconds(profile, d, device_step_s, rate_scale)
-    if d.offload_gradients:
-        exposed = host_step_s + _offloaded_gradient_bytes(profile, d) / max(profile.machine.d2h_bandwidth, 1.0)
-    return host_step_s, exposed
+    Offloaded gradients were priced as the whole host step exposed until their host copies became fp32: with bf16
+    host gradients the host step ran the upcast path (W1, H100, 8 GiB: the forward waited 0.41 s of a 0.47 s host
+    step at 2.2 G params/s, where the fp32 kernel steps 3.8-4.3), and priced as the pipeline the planner took them
+    at 16 GiB and lost 9 points of plain's speed to a host step 33% slower."""
+    return host_exposed_seconds(profile, d, device_step_s, rate_scale)
 
 
 def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: float) -> float:
