@@ -1277,6 +1277,50 @@ def test_trace_steps_timeline(monkeypatch: pytest.MonkeyPatch) -> None:
     assert o.stats()["copy_wait_s"] >= 0.0 and o.stats()["chunked"] is False  # fp32 weights: no casts
 
 
+def test_offloaded_gradients_step_earliest_needed_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    # offload_gradients: gradients reach the host ahead of the CPU steps, so several jobs wait at once; the step
+    # thread takes the one the next forward needs first (lowest parameter index), not arrival order (late layers
+    # first), and the values are those of arrival order (each bucket steps on its own gradients)
+    from elbowroom.optim import engine as engine_mod
+
+    knobs(trace_steps=True, bucket_bytes=256)  # one bucket per layer or smaller
+    data = batches(3)
+    m_ref = make_model()
+    o_ref = make_opt(m_ref.parameters(), offload_fraction=1.0, offload_gradients=True, lr=1e-2)
+    train(m_ref, o_ref, data)
+    m = make_model()
+    o = make_opt(m.parameters(), offload_fraction=1.0, offload_gradients=True, lr=1e-2)
+    train(m, o, data[:2])
+    o.stats()  # the trace from here is the last step's
+    gate = threading.Event()
+    first: list[int] = []
+    step_bucket = engine_mod.Engine._step_bucket
+
+    def held_first(self, job, plan):  # the first job of the step holds the step thread until backward is over
+        if not first:
+            first.append(job.params[0].index)
+            assert gate.wait(30)
+        step_bucket(self, job, plan)
+
+    monkeypatch.setattr(engine_mod.Engine, "_step_bucket", held_first)
+    loss_of(m, data[2]).backward()  # every bucket is handed over while the first one's step is held
+    n = len(o._placement.buckets)
+    deadline = time.monotonic() + 30
+    while o._engine._copy_q.qsize() and time.monotonic() < deadline:  # the copy thread passes every job on
+        time.sleep(0.001)
+    time.sleep(0.05)
+    gate.set()
+    o.step()
+    o.zero_grad()
+    order = [i for w, i, *_ in o.stats()["trace"] if w == "step"]
+    assert len(order) == n > 3
+    assert order[0] == first[0]  # one of the late layers, whose gradients are final first
+    assert order[1:] == sorted(order[1:])  # then forward order, although they arrived late layers first
+    assert_same(m, m_ref)
+    o.close()
+    o_ref.close()
+
+
 # ------------------------------------------------------------------------------------------ config, lifecycle
 def test_config_sets_the_knobs_and_keywords_override_it() -> None:
     cfg = CPUOffloadConfig(offload_fraction=0.5, bucket_bytes=1024, num_staging_slots=1, cpu_threads=1)

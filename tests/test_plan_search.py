@@ -229,8 +229,8 @@ def test_exact_peaks_admit_more_than_the_bound(monkeypatch: pytest.MonkeyPatch) 
 
 def test_gradient_offload_only_where_it_is_needed() -> None:
     """Gradients of host-stepped parameters may leave the device in the backward: it lowers the minimum by their
-    bytes at no time (their fp32 copy travels either way) but 4 host bytes each, so a budget where it frees nothing
-    useful leaves it off; a loop that clips with torch's function (the default assumption) never gets it."""
+    bytes at no time (their fp32 copy travels either way; the host then steps the jobs needed first first) but 4
+    host bytes each; a loop that clips with torch's function (the default assumption) never gets it."""
     p = make_profile()  # W1
     kw = dict(grad_clipping=False, precision="bf16", fused_loss_allowed=True)
     kept = _minimum(p, gradient_offload_allowed=False, **kw)
@@ -238,18 +238,17 @@ def test_gradient_offload_only_where_it_is_needed() -> None:
     assert low < kept - GiB  # ~2 bytes per offloaded parameter of W1's 1.36B
     tight = plan_for(p, low, **kw)
     assert tight.offload_gradients and tight.offloads_optimizer and tight.gradient_accumulation_steps == 1
-    roomy = plan_for(p, 50 * GiB, **kw)  # the optimizer partly on the host, every activation kept
-    assert roomy.offloads_optimizer and all(b.checkpoint == "none" and not b.offload_ratio for b in roomy.blocks)
-    assert not roomy.offload_gradients  # a tie: the simpler plan
+    assert not plan_for(p, 80 * GiB, offload_allowed=False, **kw).offload_gradients  # nothing on the host
     with pytest.raises(BudgetError):
         plan_for(p, low, precision="bf16", fused_loss_allowed=True)  # clipping with torch's function: not allowed
-    # the same decisions without it: the same step, more device memory, 4 host bytes less per offloaded parameter
+    # the same decisions without it: no faster (with it the host steps the jobs needed first first), more device
+    # memory, 4 host bytes less per offloaded parameter
     d = tight.decisions()
     off = dataclasses.replace(d, offload_gradients=False)
     a, b = cost.predict(p, d, 80 * GiB), cost.predict(p, off, 80 * GiB)
     p_off = sum(blk.num_params for blk, o in zip(p.blocks, d.offload_blocks) if o) + (
         p.head.num_params if d.offload_other else 0)
-    assert a.step_seconds == b.step_seconds and a.host_bytes - b.host_bytes == 4 * p_off
+    assert a.step_seconds <= b.step_seconds and a.host_bytes - b.host_bytes == 4 * p_off
     assert cost.state_bytes(p, off) - cost.state_bytes(p, d) == 2 * p_off
     # with the casts of bf16 weights on the host the host gradient stays bf16: 2 bytes
     from elbowroom.optim.config import CPUOffloadConfig
@@ -304,7 +303,7 @@ def test_a_plan_that_rests_on_the_host_step_hiding_pays_for_its_spread() -> None
     note (exact to the cost model at that rate); a plan with slack to spare says nothing; re-predicting keeps one
     such note, not two."""
     p = make_profile()  # W1
-    kw = dict(precision="bf16", fused_loss_allowed=True, grad_clipping=False)
+    kw = dict(precision="bf16", fused_loss_allowed=True, grad_clipping=False, gradient_offload_allowed=False)
     roomy = plan_for(p, 80 * GiB, **kw)
     assert not [n for n in roomy.notes if "must hide" in n]
     tight = plan_for(p, 16 * GiB, **kw)
@@ -319,7 +318,9 @@ def test_a_plan_that_rests_on_the_host_step_hiding_pays_for_its_spread() -> None
     assert f"would take {(t - g.host_exposed_s + slow) * 1e3:.0f} ms (predicted {t * 1e3:.0f}" in note
     again = tight.repredicted(p)
     assert [n for n in again.notes if "must hide" in n] == [note]
-    # offloaded gradients or not, the same pipeline and the same mean (their copies travel in fp32 either way)
+    # offloaded gradients or not, the mean of the two rates (their copies travel in fp32 either way)
     for og in (True, False):
         other = dataclasses.replace(d, offload_gradients=og)
-        assert cost.globals_for(p, other).host_exposed_s == g.host_exposed_s
+        go = cost.globals_for(p, other)
+        at = [cost.host_terms(p, other, go.device_step_s, r)[1] for r in (1.0, cost.HOST_STEP_SPREAD)]
+        assert go.host_exposed_s == pytest.approx(0.5 * sum(at))

@@ -442,9 +442,21 @@ class Engine(HostStep):
         self.streams.bind_thread()
         torch.set_num_threads(self.cpu_threads)  # per thread with OpenMP: the training thread keeps its own
         waiting: list[Job] = []
+        # offload_gradients: final jobs whose gate is open and whose gradients are on the host, stepped earliest
+        # needed first (see _next_ready)
+        ready: list[Job] = []
         while True:
-            msg = self._step_q.get()
+            if ready:
+                try:
+                    msg = self._step_q.get_nowait()
+                except queue.Empty:
+                    self._run(self._post, self._next_ready(ready))
+                    continue
+            else:
+                msg = self._step_q.get()
             if msg is None:
+                for job in ready:  # shutting down: nothing steps any more, but every job is accounted for
+                    self._done(job)
                 return
             if isinstance(msg, Gate):
                 # forward order: the next forward needs the first offloaded weights first
@@ -462,9 +474,27 @@ class Engine(HostStep):
             if job.kind == "accumulate":
                 self._done(job)
             elif job.gate is not None and job.gate.open:
-                self._run(self._post, job)
+                if self.offload_gradients:
+                    ready.append(job)
+                else:
+                    self._run(self._post, job)
             else:
                 waiting.append(job)
+
+    @staticmethod
+    def _next_ready(ready: list[Job]) -> Job:
+        """The ready job the next forward needs first (the lowest parameter index: forward order), taken out of
+        ``ready``.
+
+        With ``offload_gradients`` every gradient reaches the host at link speed, ahead of the CPU steps, so several
+        jobs are ready at once: stepping the one needed first (earliest deadline first) lets the next forward start
+        once the first offloaded weights are back and go on as the rest land, where arrival order (late blocks
+        first) would step the first blocks last and hold the whole forward until every update is done. Without
+        ``offload_gradients`` the staging slots pace the copies, so jobs arrive about one at a time and are stepped
+        as they come. The order between buckets changes no value: each bucket steps on its own gradients.
+        """
+        i = min(range(len(ready)), key=lambda k: ready[k].params[0].index)
+        return ready.pop(i)
 
     def _run(self, fn: Callable[[Job], None], job: Job) -> bool:
         try:

@@ -2,8 +2,9 @@
 
 Part of the cost model (:mod:`elbowroom.plan.cost`, whose module docstring describes the pipeline): each offloaded
 block's gradients go out over the link, step on the host, and come back; with clipping the jobs start after the
-whole backward in forward order, without it as the gradients become final (late blocks first). The next forward
-needs each block's weights back before it reaches that block.
+whole backward in forward order, without it as the gradients become final (late blocks first); with offloaded
+gradients the host steps, among the jobs whose gradients have landed, the one the next forward needs first. The
+next forward needs each block's weights back before it reaches that block.
 """
 
 from __future__ import annotations
@@ -48,16 +49,33 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
         bwd_after = np.concatenate((np.cumsum(bwd[::-1])[::-1], [0.0]))  # sum_{i>=j} B_i
         starts = [s * (profile.head.backward_s + bwd_after[j]) if j >= 0 else t_backward for j, _ in order]
         t0 = t_backward
-    dn = hn = un = -math.inf
-    late = -math.inf
-    total = 0.0
+    # the gradients' copies run one after another in the order the jobs become ready
+    copied: list[tuple[float, int, int]] = []  # (copy done, block index or -1, parameters)
+    dn = -math.inf
     for (j, p), t in zip(order, starts):
-        link = OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
-        step = p / rate
-        total += step
-        dn = max(dn, t) + link
-        hn = max(hn, dn) + step
-        un = max(un, hn) + link
+        dn = max(dn, t) + OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
+        copied.append((dn, j, p))
+    if d.offload_gradients and not d.grad_clipping:
+        # the host has several jobs at once (gradients land at link speed): it steps the one needed first
+        # (CPUOffloadOptimizer's step thread, earliest deadline first)
+        steps: list[tuple[float, int, int]] = []
+        pending, now = list(copied), -math.inf
+        while pending:
+            now = max(now, min(c[0] for c in pending))
+            k = min((i for i, c in enumerate(pending) if c[0] <= now), key=lambda i: pending[i][1])
+            _, j, p = pending.pop(k)
+            now += p / rate
+            steps.append((now, j, p))
+    else:
+        steps, hn = [], -math.inf
+        for c, j, p in copied:  # in arrival order
+            hn = max(hn, c) + p / rate
+            steps.append((hn, j, p))
+    un = late = -math.inf
+    total = 0.0
+    for h, j, p in steps:
+        total += p / rate
+        un = max(un, h) + OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
         need = t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)
         late = max(late, un - need)
     return total, max(0.0, late)
