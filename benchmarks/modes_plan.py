@@ -214,16 +214,21 @@ def _offload_config(plan: Any) -> dict[str, Any]:
 
 
 def _threads() -> dict[str, Any]:
-    """``ELBOWROOM_BENCH_CPU_THREADS=N``: the offloaded optimizer's config with its host step on N threads (for
-    ``fit``, which plans with that config and applies it), else nothing."""
+    """``ELBOWROOM_BENCH_CPU_THREADS=N``: the offloaded optimizer's config with its host step on N threads, and
+    ``ELBOWROOM_BENCH_STEP_ORDER=arrival``: its host steps in arrival order (for ``fit``, which plans with that
+    config and applies it); else nothing."""
     import os
 
-    threads = os.environ.get("ELBOWROOM_BENCH_CPU_THREADS")
-    if not threads:
+    fields: dict[str, Any] = {}
+    if os.environ.get("ELBOWROOM_BENCH_CPU_THREADS"):
+        fields["cpu_threads"] = int(os.environ["ELBOWROOM_BENCH_CPU_THREADS"])
+    if os.environ.get("ELBOWROOM_BENCH_STEP_ORDER"):
+        fields["step_order"] = os.environ["ELBOWROOM_BENCH_STEP_ORDER"]
+    if not fields:
         return {}
     from elbowroom.optim import CPUOffloadConfig
 
-    return {"offload_config": CPUOffloadConfig(cpu_threads=int(threads))}
+    return {"offload_config": CPUOffloadConfig(**fields)}
 
 
 def _option(text: str) -> Any:

@@ -1277,13 +1277,15 @@ def test_trace_steps_timeline(monkeypatch: pytest.MonkeyPatch) -> None:
     assert o.stats()["copy_wait_s"] >= 0.0 and o.stats()["chunked"] is False  # fp32 weights: no casts
 
 
-def test_offloaded_gradients_step_earliest_needed_first(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("step_order", ["needed_first", "arrival"])
+def test_offloaded_gradients_step_earliest_needed_first(step_order: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # offload_gradients: gradients reach the host ahead of the CPU steps, so several jobs wait at once; the step
     # thread takes the one the next forward needs first (lowest parameter index), not arrival order (late layers
-    # first), and the values are those of arrival order (each bucket steps on its own gradients)
+    # first; step_order="arrival" keeps that), and the values are the same either way (each bucket steps on its
+    # own gradients)
     from elbowroom.optim import engine as engine_mod
 
-    knobs(trace_steps=True, bucket_bytes=256)  # one bucket per layer or smaller
+    knobs(trace_steps=True, bucket_bytes=256, step_order=step_order)  # one bucket per layer or smaller
     data = batches(3)
     m_ref = make_model()
     o_ref = make_opt(m_ref.parameters(), offload_fraction=1.0, offload_gradients=True, lr=1e-2)
@@ -1315,7 +1317,10 @@ def test_offloaded_gradients_step_earliest_needed_first(monkeypatch: pytest.Monk
     order = [i for w, i, *_ in o.stats()["trace"] if w == "step"]
     assert len(order) == n > 3
     assert order[0] == first[0]  # one of the late layers, whose gradients are final first
-    assert order[1:] == sorted(order[1:])  # then forward order, although they arrived late layers first
+    if step_order == "needed_first":
+        assert order[1:] == sorted(order[1:])  # then forward order, although they arrived late layers first
+    else:
+        assert order == sorted(order, reverse=True)  # as they arrived
     assert_same(m, m_ref)
     o.close()
     o_ref.close()
@@ -1353,6 +1358,7 @@ def test_config_sets_the_knobs_and_keywords_override_it() -> None:
         ({"offload_fraction": 2.0}, "offload_fraction"),
         ({"overlap": "yes"}, "overlap must be True or False"),
         ({"join_timeout_s": 0}, "join_timeout_s"),
+        ({"step_order": "fifo"}, 'step_order must be "needed_first" or "arrival"'),
     ],
 )
 def test_config_rejects_bad_values(fields: dict, match: str) -> None:

@@ -250,6 +250,14 @@ def test_gradient_offload_only_where_it_is_needed() -> None:
         p.head.num_params if d.offload_other else 0)
     assert a.step_seconds <= b.step_seconds and a.host_bytes - b.host_bytes == 4 * p_off
     assert cost.state_bytes(p, off) - cost.state_bytes(p, d) == 2 * p_off
+    # the host steps the landed job needed first; in arrival order (CPUOffloadConfig.step_order) it is priced so
+    from elbowroom.optim.config import CPUOffloadConfig as _Cfg
+
+    arrival = dataclasses.replace(d, offload_config=_Cfg(step_order="arrival"))
+    g_a, g_d = cost.globals_for(p, arrival), cost.globals_for(p, d)
+    assert g_a.host_step_s == pytest.approx(g_d.host_step_s) and g_a.host_exposed_s > g_d.host_exposed_s
+    # their device gradients wait for their copies where the backward outpaces the link: counted in the backward
+    assert cost.gradient_backlog_bytes(p, d) > 0 == cost.gradient_backlog_bytes(p, off)
     # with the casts of bf16 weights on the host the host gradient stays bf16: 2 bytes
     from elbowroom.optim.config import CPUOffloadConfig
 

@@ -98,6 +98,11 @@ class CPUOffloadConfig:
     """Elements per chunk of the chunked host step (a multiple of 64: chunk ends on vector boundaries)."""
     device_chunk_numel: int = 1 << 25
     """Elements per chunk of the device step of fp32 masters kept on the device (the fp32 scratch it upcasts into)."""
+    step_order: str = "needed_first"
+    """With ``offload_gradients``, which of the jobs whose gradients have landed the host steps next: ``"needed_first"``
+    (the lowest parameter index: the next forward needs it first) or ``"arrival"`` (as their gradients became
+    final: late layers first). Without ``offload_gradients`` the staging slots pace the copies and jobs step as they
+    arrive."""
     trace_steps: bool = False
     """Record each step's timeline in ``stats()["trace"]`` (hand-over, copy, CPU step, forward waits)."""
     join_timeout_s: float = 10.0
@@ -111,6 +116,8 @@ class CPUOffloadConfig:
                      "trace_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.step_order not in ("needed_first", "arrival"):
+            raise ValueError(f'step_order must be "needed_first" or "arrival", got {self.step_order!r}')
         if self.param_dtype is not None:
             dt = getattr(torch, self.param_dtype, None) if isinstance(self.param_dtype, str) else None
             if not (isinstance(dt, torch.dtype) and dt.is_floating_point):

@@ -138,6 +138,8 @@ class Engine(HostStep):
         self.h2d_next = 0  # step thread only
         self.scratch = staging.scratch  # step thread only
         self.offload_gradients = config.offload_gradients
+        # offload_gradients: several jobs wait at once; step the one the next forward needs first (_next_ready)
+        self.needed_first = config.offload_gradients and config.step_order == "needed_first"
         self._copy_q: queue.SimpleQueue = queue.SimpleQueue()
         self._step_q: queue.SimpleQueue = queue.SimpleQueue()
         self._cv = threading.Condition()  # guards the two counts below and each job's pre_done / finished
@@ -442,8 +444,8 @@ class Engine(HostStep):
         self.streams.bind_thread()
         torch.set_num_threads(self.cpu_threads)  # per thread with OpenMP: the training thread keeps its own
         waiting: list[Job] = []
-        # offload_gradients: final jobs whose gate is open and whose gradients are on the host, stepped earliest
-        # needed first (see _next_ready)
+        # offload_gradients with step_order "needed_first": final jobs whose gate is open and whose gradients are on
+        # the host, stepped earliest needed first (see _next_ready)
         ready: list[Job] = []
         while True:
             if ready:
@@ -474,7 +476,7 @@ class Engine(HostStep):
             if job.kind == "accumulate":
                 self._done(job)
             elif job.gate is not None and job.gate.open:
-                if self.offload_gradients:
+                if self.needed_first:
                     ready.append(job)
                 else:
                     self._run(self._post, job)

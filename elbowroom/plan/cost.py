@@ -149,7 +149,7 @@ from typing import Any
 
 import numpy as np
 
-from elbowroom.plan.host_pipeline import host_exposed_seconds
+from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM, host_exposed_seconds
 from elbowroom.plan.types import BlockProfile, Profile
 
 __all__ = [
@@ -599,7 +599,7 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
         head_grads=g_head if transient else 0,
         head=int(math.ceil(head_b)),
         cache=cache,
-        backward_work=int(math.ceil(s * (2 * in_max + largest))) + grad_t,
+        backward_work=int(math.ceil(s * (2 * in_max + largest))) + grad_t + gradient_backlog_bytes(profile, d),
         largest=int(math.ceil(s * largest)),
         compute_s=compute_s,
         cast_s=cast_s,
@@ -608,6 +608,30 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
         host_exposed_s=float(host_exposed_s),
         host_bytes=int(HOST_BYTES_PER_PARAM * p_off) + og_bytes,
     )
+
+
+def gradient_backlog_bytes(profile: Profile, d: Decisions) -> int:
+    """``offload_gradients``: the most device gradient bytes of host-stepped blocks that wait for their copy at the
+    start of a block's backward, else 0. Each is freed only once its copy (4 B per parameter, one after another over
+    the link shared with the weights coming back) has run, and a block's backward can outpace that (the 7B shape:
+    ~10 ms of backward against ~18 ms of copy per block). Recompute is left out of the backward's time, which errs
+    on the large side."""
+    if not d.offload_gradients:
+        return 0
+    blocks, m = profile.blocks, profile.machine
+    bw = m.duplex_bandwidth if m.duplex_bandwidth > 0 else math.inf
+    s = d.micro_batch / profile.micro_batch
+    weight, off_dtype = LAYOUTS[d.layout]
+    per = 2 if "bfloat16" in (weight, off_dtype) else 4  # a host-stepped parameter's device gradient
+    t, copied, worst = s * profile.head.backward_s, -math.inf, 0
+    waiting: list[tuple[float, int]] = []  # (its copy done, bytes)
+    for j in range(len(blocks) - 1, -1, -1):
+        worst = max(worst, sum(b for done, b in waiting if done > t))  # as block j's backward starts
+        t += s * blocks[j].backward_s
+        if d.offload_blocks[j]:
+            copied = max(copied, t) + OPTIMIZER_LINK_BYTES_PER_PARAM * blocks[j].num_params / bw
+            waiting.append((copied, per * blocks[j].num_params))
+    return max(worst, sum(b for done, b in waiting if done > t))
 
 
 def _offloaded_gradient_bytes(profile: Profile, d: Decisions) -> int:

@@ -55,7 +55,10 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
     for (j, p), t in zip(order, starts):
         dn = max(dn, t) + OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
         copied.append((dn, j, p))
-    if d.offload_gradients and not d.grad_clipping:
+    from elbowroom.optim.config import CPUOffloadConfig
+
+    cfg = d.offload_config if d.offload_config is not None else CPUOffloadConfig()
+    if d.offload_gradients and not d.grad_clipping and cfg.step_order == "needed_first":
         # the host has several jobs at once (gradients land at link speed): it steps the one needed first
         # (CPUOffloadOptimizer's step thread, earliest deadline first)
         steps: list[tuple[float, int, int]] = []
