@@ -70,6 +70,11 @@ class Streams:
         if event is not None:
             event.synchronize()  # host waits for the device: only ever called on a worker thread
 
+    @staticmethod
+    def done(event: Any) -> bool:
+        """Whether ``event`` completed (a query, no wait; None, as on a CPU-only machine, has)."""
+        return event is None or bool(event.query())
+
     def bind_thread(self) -> None:
         """Set up a worker thread: no autograd, this device current."""
         torch.set_grad_enabled(False)

@@ -447,8 +447,11 @@ class Engine(HostStep):
         # offload_gradients with step_order "needed_first": final jobs whose gate is open and whose gradients are on
         # the host, stepped earliest needed first (see _next_ready)
         ready: list[Job] = []
+        later: Job | None = None  # a job taken off the queue whose copy had not landed while others were ready
         while True:
-            if ready:
+            if later is not None:
+                msg, later = later, None
+            elif ready:
                 try:
                     msg = self._step_q.get_nowait()
                 except queue.Empty:
@@ -456,6 +459,12 @@ class Engine(HostStep):
                     continue
             else:
                 msg = self._step_q.get()
+            if ready and isinstance(msg, Job) and not self.streams.done(msg.copied):
+                # the backward has not produced this one's gradients yet (hooks run ahead of the device): step what
+                # is on the host meanwhile instead of waiting for its copy
+                later = msg
+                self._run(self._post, self._next_ready(ready))
+                continue
             if msg is None:
                 for job in ready:  # shutting down: nothing steps any more, but every job is accounted for
                     self._done(job)

@@ -3,8 +3,9 @@
 Part of the cost model (:mod:`elbowroom.plan.cost`, whose module docstring describes the pipeline): each offloaded
 block's gradients go out over the link, step on the host, and come back; with clipping the jobs start after the
 whole backward in forward order, without it as the gradients become final (late blocks first); with offloaded
-gradients the host steps, among the jobs whose gradients have landed, the one the next forward needs first. The
-next forward needs each block's weights back before it reaches that block.
+gradients and ``CPUOffloadConfig.step_order="needed_first"`` the host steps, among the jobs whose gradients have
+landed, the one the next forward needs first. The next forward needs each block's weights back before it reaches
+that block.
 """
 
 from __future__ import annotations
