@@ -7,7 +7,9 @@
   weights under autocast; ``fit_bf16@<budget>`` also allows bf16 device weights with fp32 masters (the row says
   which the plan chose). ``+fl`` lets the planner use the fused head and loss; the row follows the plan's choice.
 - ``plan@<file>``: apply a Plan file (TOML or JSON) as it is: a hand plan is a file, not a mode name
-  (``ELBOWROOM_BENCH_CPU_THREADS=N``: its host optimizer step on N threads; for ``fit`` modes too).
+  (``ELBOWROOM_BENCH_CPU_THREADS=N``: its host optimizer step on N threads; for ``fit`` modes too;
+  ``ELBOWROOM_BENCH_STEP_ORDER=arrival|needed_first``: the order of the host steps with offloaded gradients,
+  ``CPUOffloadConfig.step_order``).
 - ``uniform@<option>``: every block under one option of the planner (``keep``, ``keep:0.5``, ``selective``,
   ``selective:0.25``, ``selective:all``, ``full``, ``full:input``), the optimizer on the device, fp32 weights:
   the cost model's price of that one option against the measurement (the calibration of its per-option terms).

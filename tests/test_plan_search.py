@@ -241,22 +241,23 @@ def test_gradient_offload_only_where_it_is_needed() -> None:
     assert not plan_for(p, 80 * GiB, offload_allowed=False, **kw).offload_gradients  # nothing on the host
     with pytest.raises(BudgetError):
         plan_for(p, low, precision="bf16", fused_loss_allowed=True)  # clipping with torch's function: not allowed
-    # the same decisions without it: the same step, more device memory, 4 host bytes less per offloaded parameter
+    # the same decisions without it: no faster (with it the host steps the landed job needed first), more device
+    # memory, 4 host bytes less per offloaded parameter
     d = tight.decisions()
     off = dataclasses.replace(d, offload_gradients=False)
     a, b = cost.predict(p, d, 80 * GiB), cost.predict(p, off, 80 * GiB)
     p_off = sum(blk.num_params for blk, o in zip(p.blocks, d.offload_blocks) if o) + (
         p.head.num_params if d.offload_other else 0)
-    assert a.step_seconds == pytest.approx(b.step_seconds) and a.host_bytes - b.host_bytes == 4 * p_off
+    assert a.step_seconds <= b.step_seconds and a.host_bytes - b.host_bytes == 4 * p_off
     assert cost.state_bytes(p, off) - cost.state_bytes(p, d) == 2 * p_off
-    # in arrival order (the default) the host step is the staged gradients' pipeline; stepping the landed job needed
-    # first (CPUOffloadConfig.step_order) is priced as that order
+    # the host steps the landed job needed first (the default): priced as that order; in arrival order
+    # (CPUOffloadConfig.step_order) it is the staged gradients' pipeline
     from elbowroom.optim.config import CPUOffloadConfig as _Cfg
 
-    first = dataclasses.replace(d, offload_config=_Cfg(step_order="needed_first"))
-    g_d, g_off, g_f = cost.globals_for(p, d), cost.globals_for(p, off), cost.globals_for(p, first)
-    assert g_d.host_exposed_s == pytest.approx(g_off.host_exposed_s)
-    assert g_f.host_step_s == pytest.approx(g_d.host_step_s) and g_f.host_exposed_s < g_d.host_exposed_s
+    arrival = dataclasses.replace(d, offload_config=_Cfg(step_order="arrival"))
+    g_d, g_off, g_a = cost.globals_for(p, d), cost.globals_for(p, off), cost.globals_for(p, arrival)
+    assert g_a.host_exposed_s == pytest.approx(g_off.host_exposed_s)
+    assert g_a.host_step_s == pytest.approx(g_d.host_step_s) and g_d.host_exposed_s < g_a.host_exposed_s
     # their device gradients wait for their copies where the backward outpaces the link: counted in the backward
     assert cost.gradient_backlog_bytes(p, d) > 0 == cost.gradient_backlog_bytes(p, off)
     # with the casts of bf16 weights on the host the host gradient stays bf16: 2 bytes

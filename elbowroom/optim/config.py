@@ -98,12 +98,13 @@ class CPUOffloadConfig:
     """Elements per chunk of the chunked host step (a multiple of 64: chunk ends on vector boundaries)."""
     device_chunk_numel: int = 1 << 25
     """Elements per chunk of the device step of fp32 masters kept on the device (the fp32 scratch it upcasts into)."""
-    step_order: str = "arrival"
-    """With ``offload_gradients``, which of the jobs whose gradients have landed the host steps next: ``"arrival"``
-    (as their gradients became final: late layers first) or ``"needed_first"`` (the lowest parameter index, which
-    the next forward needs first). Without ``offload_gradients`` the staging slots pace the copies and jobs step as
-    they arrive. ``"arrival"`` measured faster (W1 at 8 GiB, ``BENCHMARKS.md``): stepping the newest arrival first
-    leaves the skipped blocks spread over the whole next forward, which then waits at block after block."""
+    step_order: str = "needed_first"
+    """With ``offload_gradients``, which of the jobs whose gradients have landed the host steps next:
+    ``"needed_first"`` (the lowest parameter index, which the next forward needs first) or ``"arrival"`` (as their
+    gradients became final: late layers first). Without ``offload_gradients`` the staging slots pace the copies and
+    jobs step as they arrive. On W1 at 8 GiB ``"needed_first"`` ran at 75-81% of plain where ``"arrival"`` ran at
+    58-64%, in one call (``BENCHMARKS.md``): the next forward starts once the first weights are back and goes on as
+    the rest land, instead of waiting for the late layers' steps before its first block."""
     trace_steps: bool = False
     """Record each step's timeline in ``stats()["trace"]`` (hand-over, copy, CPU step, forward waits)."""
     join_timeout_s: float = 10.0

@@ -500,9 +500,11 @@ class Engine(HostStep):
         With ``offload_gradients`` every gradient reaches the host at link speed, ahead of the CPU steps, so several
         jobs are ready at once: stepping the one needed first (earliest deadline first) lets the next forward start
         once the first offloaded weights are back and go on as the rest land, where arrival order (late blocks
-        first) would step the first blocks last and hold the whole forward until every update is done. Without
-        ``offload_gradients`` the staging slots pace the copies, so jobs arrive about one at a time and are stepped
-        as they come. The order between buckets changes no value: each bucket steps on its own gradients.
+        first) steps the first blocks last and holds the whole forward until every update is done (W1 at 8 GiB:
+        75-81% of plain against 58-64% in arrival order, one call). A job whose copy has not landed is never waited
+        for while others are ready (the first version did, and ran at 55-58%). Without ``offload_gradients`` the
+        staging slots pace the copies, so jobs arrive about one at a time and are stepped as they come. The order
+        between buckets changes no value: each bucket steps on its own gradients.
         """
         i = min(range(len(ready)), key=lambda k: ready[k].params[0].index)
         return ready.pop(i)
