@@ -162,10 +162,17 @@ for _extra in ("modes_activations", "modes_optim", "modes_deepspeed", "modes_fsd
         pass
 
 
+def split_fused(name: str) -> tuple[str, bool]:
+    """(the mode without its ``+fl`` flag, whether it has one): ``+fl`` may stand anywhere after the first part
+    (``fit_bf16@16GiB+fl+cap`` reads as ``fit_bf16@16GiB+cap`` with the fused loss)."""
+    head, *flags = name.split("+")
+    return "+".join([head] + [f for f in flags if f != FUSED_LOSS[1:]]), FUSED_LOSS[1:] in flags
+
+
 def mode_setup(name: str) -> Callable[..., Setup] | None:
-    """The setup of a mode (without its ``+fl`` suffix): a registered name, or the planner's ``fit@24GiB``,
+    """The setup of a mode (without its ``+fl`` flag): a registered name, or the planner's ``fit@24GiB``,
     ``fit_bf16@16GiB`` and ``plan@FILE``."""
-    base = name.removesuffix(FUSED_LOSS)
+    base = split_fused(name)[0]
     if base in MODES:
         return MODES[base]
     from modes_plan import resolve
@@ -210,7 +217,7 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     model = build_model(cfg, device=device)
     idx = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
     tgt = torch.randint(0, cfg.vocab_size, (bsz, seq), device=device)
-    args.sample, args.fused_loss = (idx, tgt), name.endswith(FUSED_LOSS)  # what a planner mode profiles with
+    args.sample, args.fused_loss = (idx, tgt), split_fused(name)[1]  # what a planner mode profiles with
     args.step_accum = accum  # micro-batches of the workload's step (a planner mode plans for the whole step)
     setup = mode_setup(name)(model, args)
     _RUNNING.update(setup=setup, step=None)  # what an out-of-memory row reports
@@ -221,7 +228,7 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     # the head and loss chunk by chunk (linear_cross_entropy): the suffix asks, a plan decides for itself
-    fused_loss = setup.fused_loss if setup.fused_loss is not None else name.endswith(FUSED_LOSS)
+    fused_loss = setup.fused_loss if setup.fused_loss is not None else split_fused(name)[1]
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     # a plan may split the batch into micro-batches that accumulate: the same samples per step
     mb = setup.micro_batch or bsz

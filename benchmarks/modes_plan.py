@@ -20,7 +20,8 @@
   against the measured rows (``Plan.repredicted``).
 - ``...@<budget>+clip``: the loop clips gradients at global norm 1.0 (as the trainer does), and the planner plans
   for it; whether gradients leave during the backward is the plan's decision (``plan.offload_gradients``;
-  ``+og`` is kept for old command lines and changes nothing; ``+nog`` forbids it, to measure a plan without them);
+  ``+og`` is kept for old command lines and changes nothing; ``+nog`` forbids it, to measure a plan without
+  them; ``+fl`` may stand anywhere among the flags);
   ``+gb`` gives the planner the workload's batch as the global batch, so that it may choose a smaller
   micro-batch with accumulation (the loop then runs the plan's micro-batches);
   ``+cap`` caps the process's CUDA allocator at the budget once the plan is applied
