@@ -172,6 +172,8 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                 # (refused under data parallel)
                 fused_loss_allowed=not args.no_fused_loss and args.dp_shard == args.dp_replicate == 1,
                 grad_clipping=not args.no_clip,
+                # as the trainer plans: it clips through the optimizer, which sees the gradients already on the host
+                gradient_offload_allowed=True,
                 **sharded,
             )
         except BudgetError as e:

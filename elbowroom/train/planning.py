@@ -169,6 +169,8 @@ def plan_for_budget(
             precision="bf16" if cfg.optimizer.param_dtype == "bfloat16" else "fp32",
             fused_loss=fused_loss,
             grad_clipping=bool(cfg.train.max_grad_norm),
+            # the trainer clips through the optimizer (trainer.clip_gradients): it sees the gradients on the host
+            gradient_offload=True,
             persistent_gradients=cfg.parallel.mode == "ddp",  # DDP's buckets keep every gradient, all step long
             ranks_per_host=_ranks_per_host(cfg),  # DDP: they share the host's memory and its optimizer rate
             # the machine's numbers, measured once per machine and torch, beside the corpus cache
