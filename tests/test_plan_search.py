@@ -137,6 +137,14 @@ def test_hundred_blocks_plan_in_seconds() -> None:
     took = time.perf_counter() - t0
     assert len(plan.blocks) == 100 and plan.predicted_peak_bytes <= low + 6 * GiB
     assert took < 10.0, f"search took {took:.1f} s"
+    # without clipping, with offloaded gradients: the host steps' order is simulated for every outer choice
+    kw = dict(precision="bf16", fused_loss_allowed=True, grad_clipping=False)
+    low = _minimum(p, **kw)
+    t0 = time.perf_counter()
+    plan = plan_for(p, low, **kw)
+    took = time.perf_counter() - t0
+    assert plan.offload_gradients and plan.predicted_peak_bytes <= low
+    assert took < 10.0, f"search took {took:.1f} s"
 
 
 def test_bad_arguments() -> None:

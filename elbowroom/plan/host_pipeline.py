@@ -10,6 +10,7 @@ that block.
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import TYPE_CHECKING
 
@@ -63,11 +64,15 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
         # the host has several jobs at once (gradients land at link speed): it steps the one needed first
         # (CPUOffloadOptimizer's step thread, earliest deadline first)
         steps: list[tuple[float, int, int]] = []
-        pending, now = list(copied), -math.inf
-        while pending:
-            now = max(now, min(c[0] for c in pending))
-            k = min((i for i, c in enumerate(pending) if c[0] <= now), key=lambda i: pending[i][1])
-            _, j, p = pending.pop(k)
+        landed: list[tuple[int, int]] = []  # heap of (block index or -1, parameters) whose copies are done
+        now, i = -math.inf, 0
+        while i < len(copied) or landed:
+            if not landed:
+                now = max(now, copied[i][0])
+            while i < len(copied) and copied[i][0] <= now:  # the copies finish in order (one after another)
+                heapq.heappush(landed, (copied[i][1], copied[i][2]))
+                i += 1
+            j, p = heapq.heappop(landed)
             now += p / rate
             steps.append((now, j, p))
     else:
