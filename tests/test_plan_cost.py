@@ -225,3 +225,20 @@ def test_each_allocator_setting_has_its_own_measured_margin() -> None:
     q = dataclasses.replace(p, allocator_overhead_expandable_bytes=0)
     got = cost.predict(q, decisions(n, expandable_segments=True), 80 * GiB).memory["allocator margin"]
     assert got == int(cost.ALLOCATOR_MARGIN["expandable_segments"] * 80 * GiB)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_an_output_head_after_the_blocks_hides_its_host_step(clip: bool) -> None:
+    """The parameters outside the blocks are two host jobs: the embedding (final last, needed first) and what comes
+    after the blocks (``after_params``: final first, needed last), which hides behind the step where the embedding
+    cannot; the same host work either way."""
+    p = make_profile()  # W1: embedding and output head of 65.5M parameters each
+    assert p.head.after_params == 0  # (a hand-made profile: all of it priced as the embedding)
+    split = dataclasses.replace(p, head=dataclasses.replace(p.head, after_params=p.head.num_params // 2))
+    n = len(p.blocks)
+    for og in (False, True):
+        d = decisions(n, offload_blocks=(True,) * n, offload_other=True, grad_clipping=clip, offload_gradients=og,
+                      layout="bf16")
+        whole, hid = cost.host_terms(p, d, 0.01), cost.host_terms(split, d, 0.01)
+        assert hid[0] == pytest.approx(whole[0])
+        assert hid[1] < whole[1]

@@ -194,6 +194,8 @@ def test_head_profile() -> None:
     assert prof.head.saved_bytes >= n * v * 4  # log-softmax of the fp32 logits
     head_params = cfg.vocab_size * D * 2 + D  # embedding, output head, final norm
     assert prof.head.num_params == head_params
+    # the output head and the final norm come after the blocks (final first in the backward, needed last)
+    assert prof.head.after_params == cfg.vocab_size * D + D
 
 
 def test_pair_batch_and_loss_fn() -> None:
@@ -355,6 +357,9 @@ def test_hf_gpt2_found_and_profiled() -> None:
     analytic = profile(meta_model, ids, machine=CPU, dtype=torch.float32)
     assert measured.block_path == "transformer.h" and len(measured.blocks) == 2
     _assert_same_bytes(measured, analytic)
+    # the head is tied to the token embedding, which is needed first: only the final norm comes after the blocks
+    d = make().config.n_embd
+    assert measured.head.after_params == analytic.head.after_params == 2 * d  # ln_f's weight and bias
 
 
 # ---- machines ----------------------------------------------------------------------------------------------

@@ -128,8 +128,9 @@ micro-batch's backward: ``t_j = s (B_h + sum_{i>=j} B_i)``, late blocks first, a
 the backward's end. With clipping (or a GradScaler), every gradient must exist first: the jobs start at the
 backward's end in forward order (``t_j = 0``, ``T_0 = 0``). Recompute is not counted as time that hides the host
 step (it is a per-block choice; leaving it out keeps the cost a sum and errs on the slow side). The parameters
-outside the blocks are treated as the embeddings (gradient final last, weights needed first): a tied or input
-embedding behaves so, an untied output head would hide better, and the profile does not tell them apart.
+outside the blocks are two jobs: those registered before the blocks, or tied to one that is (embeddings: gradient
+final last, weights needed first), and those after them (``HeadProfile.after_params``: an untied output head and
+the final norm, final as the backward starts and needed after the last block).
 The host step's pace varies between runs (1.6x between two identical runs of one call), and a plan whose step
 rests on it hiding with little slack loses most when it runs slow: ``T_host`` is the mean of the lateness at the
 measured rate and at :data:`HOST_STEP_SPREAD` of it (a plan with slack to spare pays nothing; one that offloads

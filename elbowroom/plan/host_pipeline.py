@@ -38,18 +38,24 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
     rate, bw = m.host_adam_params_per_s * rate_scale, m.duplex_bandwidth
     if rate <= 0 or bw <= 0:
         return math.inf, math.inf
+    n = len(profile.blocks)
     fwd_before = np.concatenate(([0.0], np.cumsum([b.forward_s for b in profile.blocks]))) * s
     bwd = [b.backward_s for b in profile.blocks]
     t_backward = s * (profile.head.backward_s + sum(bwd))
-    other = (-1, profile.head.num_params) if d.offload_other else None
+    # the parameters outside the blocks: those before them (embeddings: final last, needed first, index -1) and those
+    # after them (an untied output head: final first, needed after the last block, index n)
+    after = min(profile.head.after_params, profile.head.num_params) if d.offload_other else 0
+    before = [(-1, profile.head.num_params - after)] if d.offload_other and profile.head.num_params > after else []
+    tail = [(n, after)] if after else []
     if d.grad_clipping:
-        order = ([other] if other else []) + jobs  # forward order, after the whole backward
+        order = before + jobs + tail  # forward order, after the whole backward
         starts = [0.0] * len(order)
         t0 = 0.0
     else:
-        order = jobs[::-1] + ([other] if other else [])  # as gradients become final: late blocks first
+        order = tail + jobs[::-1] + before  # as gradients become final: the head first, then late blocks first
         bwd_after = np.concatenate((np.cumsum(bwd[::-1])[::-1], [0.0]))  # sum_{i>=j} B_i
-        starts = [s * (profile.head.backward_s + bwd_after[j]) if j >= 0 else t_backward for j, _ in order]
+        starts = [s * (profile.head.backward_s + bwd_after[j]) if 0 <= j < n else (
+            s * profile.head.backward_s if j == n else t_backward) for j, _ in order]
         t0 = t_backward
     # the gradients' copies run one after another in the order the jobs become ready
     copied: list[tuple[float, int, int]] = []  # (copy done, block index or -1, parameters)

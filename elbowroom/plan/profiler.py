@@ -629,8 +629,13 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
         mem = _POINTWISE_TRAFFIC * h.saved.get("pointwise", 0) / bw
         head_fwd = h.fwd_flops / rate + mem
         head_bwd = h.bwd_flops / rate + 2 * mem
+    # in registration order (a tied weight at its first, embedding, place): those after the last block's parameters
+    order = list(_unique_params([model]))
+    last = max((i for i, k in enumerate(order) if k in block_params), default=len(order))
+    after_params = sum(head_params[k].numel() for k in order[last + 1:] if k in head_params)
     head = HeadProfile(
         num_params=sum(p.numel() for p in head_params.values()), param_bytes=_nbytes(head_params),
+        after_params=after_params,
         saved_bytes=head_saved, logits_transient_bytes=int(logits_transient),
         fused_transient_bytes=int(fused_transient),
         forward_s=head_fwd, backward_s=head_bwd, flops=h.fwd_flops + h.bwd_flops,

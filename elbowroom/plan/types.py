@@ -91,6 +91,10 @@ class HeadProfile:
     """Backward time outside the blocks."""
     flops: float
     """Forward + backward FLOPs outside the blocks."""
+    after_params: int = 0
+    """Of ``num_params``, those registered after the last block's (an untied output head, a final norm): their
+    gradients are final as the backward starts and their weights are needed only after the last block. The rest
+    (embeddings, and a weight tied to one) are final last and needed first. 0 when not known (older profiles)."""
 
 
 @dataclass(frozen=True)
