@@ -1326,6 +1326,32 @@ def test_offloaded_gradients_step_earliest_needed_first(step_order: str, monkeyp
     o_ref.close()
 
 
+def test_offloaded_gradients_step_landed_jobs_while_a_copy_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # needed_first: a job taken off the queue whose copy has not landed (backward hooks run ahead of the device) is
+    # put aside while jobs already on the host step, then taken again: every job steps once, the values are exact
+    from elbowroom.optim.buffers import Streams
+
+    knobs(bucket_bytes=256, step_order="needed_first")
+    data = batches(4)
+    m_ref = make_model()
+    o_ref = make_opt(m_ref.parameters(), offload_fraction=1.0, offload_gradients=True, lr=1e-2)
+    train(m_ref, o_ref, data)
+    asked = [0]
+
+    def every_other(event) -> bool:  # (CPU copies have no events) a copy reads as running every other time asked
+        asked[0] += 1
+        return asked[0] % 2 == 0
+
+    monkeypatch.setattr(Streams, "done", staticmethod(every_other))
+    m = make_model()
+    o = make_opt(m.parameters(), offload_fraction=1.0, offload_gradients=True, lr=1e-2)
+    train(m, o, data)
+    assert asked[0] >= 2  # the step thread put jobs aside while landed ones waited, and took them again
+    assert_same(m, m_ref)
+    o.close()
+    o_ref.close()
+
+
 # ------------------------------------------------------------------------------------------ config, lifecycle
 def test_config_sets_the_knobs_and_keywords_override_it() -> None:
     cfg = CPUOffloadConfig(offload_fraction=0.5, bucket_bytes=1024, num_staging_slots=1, cpu_threads=1)
