@@ -342,3 +342,27 @@ def test_a_plan_that_rests_on_the_host_step_hiding_pays_for_its_spread() -> None
         go = cost.globals_for(p, other)
         at = [cost.host_terms(p, other, go.device_step_s, r)[1] for r in (1.0, cost.HOST_STEP_SPREAD)]
         assert go.host_exposed_s == pytest.approx(0.5 * sum(at))
+
+
+def test_a_plan_whose_recompute_hides_host_time_gives_the_range() -> None:
+    """The recompute in the backward hides host optimizer time too; the search leaves it out (its cost stays a sum),
+    so a plan where that is 3% of the step or more says what the step would take with it counted: exactly the
+    pipeline with each block's recompute in its backward, never more than the prediction; kept once on re-predicting;
+    never with clipping (the host steps wait for the whole backward)."""
+    from elbowroom.plan.host_pipeline import host_exposed_seconds
+
+    p = make_profile()  # W1
+    kw = dict(precision="bf16", fused_loss_allowed=True, grad_clipping=False)
+    tight = plan_for(p, _minimum(p, **kw) + GiB // 2, **kw)
+    d = tight.decisions()
+    assert any(o.checkpoint != "none" for o in d.options) and tight.offloads_optimizer
+    (note,) = [n for n in tight.notes if n.startswith("the recompute in the backward")]
+    g = cost.globals_for(p, d)
+    hidden = 0.5 * sum(host_exposed_seconds(p, d, g.device_step_s, r, with_recompute=True)[1]
+                       for r in (1.0, cost.HOST_STEP_SPREAD))
+    low = tight.predicted_step_seconds - g.host_exposed_s + hidden
+    assert low < 0.97 * tight.predicted_step_seconds
+    assert f"would take {low * 1e3:.0f} ms (predicted {tight.predicted_step_seconds * 1e3:.0f})" in note
+    assert [n for n in tight.repredicted(p).notes if n.startswith("the recompute")] == [note]
+    clipped = plan_for(p, 40 * GiB, precision="bf16", fused_loss_allowed=True)
+    assert not [n for n in clipped.notes if n.startswith("the recompute")]

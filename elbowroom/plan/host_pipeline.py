@@ -17,18 +17,24 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from elbowroom.plan.cost import Decisions
-    from elbowroom.plan.types import Profile
+    from elbowroom.plan.cost import Decisions, Option
+    from elbowroom.plan.types import BlockProfile, Profile
 
 OPTIMIZER_LINK_BYTES_PER_PARAM = 4
 """Bytes per offloaded parameter on the link each way per step: fp32 gradients out and fp32 masters back (with bf16
 device weights the casts run on the device, so fp32 travels either way: ``CPUOffloadOptimizer.cast_on_device``)."""
 
 
+def _recompute_s(b: BlockProfile, o: Option) -> float:
+    return b.recompute_s if o.checkpoint == "full" else b.selective_recompute_s if o.checkpoint == "selective" else 0.0
+
+
 def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
-                         rate_scale: float = 1.0) -> tuple[float, float]:
+                         rate_scale: float = 1.0, with_recompute: bool = False) -> tuple[float, float]:
     """(host step seconds, the part of it the device does not hide): the pipeline of :mod:`elbowroom.plan.cost`,
-    with the host optimizer at ``rate_scale`` times the machine's measured rate."""
+    with the host optimizer at ``rate_scale`` times the machine's measured rate. ``with_recompute``: each block's
+    backward also runs its recompute (``d.options``), which hides host work too; the cost model leaves it out so
+    that its cost stays a sum (a plan's note gives the range it spans)."""
     m = profile.machine
     s = d.micro_batch / profile.micro_batch
     jobs: list[tuple[int, int]] = [(i, b.num_params) for i, (b, o) in enumerate(zip(profile.blocks, d.offload_blocks))
@@ -40,7 +46,7 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
         return math.inf, math.inf
     n = len(profile.blocks)
     fwd_before = np.concatenate(([0.0], np.cumsum([b.forward_s for b in profile.blocks]))) * s
-    bwd = [b.backward_s for b in profile.blocks]
+    bwd = [b.backward_s + (_recompute_s(b, o) if with_recompute else 0.0) for b, o in zip(profile.blocks, d.options)]
     t_backward = s * (profile.head.backward_s + sum(bwd))
     # the parameters outside the blocks: those before them (embeddings: final last, needed first, index -1) and those
     # after them (an untied output head: final first, needed after the last block, index n)
