@@ -24,7 +24,7 @@ def decisions(n: int, **kw) -> Decisions:
 def test_model_states_per_parameter_by_layout() -> None:
     p = make_profile(n_layers=4, dim=256, ffn=512, vocab=1000, seq_len=128)
     n, P = len(p.blocks), p.num_params
-    bucket, slots, chunk = cost._optimizer_config()
+    bucket, slots, chunk = cost._optimizer_config(decisions(n))  # the defaults
     assert cost.state_bytes(p, decisions(n)) == 16 * P
     off = dict(offload_blocks=(True,) * n, offload_other=True)
     # each staging slot holds one bucket of the offloaded gradients, or all of them when they are fewer

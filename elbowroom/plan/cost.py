@@ -271,7 +271,7 @@ class Decisions:
     expandable_segments: bool = False
     grad_clipping: bool = True
     """The loop clips gradients (or uses a GradScaler): the host step starts after the whole backward."""
-    offload_gradients: bool = False  # offloaded parameters' gradients leave the device in the backward (costly)
+    offload_gradients: bool = False  # offloaded parameters' gradients leave the device in the backward
     persistent_gradients: bool = False
     """Every gradient exists for the whole step, the forward too: DDP's buckets (its ``.grad`` are views of them)."""
     offload_config: Any = None
@@ -281,6 +281,13 @@ class Decisions:
     @property
     def offloads_params(self) -> bool:
         return self.offload_other or any(self.offload_blocks)
+
+    @property
+    def optimizer_config(self) -> Any:
+        """The ``CPUOffloadConfig`` the optimizer is built with: ``offload_config``, or its defaults."""
+        from elbowroom.optim.config import CPUOffloadConfig
+
+        return self.offload_config if self.offload_config is not None else CPUOffloadConfig()
 
 
 @dataclass(frozen=True)
@@ -424,12 +431,10 @@ def _block_tables(profile: Profile) -> BlockTables:
 
 
 # ---------------------------------------------------------------------------------------------- globals
-def _optimizer_config(cfg: Any = None) -> tuple[int, int, int]:
+def _optimizer_config(d: Decisions) -> tuple[int, int, int]:
     """(bucket_bytes, num_staging_slots, device_chunk_numel) of the CPU-offloaded optimizer's config (the one
-    :func:`~elbowroom.plan.apply.apply` builds it with; None: the defaults)."""
-    from elbowroom.optim.config import CPUOffloadConfig
-
-    cfg = cfg if cfg is not None else CPUOffloadConfig()
+    :func:`~elbowroom.plan.apply.apply` builds it with)."""
+    cfg = d.optimizer_config
     return int(cfg.bucket_bytes), int(cfg.num_staging_slots), int(cfg.device_chunk_numel)
 
 
@@ -533,7 +538,7 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     weight, off_dtype = LAYOUTS[d.layout]
     off_per = (8 if off_dtype == "float32" else 4) // (2 if d.offload_gradients else 1)  # weight (+ gradient)
     total = 16 * p_res + off_per * p_off
-    bucket, slots, chunk = _optimizer_config(d.offload_config)
+    bucket, slots, chunk = _optimizer_config(d)
     if p_off:
         # each staging slot holds one bucket of gradients (at most bucket_bytes; the whole offloaded set when smaller)
         total += slots * min(bucket, (off_per // 2) * p_off)
@@ -641,22 +646,22 @@ def _offloaded_gradient_bytes(profile: Profile, d: Decisions) -> int:
     (``CPUOffloadConfig.cast_on_device`` off)."""
     if not d.offload_gradients:
         return 0
-    from elbowroom.optim.config import CPUOffloadConfig
-
-    cfg = d.offload_config if d.offload_config is not None else CPUOffloadConfig()
-    per = 4 if (LAYOUTS[d.layout][1] == "float32" or cfg.cast_on_device) else 2
+    per = 4 if (LAYOUTS[d.layout][1] == "float32" or d.optimizer_config.cast_on_device) else 2
     return int(per * _param_split(profile, d)[1])
 
 
-def host_terms(profile: Profile, d: Decisions, device_step_s: float, rate_scale: float = 1.0) -> tuple[float, float]:
+def host_terms(profile: Profile, d: Decisions, device_step_s: float, rate_scale: float = 1.0,
+               extra_backward_s: Any = None) -> tuple[float, float]:
     """(the whole host step, the part of it the device does not hide) with the host optimizer at ``rate_scale`` times
     the measured rate: the pipeline of the module docstring, with or without ``offload_gradients``.
+    ``extra_backward_s``: seconds each block's backward runs besides its own (its recompute, unscaled), which hide
+    host work too; the prices leave them out so that the search's cost stays a sum.
 
     Offloaded gradients were priced as the whole host step exposed until their host copies became fp32: with bf16
     host gradients the host step ran the upcast path (W1, H100, 8 GiB: the forward waited 0.41 s of a 0.47 s host
-    step at 2.2 G params/s, where the fp32 kernel steps 3.8-4.3), and priced as the pipeline the planner took them
+    step at 2.5-2.9 G params/s, where the fp32 kernel steps 3.8-4.3), and priced as the pipeline the planner took them
     at 16 GiB and lost 9 points of plain's speed to a host step 33% slower."""
-    return host_exposed_seconds(profile, d, device_step_s, rate_scale)
+    return host_exposed_seconds(profile, d, device_step_s, rate_scale, extra_backward_s)
 
 
 def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: float) -> float:

@@ -17,24 +17,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from elbowroom.plan.cost import Decisions, Option
-    from elbowroom.plan.types import BlockProfile, Profile
+    from collections.abc import Sequence
+
+    from elbowroom.plan.cost import Decisions
+    from elbowroom.plan.types import Profile
 
 OPTIMIZER_LINK_BYTES_PER_PARAM = 4
 """Bytes per offloaded parameter on the link each way per step: fp32 gradients out and fp32 masters back (with bf16
 device weights the casts run on the device, so fp32 travels either way: ``CPUOffloadOptimizer.cast_on_device``)."""
 
 
-def _recompute_s(b: BlockProfile, o: Option) -> float:
-    return b.recompute_s if o.checkpoint == "full" else b.selective_recompute_s if o.checkpoint == "selective" else 0.0
-
-
-def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
-                         rate_scale: float = 1.0, with_recompute: bool = False) -> tuple[float, float]:
+def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, rate_scale: float = 1.0,
+                         extra_backward_s: Sequence[float] | None = None) -> tuple[float, float]:
     """(host step seconds, the part of it the device does not hide): the pipeline of :mod:`elbowroom.plan.cost`,
-    with the host optimizer at ``rate_scale`` times the machine's measured rate. ``with_recompute``: each block's
-    backward also runs its recompute (``d.options``), which hides host work too; the cost model leaves it out so
-    that its cost stays a sum (a plan's note gives the range it spans)."""
+    with the host optimizer at ``rate_scale`` times the machine's measured rate. ``extra_backward_s``: seconds each
+    block's backward runs besides its own (its recompute, unscaled), which hide host work too."""
     m = profile.machine
     s = d.micro_batch / profile.micro_batch
     jobs: list[tuple[int, int]] = [(i, b.num_params) for i, (b, o) in enumerate(zip(profile.blocks, d.offload_blocks))
@@ -46,7 +43,9 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
         return math.inf, math.inf
     n = len(profile.blocks)
     fwd_before = np.concatenate(([0.0], np.cumsum([b.forward_s for b in profile.blocks]))) * s
-    bwd = [b.backward_s + (_recompute_s(b, o) if with_recompute else 0.0) for b, o in zip(profile.blocks, d.options)]
+    bwd = [b.backward_s for b in profile.blocks]
+    if extra_backward_s is not None:
+        bwd = [b + e for b, e in zip(bwd, extra_backward_s)]
     t_backward = s * (profile.head.backward_s + sum(bwd))
     # the parameters outside the blocks: those before them (embeddings: final last, needed first, index -1) and those
     # after them (an untied output head: final first, needed after the last block, index n)
@@ -59,9 +58,11 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
         t0 = 0.0
     else:
         order = tail + jobs[::-1] + before  # as gradients become final: the head first, then late blocks first
-        bwd_after = np.concatenate((np.cumsum(bwd[::-1])[::-1], [0.0]))  # sum_{i>=j} B_i
-        starts = [s * (profile.head.backward_s + bwd_after[j]) if 0 <= j < n else (
-            s * profile.head.backward_s if j == n else t_backward) for j, _ in order]
+        # when job j's gradients are final: the head's as the backward starts, block j's after sum_{i>=j} B_i, the
+        # embeddings' at its end
+        final = s * (profile.head.backward_s + np.concatenate((np.cumsum(bwd[::-1])[::-1], [0.0])))
+        final[n] = s * profile.head.backward_s
+        starts = [final[j] if j >= 0 else t_backward for j, _ in order]
         t0 = t_backward
     # the gradients' copies run one after another in the order the jobs become ready
     copied: list[tuple[float, int, int]] = []  # (copy done, block index or -1, parameters)
@@ -69,10 +70,7 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float,
     for (j, p), t in zip(order, starts):
         dn = max(dn, t) + OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
         copied.append((dn, j, p))
-    from elbowroom.optim.config import CPUOffloadConfig
-
-    cfg = d.offload_config if d.offload_config is not None else CPUOffloadConfig()
-    if d.offload_gradients and not d.grad_clipping and cfg.step_order == "needed_first":
+    if d.offload_gradients and not d.grad_clipping and d.optimizer_config.step_order == "needed_first":
         # the host has several jobs at once (gradients land at link speed): it steps the one needed first
         # (CPUOffloadOptimizer's step thread, earliest deadline first)
         steps: list[tuple[float, int, int]] = []

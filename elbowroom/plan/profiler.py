@@ -615,7 +615,8 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
         ))
 
     h = plain.regions[HEAD]
-    head_params = {k: p for k, p in _unique_params([model]).items() if k not in block_params}
+    model_params = _unique_params([model])  # in registration order, a tied weight at its first place
+    head_params = {k: p for k, p in model_params.items() if k not in block_params}
     head_saved = int(sum(v for k, v in h.saved.items() if k in KINDS))
     tokens = micro_batch * seq_len
     c = _itemsize(dtype)
@@ -629,8 +630,8 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
         mem = _POINTWISE_TRAFFIC * h.saved.get("pointwise", 0) / bw
         head_fwd = h.fwd_flops / rate + mem
         head_bwd = h.bwd_flops / rate + 2 * mem
-    # in registration order (a tied weight at its first, embedding, place): those after the last block's parameters
-    order = list(_unique_params([model]))
+    # those registered after the last block's parameters (a weight tied to the embedding counts at the embedding)
+    order = list(model_params)
     last = max((i for i, k in enumerate(order) if k in block_params), default=len(order))
     after_params = sum(head_params[k].numel() for k in order[last + 1:] if k in head_params)
     head = HeadProfile(

@@ -34,7 +34,6 @@ import numpy as np
 
 from elbowroom.plan import cost
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
-from elbowroom.plan.host_pipeline import host_exposed_seconds
 from elbowroom.plan.plan import BlockPlan, Plan, ProfileSummary
 from elbowroom.plan.types import Profile
 
@@ -607,7 +606,9 @@ def _recompute_hides_note(profile: Profile, d: Decisions, step_s: float) -> tupl
             o.checkpoint != "none" for o in d.options):
         return ()
     g = cost.globals_for(profile, d)
-    hidden = 0.5 * sum(host_exposed_seconds(profile, d, g.device_step_s, r, with_recompute=True)[1]
+    idx = [OPTIONS.index(o) for o in d.options]
+    recompute = cost.block_tables(profile).recompute[np.arange(len(idx)), idx]  # the options' own recompute
+    hidden = 0.5 * sum(cost.host_terms(profile, d, g.device_step_s, r, recompute)[1]
                        for r in (1.0, cost.HOST_STEP_SPREAD))
     low = step_s - g.host_exposed_s + hidden
     if not low < 0.97 * step_s:
