@@ -15,7 +15,8 @@ Any mode + ``+fl``: the output head and cross-entropy computed chunk by chunk
 ``ELBOWROOM_BENCH_EVENTS=1`` adds ``gpu_ms`` to each row: the GPU time of every micro-batch of the last step
 and of its ``step()`` + ``zero_grad()``, from CUDA events between them. ``ELBOWROOM_BENCH_SEGMENTS=1`` adds
 ``segments_by_stream``: the allocator's reserved and allocated GiB by the stream that owns them, after the last
-step.
+step. ``ELBOWROOM_BENCH_MEMORY=DIR`` writes what was alive at the peak of the steps, by where it was allocated, to
+``DIR/<workload>-<mode>.txt`` (``memory_peak.py``).
 
 Modes come from registries: the peers' and the trainer's below, ours from ``modes_activations.py`` and
 ``modes_optim.py`` beside this file, DeepSpeed ZeRO-Offload from ``modes_deepspeed.py``. A mode is a function
@@ -227,6 +228,7 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        _record_memory(workload, name)
     # the head and loss chunk by chunk (linear_cross_entropy): the suffix asks, a plan decides for itself
     fused_loss = setup.fused_loss if setup.fused_loss is not None else split_fused(name)[1]
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -301,6 +303,7 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         row["gpu_ms"] = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
     if os.environ.get("ELBOWROOM_BENCH_SEGMENTS") and device.type == "cuda":
         row["segments_by_stream"] = _segments_by_stream()
+    _write_memory()
     row["settings"] = settings(name, workload, args)
     if setup.notes:
         row["notes"] = setup.notes
@@ -320,6 +323,30 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
             row["alloc_vs_pred"] = round(row["peak_GiB"] / row["pred_alloc_GiB"], 3)
     del model, setup
     return row
+
+
+def _record_memory(workload: str, name: str) -> None:
+    """``ELBOWROOM_BENCH_MEMORY=DIR``: record the CUDA allocator's history from here on (see ``memory_peak.py``)."""
+    folder = os.environ.get("ELBOWROOM_BENCH_MEMORY")
+    if not folder:
+        return
+    safe = name.replace("@", "-").replace("+", "-").replace("/", "_")
+    _RUNNING["memory"] = (Path(folder) / f"{workload}-{safe}.txt", torch.cuda.memory_allocated())
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+
+
+def _write_memory() -> None:
+    """The report of what was alive at the peak since :func:`_record_memory` (nothing when it did not record)."""
+    got = _RUNNING.pop("memory", None)
+    if got is None:
+        return
+    import memory_peak
+
+    path, baseline = got
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(memory_peak.summarize(snapshot, baseline, torch.cuda.current_device()))
 
 
 def _segments_by_stream() -> dict[str, list[float]]:
@@ -518,6 +545,7 @@ def run_one(name: str, args) -> dict[str, Any]:
             return run_trainer(args.workload, args)
         return run_mode(name, args.workload, args)
     except torch.OutOfMemoryError as e:
+        _write_memory()
         # the allocator's message and, for a planned mode, its plan and predictions: what ran out, against what
         row: dict[str, Any] = {"workload": args.workload, "mode": name, "error": "OOM",
                                "oom": (str(e).splitlines() or [""])[0][:400], "oom_step": _RUNNING.get("step")}

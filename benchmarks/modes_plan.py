@@ -7,6 +7,7 @@
   weights under autocast; ``fit_bf16@<budget>`` also allows bf16 device weights with fp32 masters (the row says
   which the plan chose). ``+fl`` lets the planner use the fused head and loss; the row follows the plan's choice.
 - ``plan@<file>``: apply a Plan file (TOML or JSON) as it is: a hand plan is a file, not a mode name
+  (``plan@<file>+cap``: capped at the plan's budget, as below)
   (``ELBOWROOM_BENCH_CPU_THREADS=N``: its host optimizer step on N threads; for ``fit`` modes too;
   ``ELBOWROOM_BENCH_STEP_ORDER=arrival|needed_first``: the order of the host steps with offloaded gradients,
   ``CPUOffloadConfig.step_order``).
@@ -59,7 +60,9 @@ def resolve(name: str) -> Callable[..., Setup] | None:
         if name.startswith(prefix):
             arg = name[len(prefix):]
             if prefix == "plan@":
-                return lambda model, args: _setup(model, args, plan_file=arg, fused=False)
+                path, _, rest = arg.partition("+")
+                capped = "cap" in rest.split("+")
+                return lambda model, args: _setup(model, args, plan_file=path, fused=False, cap=capped)
             if prefix == "uniform@":
                 return lambda model, args: _setup(model, args, uniform=arg.split("+")[0],
                                                  fused=getattr(args, "fused_loss", False))

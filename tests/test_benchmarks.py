@@ -82,3 +82,29 @@ def test_prediction_plot_counts_the_points_in_each_band(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, script, str(tmp_path / "x.png"), str(empty)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "no planned rows" in proc.stderr and not (tmp_path / "x.png").exists()
+
+
+def test_memory_peak_names_what_was_alive_at_the_peak() -> None:
+    # a synthetic allocator history: 100 bytes before the recording, then two allocations from two places; one is
+    # freed before a third makes the peak, and a set-up allocation is freed at the end
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import memory_peak
+
+    own = {"filename": "/x/elbowroom/optim/engine.py", "line": 7, "name": "_copy"}
+    op = {"filename": "/x/torch/_tensor.py", "line": 1, "name": "to"}
+    M = 1 << 20
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 40 * M, "frames": [op, own]},
+        {"action": "segment_alloc", "addr": 9, "size": 1000},
+        {"action": "alloc", "addr": 2, "size": 30 * M, "frames": [own]},
+        {"action": "free_completed", "addr": 2, "size": 30},
+        {"action": "alloc", "addr": 3, "size": 50 * M, "frames": [op, own]},
+        {"action": "free_completed", "addr": 77, "size": 100 * M},  # made before the recording
+    ]
+    peak, at, live = memory_peak.peak_allocations(trace, baseline=100 * M)
+    assert (peak, at) == (190 * M, 4)
+    assert sorted(n for n, _ in live.values()) == [40 * M, 50 * M]
+    assert {site for _, site in live.values()} == {"elbowroom/optim/engine.py:7 _copy <- _tensor.py:1 to"}
+    text = memory_peak.summarize({"device_traces": [trace]}, baseline=100 * M)
+    assert "made since and alive at the peak: 0.088 GiB in 2 allocations" in text
+    assert "| 0.088 | 2 | 40.0 x 1, 50.0 x 1 | elbowroom/optim/engine.py:7 _copy <- _tensor.py:1 to |" in text
