@@ -298,7 +298,8 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         losses.append(loss.item())
     step_s = statistics.median(times[args.warmup :]) if len(times) > args.warmup else min(times)
     row = _row(name, workload, cfg, bsz * seq * accum, seq, step_s, device)
-    row.update(loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), accum=accum)
+    row.update(loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), accum=accum,
+               step_times=[round(t, 4) for t in times])
     if marks:
         row["gpu_ms"] = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
     if os.environ.get("ELBOWROOM_BENCH_SEGMENTS") and device.type == "cuda":

@@ -133,6 +133,28 @@ def test_bf16_plan_casts_weights_and_keeps_fp32_masters() -> None:
     assert losses == pytest.approx(want, rel=2e-2)  # bf16 arithmetic against fp32
 
 
+def test_bf16_offloaded_copies_leave_the_embedding_and_the_residual_stream_in_fp32() -> None:
+    # fp32 weights under autocast with bf16 device copies of the offloaded matrices: the embedding table is offloaded
+    # too but keeps its fp32 copy, so the residual stream stays fp32 as profiled (a bf16 table made it bf16, and
+    # each block's norms then saved fp32 upcasts of it: 128 MiB a block more than profiled on the 7B shape)
+    model = tiny()
+    plan = hand_plan(4, offload_param_dtype="bfloat16", offload_other_params=True)
+    model, opt = apply(model, plan, torch.optim.AdamW, offload_config=KNOBS, lr=1e-2)
+    assert model.tok_emb.weight.dtype == torch.float32
+    assert model.blocks[2].w13.weight.dtype == torch.bfloat16 and model.blocks[1].w13.weight.dtype == torch.float32
+    assert model.output.weight.dtype == torch.bfloat16  # a matrix after the blocks: its output is the logits
+    seen = []
+    hook = model.blocks[3].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(IDX).float().sum().backward()
+    hook.remove()
+    assert seen == [torch.float32]
+    before = model.tok_emb.weight.detach().clone()
+    opt.step()  # and it steps, the table in fp32 from its host master
+    opt.zero_grad()
+    assert model.tok_emb.weight.dtype == torch.float32 and not torch.equal(model.tok_emb.weight, before)
+
+
 def test_block_count_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match="the plan has 3 blocks but the model has 4: plan again"):
         apply(tiny(), hand_plan(3), offload_config=KNOBS, lr=1e-3)

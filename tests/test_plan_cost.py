@@ -29,7 +29,16 @@ def test_model_states_per_parameter_by_layout() -> None:
     off = dict(offload_blocks=(True,) * n, offload_other=True)
     # each staging slot holds one bucket of the offloaded gradients, or all of them when they are fewer
     assert cost.state_bytes(p, decisions(n, **off)) == 8 * P + slots * min(bucket, 4 * P)
-    assert cost.state_bytes(p, decisions(n, layout="fp32-offload-bf16", **off)) == 4 * P + slots * min(bucket, 2 * P)
+    # bf16 device copies of the offloaded matrices, but the embedding table (before the blocks) stays fp32: its
+    # output is the residual stream, fp32 under autocast as profiled (with after_params unknown, all of the head's)
+    emb = 1000 * 256
+    p = dataclasses.replace(p, head=dataclasses.replace(p.head, after_params=p.head.num_params - emb))
+    assert cost.fp32_offloaded_params(p, decisions(n, layout="fp32-offload-bf16", **off)) == emb
+    assert cost.state_bytes(p, decisions(n, layout="fp32-offload-bf16", **off)) == (
+        4 * P + 4 * emb + slots * min(bucket, 2 * P))
+    assert cost.state_bytes(p, decisions(n, layout="fp32-offload-bf16", offload_gradients=True, **off)) == (
+        2 * P + 2 * emb + slots * min(bucket, P))
+    assert cost.fp32_offloaded_params(p, decisions(n, layout="fp32-offload-bf16", offload_blocks=(True,) * n)) == 0
     half = (False, False, True, True)
     p_off = sum(b.num_params for b in p.blocks[2:])
     got = cost.state_bytes(p, decisions(n, layout="bf16", offload_blocks=half))

@@ -142,6 +142,9 @@ class CPUOffloadOptimizer(Optimizer):
             on the device (with ``offload_gradients`` and the casts on the device it is formed in fp32 on the
             host instead).
             Implies ``master_weights``.
+        keep_dtype: offloaded parameters whose device copy keeps its dtype under ``param_dtype``, for example the
+            embedding tables, whose output would otherwise carry ``param_dtype`` into a residual stream that
+            autocast keeps in fp32 (:func:`elbowroom.plan.apply` passes every ``nn.Embedding``'s weight).
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``...).
 
     Raises:
@@ -164,6 +167,7 @@ class CPUOffloadOptimizer(Optimizer):
         offload_params: Callable[[torch.Tensor], bool] | Iterable[torch.Tensor] | None = None,
         master_weights: bool | None = None,
         param_dtype: torch.dtype | None = None,
+        keep_dtype: Iterable[torch.Tensor] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
@@ -210,6 +214,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._placement = Placement(
             cfg, optimizer_class, self.device, cpu_kwargs, dev_kwargs, dict(optimizer_kwargs), self._host
         )
+        self._placement.keep_dtype = {id(p) for p in keep_dtype or ()}
         self._hooks: list[Any] = []
         self._grad_hooks: list[Any] = []  # the post-accumulate-grad hooks (DDP replaces them: after_reduction)
         self._after_reduction = False

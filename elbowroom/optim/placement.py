@@ -330,6 +330,7 @@ class Placement:
         self.dev_group_map: list[int] = []  # device optimizer group -> user group index
         self.dev_params: list[torch.Tensor] = []
         self.dev_masters: dict[torch.Tensor, torch.Tensor] = {}  # resident low-precision param -> fp32 master
+        self.keep_dtype: set[int] = set()  # ids of offloaded parameters that param_dtype leaves in their dtype
 
     def place(
         self, gi: int, base: int, params: list[torch.Tensor], offloaded: set[int], hyper: dict[str, Any]
@@ -362,7 +363,7 @@ class Placement:
                     shard,
                     self.host,
                     master_weights=cfg.uses_master_weights,
-                    param_dtype=cfg.param_torch_dtype,
+                    param_dtype=None if id(p) in self.keep_dtype else cfg.param_torch_dtype,
                     cast_on_device=cfg.cast_on_device,
                 )
                 hp = HostParam(base + j, gi, shard, master, device_cast=cfg.cast_on_device, owner=p)

@@ -21,6 +21,7 @@ Model states, per parameter on the device (``P_res`` resident, ``P_off`` offload
 
     fp32 weights under autocast:            16 B resident (4 weight + 4 grad + 8 AdamW moments), 8 B offloaded
     fp32 resident, bf16 offloaded copies:   16 B resident,                                       4 B offloaded
+                                            (8 B for the embedding tables, kept in fp32: the residual stream)
     bf16 weights, fp32 masters:             16 B resident (2 + 2 + 4 master + 8),                4 B offloaded
 
 plus, when anything is offloaded, ``num_staging_slots * bucket_bytes`` of device staging (the optimizer's config),
@@ -532,12 +533,23 @@ def _param_split(profile: Profile, d: Decisions) -> tuple[int, int]:
     return sums.num_params - p_off, p_off
 
 
+def fp32_offloaded_params(profile: Profile, d: Decisions) -> int:
+    """Offloaded parameters that keep fp32 device copies in the ``fp32-offload-bf16`` layout: those before the
+    blocks (the embedding tables, :func:`~elbowroom.plan.apply.build_optimizer`), whose output is the residual
+    stream that autocast keeps in fp32, as the profile measured it; else 0."""
+    weight, off_dtype = LAYOUTS[d.layout]
+    if not d.offload_other or weight != "float32" or off_dtype != "bfloat16":
+        return 0
+    return profile.head.num_params - min(profile.head.after_params, profile.head.num_params)
+
+
 def state_bytes(profile: Profile, d: Decisions) -> int:
     """Model states on the device and the optimizer's device buffers (see the module docstring)."""
     p_res, p_off = _param_split(profile, d)
     weight, off_dtype = LAYOUTS[d.layout]
-    off_per = (8 if off_dtype == "float32" else 4) // (2 if d.offload_gradients else 1)  # weight (+ gradient)
-    total = 16 * p_res + off_per * p_off
+    halve = 2 if d.offload_gradients else 1
+    off_per = (8 if off_dtype == "float32" else 4) // halve  # weight (+ gradient)
+    total = 16 * p_res + off_per * p_off + (8 // halve - off_per) * fp32_offloaded_params(profile, d)
     bucket, slots, chunk = _optimizer_config(d)
     if p_off:
         # each staging slot holds one bucket of gradients (at most bucket_bytes; the whole offloaded set when smaller)
