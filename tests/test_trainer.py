@@ -449,3 +449,20 @@ def test_budget_watch_warns_once_when_reserved_passes_the_budget(caplog) -> None
     assert msg in caplog.text
     assert watch.check({"step": 4, "peak_memory_bytes": 7 << 30, "peak_reserved_bytes": 10 << 30}) is None  # once
     assert BudgetWatch(None).check({"step": 1, "peak_reserved_bytes": 1 << 40}) is None  # unplanned run
+
+
+def test_bf16_offloaded_copies_keep_the_embedding_table_fp32() -> None:
+    # --optimizer.offload_param_dtype bfloat16 with everything offloaded: the matrices get bf16 device copies, the
+    # embedding table keeps fp32 (its output is the residual stream, fp32 under autocast)
+    from elbowroom.config import Config
+    from elbowroom.train.trainer import build_optimizer
+
+    cfg = Config()
+    cfg.optimizer.offload_fraction = 1.0
+    cfg.optimizer.offload_param_dtype = "bfloat16"
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_preset("tiny"))
+    opt = build_optimizer(model, cfg, torch.device("cpu"), overlap_forward=False)
+    assert model.tok_emb.weight.dtype == torch.float32
+    assert model.blocks[0].w13.weight.dtype == torch.bfloat16
+    assert opt.config.param_dtype == "bfloat16"

@@ -29,6 +29,7 @@ def build_optimizer(
     param_dtype: torch.dtype | None = None,
     master_weights: bool | None = None,
     config: CPUOffloadConfig | None = None,
+    keep_dtype: Iterable[torch.Tensor] | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW for the trainer: torch's own when nothing is offloaded, else a :class:`CPUOffloadOptimizer`.
 
@@ -50,6 +51,8 @@ def build_optimizer(
         master_weights: fp32 masters for low-precision (bf16) parameters, on the host for offloaded ones and
             on the device for the rest; a :class:`CPUOffloadOptimizer` even when nothing is offloaded.
         config: every offload setting at once, including the engine's (bucket size, staging slots, threads).
+        keep_dtype: offloaded parameters that ``param_dtype`` leaves in their dtype (the embedding tables: see
+            :class:`CPUOffloadOptimizer`).
 
     Returns:
         ``torch.optim.AdamW`` if ``offload_fraction == 0`` and neither ``offload_gradients`` nor
@@ -78,5 +81,6 @@ def build_optimizer(
     if offload_params is not None:
         # the chosen parameters replace the fraction rule (which must then stay at its neutral 1.0)
         cfg = dataclasses.replace(cfg, offload_fraction=1.0)
-        return CPUOffloadOptimizer(params, torch.optim.AdamW, config=cfg, offload_params=list(offload_params), **kwargs)
-    return CPUOffloadOptimizer(params, torch.optim.AdamW, config=cfg, **kwargs)
+        return CPUOffloadOptimizer(params, torch.optim.AdamW, config=cfg, offload_params=list(offload_params),
+                                   keep_dtype=keep_dtype, **kwargs)
+    return CPUOffloadOptimizer(params, torch.optim.AdamW, config=cfg, keep_dtype=keep_dtype, **kwargs)
