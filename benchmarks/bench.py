@@ -16,7 +16,8 @@ Any mode + ``+fl``: the output head and cross-entropy computed chunk by chunk
 and of its ``step()`` + ``zero_grad()``, from CUDA events between them. ``ELBOWROOM_BENCH_SEGMENTS=1`` adds
 ``segments_by_stream``: the allocator's reserved and allocated GiB by the stream that owns them, after the last
 step. ``ELBOWROOM_BENCH_MEMORY=DIR`` writes what was alive at the peak of the steps, by where it was allocated, to
-``DIR/<workload>-<mode>.txt`` (``memory_peak.py``).
+``DIR/<workload>-<mode>.txt`` (``memory_peak.py``). ``ELBOWROOM_BENCH_SWITCH_INTERVAL=SECONDS`` sets the interpreter's
+GIL switch interval (``sys.setswitchinterval``; 5 ms by default) for every row.
 
 Modes come from registries: the peers' and the trainer's below, ours from ``modes_activations.py`` and
 ``modes_optim.py`` beside this file, DeepSpeed ZeRO-Offload from ``modes_deepspeed.py``. A mode is a function
@@ -480,6 +481,9 @@ def run_trainer(workload: str, args) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- main
 def main() -> None:
+    if os.environ.get("ELBOWROOM_BENCH_SWITCH_INTERVAL"):
+        # how long a Python thread may hold the GIL while another waits for it (the interpreter's default: 5 ms)
+        sys.setswitchinterval(float(os.environ["ELBOWROOM_BENCH_SWITCH_INTERVAL"]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="w1", choices=sorted(WORKLOADS))
     ap.add_argument("--modes", default="plain", help=f"comma-separated; known: minimal, trainer, fit@BUDGET, "

@@ -39,3 +39,32 @@ for key, es in sorted(threads.items(), key=lambda kv: -sum(e["dur"] for e in kv[
     long = [e for e in es if e["dur"] > 20e3 and e["name"] not in ("ProfilerStep",)][:12]
     for e in long:
         print(f"      long: {e['name'][:60]} at {(e['ts'] - t0) / 1e3:.1f} ms for {e['dur'] / 1e3:.1f} ms")
+
+# the compute stream's longest idle gaps inside the window, and what the rest of the process was doing meanwhile:
+# the innermost host event running on each CPU thread at the gap's start and any copy in flight across it
+kern = collections.defaultdict(list)
+for e in inwin:
+    if e.get("cat") == "kernel":
+        kern[(e["pid"], e["tid"])].append(e)
+if kern:
+    stream = max(kern, key=lambda k: sum(e["dur"] for e in kern[k]))
+    ks = sorted(kern[stream], key=lambda e: e["ts"])
+    gaps, end = [], max(t0, ks[0]["ts"])
+    for e in ks:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, end, e))
+        end = max(end, e["ts"] + e["dur"])
+    print(f"\ncompute stream {stream}: idle {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the longest:")
+    for g, start, nxt in sorted(gaps, key=lambda x: -x[0])[:12]:
+        print(f"  {g / 1e3:6.2f} ms at {(start - t0) / 1e3:7.1f} ms, then {nxt['name'][:50]}")
+        for key, es in threads.items():
+            if key[0] == "cpu_op":
+                inner = [x for x in es if x["ts"] <= start < x["ts"] + x["dur"]]
+                if inner:
+                    x = min(inner, key=lambda x: x["dur"])
+                    print(f"        cpu {key[2]}: {x['name'][:60]} ({(x['ts'] - t0) / 1e3:.1f}+{x['dur'] / 1e3:.1f} ms)")
+            elif key[0] == "gpu_memcpy":
+                over = [x for x in es if x["ts"] < start + g and x["ts"] + x["dur"] > start]
+                if over:
+                    print(f"        copies on {key[2]}: {len(over)} ({over[0]['name'][:30]}), "
+                          f"{sum(x['dur'] for x in over) / 1e3:.1f} ms")
