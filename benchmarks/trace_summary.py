@@ -54,7 +54,8 @@ if kern:
         if e["ts"] > end:
             gaps.append((e["ts"] - end, end, e))
         end = max(end, e["ts"] + e["dur"])
-    print(f"\ncompute stream {stream}: idle {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the longest:")
+    idle = sum(g for g, _, _ in gaps) / 1e3
+    print(f"\ncompute stream {stream}: idle {idle:.1f} ms in {len(gaps)} gaps; the longest:")
     for g, start, nxt in sorted(gaps, key=lambda x: -x[0])[:12]:
         print(f"  {g / 1e3:6.2f} ms at {(start - t0) / 1e3:7.1f} ms, then {nxt['name'][:50]}")
         for key, es in threads.items():
@@ -62,7 +63,8 @@ if kern:
                 inner = [x for x in es if x["ts"] <= start < x["ts"] + x["dur"]]
                 if inner:
                     x = min(inner, key=lambda x: x["dur"])
-                    print(f"        cpu {key[2]}: {x['name'][:60]} ({(x['ts'] - t0) / 1e3:.1f}+{x['dur'] / 1e3:.1f} ms)")
+                    at, dur = (x["ts"] - t0) / 1e3, x["dur"] / 1e3
+                    print(f"        cpu {key[2]}: {x['name'][:60]} ({at:.1f}+{dur:.1f} ms)")
             elif key[0] == "gpu_memcpy":
                 over = [x for x in es if x["ts"] < start + g and x["ts"] + x["dur"] > start]
                 if over:
