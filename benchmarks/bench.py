@@ -17,7 +17,9 @@ and of its ``step()`` + ``zero_grad()``, from CUDA events between them. ``ELBOWR
 ``segments_by_stream``: the allocator's reserved and allocated GiB by the stream that owns them, after the last
 step. ``ELBOWROOM_BENCH_MEMORY=DIR`` writes what was alive at the peak of the steps, by where it was allocated, to
 ``DIR/<workload>-<mode>.txt`` (``memory_peak.py``). ``ELBOWROOM_BENCH_SWITCH_INTERVAL=SECONDS`` sets the interpreter's
-GIL switch interval (``sys.setswitchinterval``; 5 ms by default) for every row.
+GIL switch interval (``sys.setswitchinterval``; 5 ms by default) for every row; ``ELBOWROOM_BENCH_GIL_PROBE=1`` adds
+``gil_wait``: how late a thread sleeping 0.1 ms at a time woke over the timed steps (the wait for the interpreter's
+lock).
 
 Modes come from registries: the peers' and the trainer's below, ours from ``modes_activations.py`` and
 ``modes_optim.py`` beside this file, DeepSpeed ZeRO-Offload from ``modes_deepspeed.py``. A mode is a function
@@ -247,7 +249,10 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     # ELBOWROOM_BENCH_TRACE=DIR: the last step under torch.profiler, written to DIR/<workload>-<mode>.json.gz (read it
     # with benchmarks/trace_summary.py); that step is left out of the timing
     trace_dir = os.environ.get("ELBOWROOM_BENCH_TRACE")
+    probe = _GilProbe() if os.environ.get("ELBOWROOM_BENCH_GIL_PROBE") else None
     for step in range(args.steps + (1 if trace_dir else 0)):
+        if probe is not None and step == args.warmup:
+            probe.start()
         _RUNNING["step"] = step
         tracing = bool(trace_dir) and step == args.steps
         if tracing:
@@ -297,12 +302,16 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
             break
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+    if probe is not None:
+        probe.stop()
     step_s = statistics.median(times[args.warmup :]) if len(times) > args.warmup else min(times)
     row = _row(name, workload, cfg, bsz * seq * accum, seq, step_s, device)
     row.update(loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), accum=accum,
                step_times=[round(t, 4) for t in times])
     if marks:
         row["gpu_ms"] = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
+    if probe is not None:
+        row["gil_wait"] = probe.summary(len(times) - args.warmup)
     if os.environ.get("ELBOWROOM_BENCH_SEGMENTS") and device.type == "cuda":
         row["segments_by_stream"] = _segments_by_stream()
     _write_memory()
@@ -325,6 +334,38 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
             row["alloc_vs_pred"] = round(row["peak_GiB"] / row["pred_alloc_GiB"], 3)
     del model, setup
     return row
+
+
+class _GilProbe:
+    """``ELBOWROOM_BENCH_GIL_PROBE=1``: a thread that sleeps 0.1 ms at a time over the timed steps and notes how much
+    later than asked it runs again: the wait for the interpreter's lock (and the CPU), which every Python thread of
+    the process (the training thread's hooks, autograd's, the optimizer's copy and step threads) needs."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.waits: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(1e-4)
+            self.waits.append(time.perf_counter() - t0 - 1e-4)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self, steps: int) -> dict[str, float]:
+        w = sorted(self.waits) or [0.0]
+        late = sum(x for x in w if x > 1e-3)
+        return {"p50_ms": round(1e3 * w[len(w) // 2], 3), "p99_ms": round(1e3 * w[int(0.99 * (len(w) - 1))], 3),
+                "max_ms": round(1e3 * w[-1], 2), "over_1ms_per_step_ms": round(1e3 * late / max(1, steps), 1)}
 
 
 def _record_memory(workload: str, name: str) -> None:
