@@ -69,6 +69,14 @@ def host_master(
     return master
 
 
+def embedding_tables(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights of ``model``'s ``nn.Embedding`` modules: what ``param_dtype`` should leave in their dtype
+    (``CPUOffloadOptimizer(keep_dtype=...)``). A table's output is the residual stream, which fp32 weights under
+    autocast keep in fp32; cast to bf16, it turned the stream bf16 and every norm saved an fp32 upcast of it (the 7B
+    shape: 128 MiB a block more than its profile, and out of memory at 76 GiB)."""
+    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+
+
 def cast_param(p: torch.Tensor, dtype: torch.dtype) -> None:
     """Keep only a ``dtype`` copy of a parameter on the device (same Parameter object, so modules, hooks and the
     caller's references stay valid).

@@ -195,18 +195,15 @@ def build_optimizer(
         opt: torch.optim.Optimizer = optimizer_class(groups, **opt_kwargs)
     else:
         from elbowroom.optim import CPUOffloadOptimizer
+        from elbowroom.optim.masters import embedding_tables
 
         param_dtype = torch.bfloat16 if (plan.offload_param_dtype == "bfloat16" and not masters and offload) else None
-        # bf16 device copies of the offloaded matrices, but not of an embedding table: its output is the residual
-        # stream, which fp32 weights under autocast keep in fp32, as the profile measured it (cast, the 7B shape's
-        # blocks saved 128 MiB more each than profiled, and its plans ran out of memory)
-        embeddings = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)] if param_dtype else []
         opt = CPUOffloadOptimizer(
             groups,
             optimizer_class,
             offload_params=offload,
             param_dtype=param_dtype,
-            keep_dtype=embeddings,
+            keep_dtype=embedding_tables(model),  # bf16 copies of the matrices, the residual stream kept fp32
             master_weights=masters,
             offload_gradients=bool(offload) and plan.offload_gradients,
             config=offload_config,

@@ -540,7 +540,7 @@ def fp32_offloaded_params(profile: Profile, d: Decisions) -> int:
     weight, off_dtype = LAYOUTS[d.layout]
     if not d.offload_other or weight != "float32" or off_dtype != "bfloat16":
         return 0
-    return profile.head.num_params - min(profile.head.after_params, profile.head.num_params)
+    return profile.head.before_params
 
 
 def state_bytes(profile: Profile, d: Decisions) -> int:

@@ -49,8 +49,9 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
     t_backward = s * (profile.head.backward_s + sum(bwd))
     # the parameters outside the blocks: those before them (embeddings: final last, needed first, index -1) and those
     # after them (an untied output head: final first, needed after the last block, index n)
-    after = min(profile.head.after_params, profile.head.num_params) if d.offload_other else 0
-    before = [(-1, profile.head.num_params - after)] if d.offload_other and profile.head.num_params > after else []
+    head = profile.head
+    after = head.num_params - head.before_params if d.offload_other else 0
+    before = [(-1, head.before_params)] if d.offload_other and head.before_params else []
     tail = [(n, after)] if after else []
     if d.grad_clipping:
         order = before + jobs + tail  # forward order, after the whole backward

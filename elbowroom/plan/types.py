@@ -96,6 +96,12 @@ class HeadProfile:
     gradients are final as the backward starts and their weights are needed only after the last block. The rest
     (embeddings, and a weight tied to one) are final last and needed first. 0 when not known (older profiles)."""
 
+    @property
+    def before_params(self) -> int:
+        """The rest of ``num_params``: the embeddings (and a weight tied to one), all of them when ``after_params``
+        is not known."""
+        return self.num_params - min(self.after_params, self.num_params)
+
 
 @dataclass(frozen=True)
 class MachineProfile:

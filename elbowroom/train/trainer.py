@@ -166,6 +166,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, overlap
     if o.offload_fraction > 0 or o.offload_gradients or o.param_dtype == "bfloat16":
         from elbowroom.optim import build_optimizer as build_offload
         from elbowroom.optim import last_fraction
+        from elbowroom.optim.masters import embedding_tables
 
         late = o.offload_late and o.offload_fraction < 1.0
         opt = build_offload(
@@ -181,8 +182,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, overlap
             param_dtype=torch.bfloat16 if o.offload_param_dtype == "bfloat16" else None,
             master_weights=o.param_dtype == "bfloat16",  # the model was cast to bf16: fp32 masters on both sides
             config=cfg.offload,  # the engine's knobs ([offload]); the placement above overrides its own fields
-            # bf16 device copies leave the embedding table in fp32: its output is the residual stream
-            keep_dtype=[m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)],
+            keep_dtype=embedding_tables(model),  # bf16 copies of the matrices, the residual stream kept fp32
         )
         # step() returns at once; each block waits for its own updated weights in the next forward, so
         # the CPU step of the late blocks hides behind the forward of the early ones even with clipping
