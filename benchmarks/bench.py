@@ -520,11 +520,40 @@ def run_trainer(workload: str, args) -> dict[str, Any]:
     return row
 
 
+def _blocking_events() -> None:
+    """``ELBOWROOM_BENCH_BLOCKING_EVENTS=1``: the offloaded optimizer's workers wait for their copies on blocking
+    events (the thread sleeps in the driver) instead of default ones (it spins on a core meanwhile). Measured on
+    GPT-2-XL at 24 GiB and W1 at 8 GiB (eighth session): no difference beyond the runs' spread, so not the default."""
+    from elbowroom.optim import buffers
+
+    def record(self: Any, stream: Any = None) -> Any:
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return ev
+
+    buffers.Streams.record = record
+
+
+def non_reentrant_recompute() -> None:
+    """``ELBOWROOM_BENCH_NON_REENTRANT=1``: the planner recomputes whole blocks with torch's non-reentrant checkpoint
+    (and profiles them so), as before the eighth session, instead of the reentrant one it uses in one process."""
+    from elbowroom.activations import recompute
+    from elbowroom.plan import profiler
+
+    recompute.reentrant_default = profiler.reentrant_default = lambda: False
+
+
 # ---------------------------------------------------------------- main
 def main() -> None:
     if os.environ.get("ELBOWROOM_BENCH_SWITCH_INTERVAL"):
         # how long a Python thread may hold the GIL while another waits for it (the interpreter's default: 5 ms)
         sys.setswitchinterval(float(os.environ["ELBOWROOM_BENCH_SWITCH_INTERVAL"]))
+    if os.environ.get("ELBOWROOM_BENCH_BLOCKING_EVENTS"):
+        _blocking_events()
+    if os.environ.get("ELBOWROOM_BENCH_NON_REENTRANT"):
+        non_reentrant_recompute()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="w1", choices=sorted(WORKLOADS))
     ap.add_argument("--modes", default="plain", help=f"comma-separated; known: minimal, trainer, fit@BUDGET, "

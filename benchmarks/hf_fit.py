@@ -18,6 +18,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -88,10 +89,15 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
     bf16 = plan is not None and plan.weight_dtype == "bfloat16"
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16)
     times, losses = [], []
+    tracer = None
     try:
-        for _ in range(args.steps):
+        for i in range(args.steps):
             if cuda:
                 torch.cuda.synchronize()
+            if args.trace and cuda and i == args.steps - 1:  # the last step under the profiler
+                tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                            torch.profiler.ProfilerActivity.CUDA])
+                tracer.__enter__()
             t = time.perf_counter()
             marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else []
             if marks:
@@ -111,10 +117,16 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
                 row["gpu_ms"] = [round(marks[0].elapsed_time(marks[1]), 1), round(marks[1].elapsed_time(marks[2]), 1)]
             times.append(time.perf_counter() - t)
             losses.append(loss.detach().item())
+        if tracer is not None:
+            tracer.__exit__(None, None, None)
+            from bench import _write_trace
+
+            _write_trace(tracer, Path(args.trace) / f"{row['workload']}-{row['mode']}.json.gz")
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + (str(e).splitlines() or [""])[0][:300]
-    if times[args.warmup:]:
-        step = statistics.median(times[args.warmup:])
+    timed = times[args.warmup : len(times) - (tracer is not None)]  # not the traced step: the profiler slows it
+    if timed:
+        step = statistics.median(timed)
         row.update(step_s=round(step, 4), tok_per_s=round(args.batch * args.seq / step), loss_first=round(losses[0], 4),
                    loss_last=round(losses[-1], 4))
     if cuda:
@@ -162,7 +174,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="a small config that runs on CPU")
+    ap.add_argument("--no-plain", action="store_true", help="only the fit rows (no plain AdamW row first)")
     ap.add_argument("--json", help="append each row to this JSONL file")
+    ap.add_argument("--trace", default=None, help="write the last step's profiler trace (gzipped Chrome JSON) here; "
+                    "its time is left out of the median by --steps > warm-up + 1")
     ap.add_argument("--trace-steps", action="store_true",
                     help="record the offloaded optimizer's host timeline (CPUOffloadConfig.trace_steps) in each row")
     args = ap.parse_args()
@@ -171,7 +186,11 @@ def main() -> None:
     if args.seq is None:
         args.seq = 32 if args.tiny else (2048 if args.arch == "llama" else 1024)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    budgets: list[str | None] = [None] + [b for b in args.budgets.split(",") if b]
+    if os.environ.get("ELBOWROOM_BENCH_NON_REENTRANT"):
+        from bench import non_reentrant_recompute
+
+        non_reentrant_recompute()
+    budgets: list[str | None] = [None] * (not args.no_plain) + [b for b in args.budgets.split(",") if b]
     plain = None
     print("| model | mode | tok/s | % of plain | peak / reserved GiB | predicted GiB | step s | predicted s | "
           "step / pred | plan |")

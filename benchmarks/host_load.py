@@ -1,6 +1,9 @@
 """Does a busy host slow the device's step? A model's forward + backward timed with CUDA events, quiet and while a
 background thread runs torch's fused CPU AdamW on the optimizer's thread count (what the host optimizer step does
-beside the training thread), plain and with every block recomputed.
+beside the training thread), plain and with every block recomputed. With ``--load churn`` the background thread
+instead does what the offloaded optimizer's copy and step threads do per parameter: short Python between small
+tensor ops, each of which gives the interpreter's lock up and takes it back (``--churn-gap`` seconds of sleep between
+bursts of ``--churn-ops`` ops: 0 keeps it busy).
 
     python3 benchmarks/host_load.py --workload gpt2-xl
     python3 benchmarks/host_load.py --workload w1 --precision bf16
@@ -15,6 +18,7 @@ import argparse
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +59,38 @@ class HostLoad:
         self.thread.join()
 
 
+class Churn:
+    """A thread doing what the optimizer's workers do per parameter until stopped: a view, a small copy and a few
+    lines of Python, over and over (each tensor op releases the interpreter's lock and takes it back)."""
+
+    def __init__(self, ops: int, gap: float) -> None:
+        self.src = torch.zeros(1 << 16)
+        self.dst = torch.zeros(1 << 16)
+        self.ops, self.gap = ops, gap
+        self.stop = threading.Event()
+        self.steps = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self.stop.is_set():
+            for i in range(self.ops):
+                a = (i * 64) % 4096
+                view = self.dst[a : a + 64].view(8, 8)
+                view.copy_(self.src[a : a + 64].view(8, 8))
+                self.steps += 1
+            if self.gap:
+                time.sleep(self.gap)
+
+    def __enter__(self) -> Churn:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="gpt2-xl")
@@ -62,6 +98,9 @@ def main() -> None:
                     help="fp32 weights under bf16 autocast, or the model in bf16")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--numel", type=int, default=50_000_000)
+    ap.add_argument("--load", choices=["adamw", "churn"], default="adamw")
+    ap.add_argument("--churn-ops", type=int, default=1000)
+    ap.add_argument("--churn-gap", type=float, default=0.0)
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
     cfg = PRESETS[w.preset]
@@ -93,7 +132,9 @@ def main() -> None:
         quiet = None
         for loaded in (False, True, False):
             step()
-            load = HostLoad(args.numel) if loaded else None
+            load = None
+            if loaded:
+                load = HostLoad(args.numel) if args.load == "adamw" else Churn(args.churn_ops, args.churn_gap)
             if load is not None:
                 load.__enter__()
             try:
@@ -103,7 +144,7 @@ def main() -> None:
                     load.__exit__(None, None, None)
             med = statistics.median(times)
             quiet = med if (quiet is None and not loaded) else quiet
-            print(f"| | {mode} | {'busy' if loaded else 'quiet'} | {med:.4f} | {med / quiet:.2f} | "
+            print(f"| | {mode} | {args.load if loaded else 'quiet'} | {med:.4f} | {med / quiet:.2f} | "
                   f"{load.steps if load else ''} |")
 
 

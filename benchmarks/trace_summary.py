@@ -2,10 +2,11 @@
 `python3 benchmarks/trace_summary.py OUT/profile/trace.json`): per thread the longest top-level host ranges, and each
 GPU stream's busy time, over the last recorded step."""
 import collections
+import gzip
 import json
 import sys
 
-ev = json.load(open(sys.argv[1]))
+ev = json.load(gzip.open(sys.argv[1]) if sys.argv[1].endswith(".gz") else open(sys.argv[1]))
 ev = ev["traceEvents"] if isinstance(ev, dict) else ev
 ev = [e for e in ev if e.get("ph") == "X" and "dur" in e]
 steps = sorted((e for e in ev if e["name"].startswith("ProfilerStep#") or e["name"].startswith("elbowroom step")),

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from elbowroom.activations import (
     ActivationConfig,
     BlockPolicy,
+    _wrap,
     apply_activation_policy,
     apply_block_policies,
     get_offload_engine,
@@ -84,7 +85,8 @@ def test_every_mode_matches_plain(arch: str, mode: str) -> None:
         assert eng is None
 
 
-def test_mixed_per_block_plan_matches_plain() -> None:
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_mixed_per_block_plan_matches_plain(reentrant: bool) -> None:
     model = model_for("llama", n_layers=6)
     ref_loss, ref = step_grads(model, 1)
     plan = [
@@ -95,8 +97,11 @@ def test_mixed_per_block_plan_matches_plain() -> None:
         BlockPolicy("selective", offload_ratio=0.5, offload_input=True),
         BlockPolicy("full"),
     ]
-    apply_block_policies(model, plan, min_offload_bytes=0, simulate_host=True)
+    apply_block_policies(model, plan, min_offload_bytes=0, simulate_host=True, use_reentrant=reentrant)
     assert get_block_policies(model) == tuple(plan)
+    # use_reentrant applies to the blocks recomputed whole; a selective one keeps the non-reentrant checkpoint
+    impl = [None if (rc := _wrap.get_policy(b).recompute) is None else rc.use_reentrant for b in model.blocks]
+    assert impl == [None, None, None, reentrant, False, reentrant]
     loss, got = step_grads(model, 3)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
     for k in ref:
@@ -215,5 +220,4 @@ def test_bad_apply_calls() -> None:
         BlockPolicy("some")
     with pytest.raises(ValueError, match=r"offload_ratio must be in \[0, 1\]"):
         BlockPolicy(offload_ratio=2.0)
-    with pytest.raises(ValueError, match="use_reentrant=False"):
-        apply_block_policies(model, [BlockPolicy("selective")] * 2, use_reentrant=True)
+

@@ -424,3 +424,21 @@ def test_compiled_blocks_recompute() -> None:
     for blk in model.blocks:
         blk.compile()
     assert_grads_close(grads(model, idx, steps=2), ref, tol=1e-5)
+
+
+def test_reentrant_falls_back_where_no_input_needs_a_gradient() -> None:
+    # the first block after a frozen embedding: torch's reentrant checkpoint would leave its parameters without
+    # gradients (and the loss without a graph); the wrapper runs the non-reentrant one for that call
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m[0].requires_grad_(False)
+    elbowroom.checkpoint(model[1], use_reentrant=True)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert (a.grad is None) == (b.grad is None)
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)

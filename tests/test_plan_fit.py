@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from elbowroom.activations import _wrap
+from elbowroom.activations.recompute import find_blocks
 from elbowroom.optim import CPUOffloadConfig, CPUOffloadOptimizer
 from elbowroom.plan import BudgetError, fit, parse_budget, plan_for
 
@@ -107,6 +109,11 @@ def test_fit_trains_like_plain(make, where: str) -> None:
     if where == "minimum":  # the tightest plan uses the mechanisms
         assert any(b.checkpoint != "none" or b.offload_ratio or b.offload_input for b in plan.blocks) or \
             plan.offloads_optimizer
+    # one process: the blocks recomputed whole use torch's reentrant checkpoint, the selective ones cannot
+    for blk, decided in zip(find_blocks(model), plan.blocks):
+        rc = _wrap.get_policy(blk).recompute if _wrap.get_policy(blk) is not None else None
+        assert (rc is None) == (decided.checkpoint == "none")
+        assert rc is None or rc.use_reentrant == (decided.checkpoint == "full")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     got = train(model, opt, 3)
     want = train(ref, ref_opt, 3)
@@ -116,6 +123,20 @@ def test_fit_trains_like_plain(make, where: str) -> None:
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         err = ((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30)).item()
         assert err <= 1e-5, f"{name}: relative error {err:.3e}"
+
+
+def test_fit_keeps_the_non_reentrant_checkpoint_when_asked() -> None:
+    # a loop that calls torch.autograd.grad through the model (torch refuses it under the reentrant checkpoint)
+    pytest.importorskip("elbowroom.plan.profiler")
+    model = hf_llama()
+    low, _ = budgets(model)
+    model, opt, plan = fit(model, IDS, budget=low, source="analytic", machine=DEVICE, lr=1e-2, offload_config=KNOBS,
+                           reentrant=False)
+    full = [b for b, d in zip(find_blocks(model), plan.blocks) if d.checkpoint == "full"]
+    assert full and all(not _wrap.get_policy(b).recompute.use_reentrant for b in full)
+    loss = model(input_ids=IDS, labels=IDS).loss
+    grads = torch.autograd.grad(loss, [p for p in full[0].parameters()])
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
 def test_fit_with_a_loss_fn_that_leaves_the_kv_cache_on() -> None:

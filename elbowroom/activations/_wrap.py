@@ -248,7 +248,10 @@ def _checkpointed(fn: Callable[..., Any], rc: RecomputeSpec, group: Any, args: t
             "model.config.use_cache = False); no-grad calls (generation) are not recomputed and may keep the cache"
         )
     if rc.use_reentrant:
-        return _checkpointed_reentrant(fn, rc, args, kwargs)
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]):
+            return _checkpointed_reentrant(fn, rc, args, kwargs)
+        # torch's reentrant checkpoint gives the module's parameters no gradient when none of its inputs needs
+        # one (the first block after a frozen embedding): the non-reentrant one below does
     if _CHECKPOINT_OWN_KWARGS.intersection(kwargs):
         # torch's checkpoint() would take these for itself: bind them (non-reentrant recompute calls the
         # same closure, so bound tensors stay in the graph and get their gradients)

@@ -270,7 +270,9 @@ def apply_block_policies(
         model: a model with repeated blocks.
         policies: one policy per block, or a mapping block index -> policy (others are kept whole).
         engine: the offload engine to use; None makes one for this model when a policy offloads.
-        use_reentrant: torch's reentrant checkpoint for "full" blocks.
+        use_reentrant: torch's reentrant checkpoint for the "full" blocks ("selective" ones need the non-reentrant
+            one and keep it): less host work per recomputed block, which bounds the step of small blocks
+            (:func:`elbowroom.plan.apply.reentrant_default` says when the planner uses it).
         host_memory_limit_bytes: cap of a new engine's host pool.
         min_offload_bytes: smallest tensor a new engine offloads.
         max_inflight_regions: blocks whose copies may still run while the next block computes (see
@@ -299,8 +301,6 @@ def apply_block_policies(
     for p in plan:
         if not isinstance(p, BlockPolicy):
             raise TypeError(f"block policies must be BlockPolicy, got {type(p).__name__}")
-        if use_reentrant and p.checkpoint == "selective":
-            raise ValueError("selective checkpoint needs use_reentrant=False")
 
     remove_activation_policy(model)
     if all(p == BlockPolicy() for p in plan):
@@ -319,7 +319,7 @@ def apply_block_policies(
     chain = _wrap.PrefetchChain(n) if offloads else None
     for i, (blk, p) in enumerate(zip(blocks, plan)):
         if p.checkpoint != "none":
-            checkpoint(blk, p.checkpoint, use_reentrant=use_reentrant)
+            checkpoint(blk, p.checkpoint, use_reentrant=use_reentrant and p.checkpoint == "full")
         if p.offloads:
             # one tag per (block class, policy): identical blocks share the ratio measurement
             tag = (type(blk).__qualname__, p.checkpoint, p.offload_ratio, p.offload_input)

@@ -100,9 +100,13 @@ def install(
     plan: Plan,
     *,
     blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
+    reentrant: bool | None = None,
 ) -> nn.Module:
     """The plan's part that wraps the model: its weight cast, its per-block activation policies and its allocator
     settings; no optimizer (:func:`build_optimizer` builds it, perhaps after FSDP2 has sharded the blocks).
+
+    ``reentrant``: the blocks the plan recomputes whole use torch's reentrant checkpoint (None:
+    :func:`~elbowroom.activations.recompute.reentrant_default`; the profile timed them the same way).
 
     Besides the plan's own settings, a Hugging Face model that recomputes blocks gets ``config.use_cache =
     False`` (as ``gradient_checkpointing_enable`` does): a KV cache built in a training forward would change
@@ -116,6 +120,7 @@ def install(
     """
     from elbowroom.activations.offload import OffloadEngine
     from elbowroom.activations.policy import apply_block_policies
+    from elbowroom.activations.recompute import reentrant_default
 
     blks = resolve_blocks(model, blocks)
     if len(blks) != plan.num_blocks:
@@ -140,7 +145,9 @@ def install(
         dev = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
         engine = OffloadEngine(device=dev, keep_module=model)
         model.__dict__[_PROXY_ATTR] = owner
-    apply_block_policies(owner, plan.to_block_policies(), engine=engine)
+    if reentrant is None:
+        reentrant = reentrant_default()
+    apply_block_policies(owner, plan.to_block_policies(), engine=engine, use_reentrant=reentrant)
     if plan.allocator_settings and any(p.device.type == "cuda" for p in model.parameters()):
         setter = allocator_settings_setter()
         if setter is not None:
@@ -230,6 +237,7 @@ def apply(
     blocks: str | Sequence[nn.Module] | nn.ModuleList | None = None,
     offload_config: Any = None,
     param_groups: Any = None,
+    reentrant: bool | None = None,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Make ``model`` follow ``plan`` and build its optimizer: :func:`install`, then :func:`build_optimizer`.
@@ -243,6 +251,7 @@ def apply(
             embeddings), called after the plan's casts; None: one group of every trainable parameter.
         offload_config: the CPU-offloaded optimizer's engine settings (``elbowroom.optim.CPUOffloadConfig``: bucket
             size, staging slots, threads); the plan sets placement and precision over it.
+        reentrant: torch's reentrant checkpoint for the blocks recomputed whole (see :func:`install`).
         **opt_kwargs: passed to the optimizer (``lr``, ``weight_decay``, ``betas``...).
 
     Returns:
@@ -251,7 +260,7 @@ def apply(
     Raises:
         ValueError: the plan's block count differs from the model's.
     """
-    install(model, plan, blocks=blocks)
+    install(model, plan, blocks=blocks, reentrant=reentrant)
     opt = build_optimizer(model, plan, optimizer_class, blocks=blocks, offload_config=offload_config,
                           param_groups=param_groups, **opt_kwargs)
     return model, opt

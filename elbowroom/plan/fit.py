@@ -84,6 +84,7 @@ def fit(
     gradient_offload: bool | None = None,
     persistent_gradients: bool = False,
     ranks_per_host: int = 1,
+    reentrant: bool | None = None,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -140,6 +141,10 @@ def fit(
             memory and of its host optimizer rate (they step at once, bound by its memory bandwidth).
         selective: allow selective recompute (False for blocks whose forward changes state a recompute would
             see differently; a Hugging Face KV cache is switched off by :func:`~elbowroom.plan.apply` instead).
+        reentrant: recompute whole blocks with torch's reentrant checkpoint (less host work per block; profiled
+            the same way). None: yes unless torch.distributed is initialized
+            (:func:`~elbowroom.activations.recompute.reentrant_default`). A loop that calls ``torch.autograd.grad``
+            or ``backward(inputs=...)`` through the model passes False: torch refuses those under it.
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
 
     Returns:
@@ -156,8 +161,12 @@ def fit(
     resolve_blocks(model, blocks)  # no repeated blocks: say so before profiling
     from elbowroom.plan.profiler import profile as take_profile  # the profiler: imported when first needed
 
+    if reentrant is None:
+        from elbowroom.activations.recompute import reentrant_default
+
+        reentrant = reentrant_default()
     prof_kwargs: dict[str, Any] = {"source": source, "machine": machine, "blocks": blocks, "cache_dir": cache_dir,
-                                   "dtype": compute_dtype}
+                                   "dtype": compute_dtype, "reentrant": reentrant}
     if loss_fn is not None:
         prof_kwargs["loss_fn"] = loss_fn
     prof = take_profile(model, sample_batch, **prof_kwargs)
@@ -167,7 +176,7 @@ def fit(
         prof = dataclasses.replace(prof, machine=host_share(prof.machine, ranks_per_host))
     bf16_prof = None
     if precision == "bf16" and prof.param_dtype != "bfloat16" and prof.compute_dtype == "bfloat16":
-        bf16_prof = _bf16_profile(model, sample_batch, prof, take_profile, loss_fn)
+        bf16_prof = _bf16_profile(model, sample_batch, prof, take_profile, loss_fn, reentrant)
     plan = plan_for(
         prof,
         budget_bytes,
@@ -185,20 +194,22 @@ def fit(
         plan = dataclasses.replace(plan, notes=(*plan.notes, (
             f"one of {ranks_per_host} ranks on this host: planned on 1/{ranks_per_host} of its memory and of its host "
             f"optimizer rate ({prof.machine.host_adam_params_per_s / 1e9:.2f} G params/s)")))
-    model, opt = apply(model, plan, optimizer, blocks=blocks, **opt_kwargs)
+    model, opt = apply(model, plan, optimizer, blocks=blocks, reentrant=reentrant, **opt_kwargs)
     logger.info("%s", plan.table())
     return model, opt, plan
 
 
 def _bf16_profile(model: nn.Module, sample_batch: Any, prof: Any, take_profile: Callable[..., Any],
-                  loss_fn: Callable[..., torch.Tensor] | None) -> Any:
+                  loss_fn: Callable[..., torch.Tensor] | None, reentrant: bool) -> Any:
     """The model with bf16 weights, profiled: measured on a bf16 copy on the device when the model was
     measured there (its bytes and its times: a bf16 model runs its norms and residuals in bf16 and casts no
     weights, W1 11% and GPT-2-XL 15% faster than fp32 weights under autocast on the H100, ``BENCHMARKS.md``),
     else traced on a meta copy (its bytes only, in a second or two)."""
     from elbowroom.plan.profiler import bf16_copy, meta_copy
 
-    extra = {"loss_fn": loss_fn} if loss_fn is not None else {}
+    extra: dict[str, Any] = {"reentrant": reentrant}
+    if loss_fn is not None:
+        extra["loss_fn"] = loss_fn
     path = prof.block_path or None
     if prof.source == "measured" and path is not None:
         # a model whose plain step does not fit (the 7B shape) is measured on the copy as on itself, every block

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from elbowroom.activations import _wrap
-from elbowroom.activations.recompute import checkpoint, uncheckpoint
+from elbowroom.activations.recompute import checkpoint, reentrant_default, uncheckpoint
 from elbowroom.plan._trace import HEAD, KINDS, Clock, MetaEmulation, OpRecorder, Tracer, skey
 from elbowroom.plan.devices import allocator_settings_setter, expandable_segments_on, get_device
 from elbowroom.plan.machine import measure_machine
@@ -247,6 +247,7 @@ def profile(
     cache_dir: str | None = None,
     warmup: int = 1,
     iters: int = 3,
+    reentrant: bool | None = None,
 ) -> Profile:
     """Profile ``model`` on one micro-batch: per block saved bytes by kind and times, the head, the machine.
 
@@ -272,6 +273,8 @@ def profile(
         iters: timed steps per mode, the median counts (measured source). Three, so that one slow step is
             rejected (with two the median is their mean). Near-equal plans still differ from fit to fit: W1 at
             16 GiB gave two plans in one call, at 91.7% and 93.2% of plain (BENCHMARKS.md).
+        reentrant: time whole-block recompute with torch's reentrant checkpoint, as the plan will run it (None:
+            :func:`~elbowroom.activations.recompute.reentrant_default`).
 
     Returns:
         The :class:`Profile`.
@@ -323,7 +326,8 @@ def profile(
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample_batch)
     micro_batch, seq_len = _batch_shape(batch)
     step = _Step(model, batch, loss_fn)
-    runner = _Runner(model, block_list, step, device, autocast_dtype, target)
+    runner = _Runner(model, block_list, step, device, autocast_dtype, target,
+                     reentrant_default() if reentrant is None else reentrant)
 
     too_big = False
     with runner.preserved():
@@ -336,13 +340,16 @@ def profile(
                 raise
             too_big = True  # handled below, once the exception (and the step's tensors it holds) is gone
     if too_big:
-        return _profile_recomputed(model, block_list, block_path, batch, loss_fn, runner, machine, micro_batch,
+        prof = _profile_recomputed(model, block_list, block_path, batch, loss_fn, runner, machine, micro_batch,
                                    seq_len, dtype, param_dtype, warmup, iters)
-
-    return _assemble(
-        model, block_list, block_path, plain, selective, timings, step.vocab, machine, source, micro_batch, seq_len,
-        dtype, param_dtype, runner.allocator_overhead, runner.allocator_overhead_expandable,
-    )
+    else:
+        prof = _assemble(
+            model, block_list, block_path, plain, selective, timings, step.vocab, machine, source, micro_batch,
+            seq_len, dtype, param_dtype, runner.allocator_overhead, runner.allocator_overhead_expandable,
+        )
+    if source == "measured":  # which checkpoint the recompute times are of
+        prof = dataclasses.replace(prof, extra={**prof.extra, "reentrant_recompute": runner.reentrant})
+    return prof
 
 
 def _profile_recomputed(model: nn.Module, block_list: list[nn.Module], block_path: str, batch: Any,
@@ -391,8 +398,9 @@ class _Runner:
     """Runs traced and timed steps on the model, and puts it back as it was."""
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], step: _Step, device: torch.device,
-                 autocast_dtype: torch.dtype | None, target: str) -> None:
+                 autocast_dtype: torch.dtype | None, target: str, reentrant: bool = False) -> None:
         self.model, self.blocks, self.step, self.device = model, blocks, step, device
+        self.reentrant = reentrant  # whole blocks recompute with torch's reentrant checkpoint
         self.autocast_dtype, self.target = autocast_dtype, target
         self.clock = Clock(device)
         self.allocator_overhead = 0
@@ -475,7 +483,7 @@ class _Runner:
             if mode is None:
                 uncheckpoint(b)
             else:
-                checkpoint(b, mode)
+                checkpoint(b, mode, use_reentrant=self.reentrant and mode == "full")
 
     def trace(self, mode: str | None) -> Tracer:
         """One recorded step, plain (None) or with every block under ``checkpoint(block, mode)``.

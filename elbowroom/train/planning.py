@@ -178,6 +178,7 @@ def plan_for_budget(
             compute_dtype=amp_dtype,  # the profile runs the step as the training loop will
             offload_config=cfg.offload,
             param_groups=_groups(cfg),
+            reentrant=_reentrant(cfg),
             **_adamw_kwargs(cfg),
         )
     except BudgetError as e:
@@ -186,6 +187,13 @@ def plan_for_budget(
         raise ConfigError(" ".join(str(e).split())) from None
     finally:
         torch.set_rng_state(rng)
+
+
+def _reentrant(cfg: Config) -> bool:
+    """Whether this run recomputes whole blocks with torch's reentrant checkpoint (less host work per block,
+    ``elbowroom.activations.recompute.reentrant_default``): one process, not compiled (DDP, FSDP2 and the
+    parallel layouts keep the non-reentrant one, and torch.compile traces only that one)."""
+    return not cfg.parallel.enabled and not cfg.train.compile
 
 
 def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
@@ -199,7 +207,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
     try:
         whole = profile(model, (sample["input_ids"], sample["targets"]), cache_dir=str(cfg.data.cache_dir or
-                        default_cache_dir()), dtype=amp_dtype)
+                        default_cache_dir()), dtype=amp_dtype, reentrant=False)
         rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
                                 ranks_per_host=_ranks_per_host(cfg))
         # FSDP2 shards fp32 weights (cast to --train.dtype by its MixedPrecisionPolicy) or, where
@@ -216,7 +224,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
         raise ConfigError(" ".join(str(e).split())) from None
     finally:
         torch.set_rng_state(rng)
-    install(model, plan)
+    install(model, plan, reentrant=False)
     log.info("%s", plan.table())
     return model, None, plan
 
@@ -275,14 +283,14 @@ def apply_plan(model: nn.Module, plan: Plan, cfg: Config) -> tuple[nn.Module, to
 
     if sharded(cfg):
         try:
-            install(model, plan)
+            install(model, plan, reentrant=False)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         log.info("%s", plan.table())
         return model, None
     try:
         model, optimizer = apply(model, plan, torch.optim.AdamW, offload_config=cfg.offload, param_groups=_groups(cfg),
-                                 **_adamw_kwargs(cfg))
+                                 reentrant=_reentrant(cfg), **_adamw_kwargs(cfg))
     except ValueError as e:  # a plan for another model: its block count differs
         raise ConfigError(str(e)) from None
     log.info("%s", plan.table())
