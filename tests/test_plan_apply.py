@@ -152,7 +152,29 @@ def test_bf16_offloaded_copies_leave_the_embedding_and_the_residual_stream_in_fp
     before = model.tok_emb.weight.detach().clone()
     opt.step()  # and it steps, the table in fp32 from its host master
     opt.zero_grad()
+    opt.wait_for_weights()  # step() returns before the host's update lands (the plan overlaps it with the forward)
     assert model.tok_emb.weight.dtype == torch.float32 and not torch.equal(model.tok_emb.weight, before)
+
+
+def test_state_dict_right_after_step_has_the_updated_weights() -> None:
+    # step() returns before the host's updates land; a checkpoint saved right after it must not hold the weights of
+    # the step before (or half of them): model.state_dict() waits for each offloaded module's update
+    for _ in range(3):
+        model = tiny()
+        model, opt = apply(model, hand_plan(4), torch.optim.AdamW, offload_config=KNOBS, lr=1e-2)
+        assert isinstance(opt, CPUOffloadOptimizer)
+        for _ in range(2):
+            F.cross_entropy(model(IDX).flatten(0, 1), IDX.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
+            block = {k: v.clone() for k, v in model.blocks[3].state_dict().items()}
+            opt.wait_for_weights()
+            for k, v in model.state_dict().items():
+                assert torch.equal(saved[k], v), k
+            for k, v in model.blocks[3].state_dict().items():
+                assert torch.equal(block[k], v), k
+        opt.close()
 
 
 def test_block_count_mismatch_is_refused() -> None:

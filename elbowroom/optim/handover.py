@@ -377,6 +377,10 @@ class Handover:
                 have.extend(b for b in buckets if b not in have)
         hooks = [reader.register_forward_pre_hook(forward_hook(opt, buckets), prepend=_is_fsdp(reader))
                  for reader, buckets in waits.values()]
+        # model.state_dict() (or a block's) right after step() would hand out weights whose update has not landed:
+        # saved, they are the step before's, or half of it
+        hooks += [mod.register_state_dict_pre_hook(state_dict_hook(opt, list(dict.fromkeys(hp.bucket for hp in hps))))
+                  for mod, hps in self._owners(model)]
         missing = [hp.index for hp in self.placement.hps if id(hp.owner) not in owned]
         if missing:
             for h in hooks:
@@ -393,6 +397,15 @@ class Handover:
             torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)  # stream wait
             if self.sharded:  # FSDP2's all-gather stream reads the shards, and waits for no stream of ours
                 self.streams.h2d.synchronize()  # host wait for the copies
+
+    def _owners(self, model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[HostParam]]]:
+        """Each module of ``model`` that owns offloaded parameters, with them."""
+        out = []
+        for mod in model.modules():
+            hps = [hp for p in mod.parameters(recurse=False) if (hp := self.placement.hp_of.get(p)) is not None]
+            if hps:
+                out.append((mod, hps))
+        return out
 
     def await_buckets(self, buckets: list[Bucket]) -> None:
         """Lazy mode: wait until these buckets' last CPU steps are done and order the current stream after
@@ -449,6 +462,18 @@ def forward_hook(opt: CPUOffloadOptimizer, buckets: list[Bucket]) -> Callable[..
     ref = weakref.ref(opt)  # a module's hook must not keep the optimizer alive
 
     def hook(module: torch.nn.Module, args: Any) -> None:
+        o = ref()
+        if o is not None and o._handover.inflight:
+            o._handover.await_buckets(buckets)
+
+    return hook
+
+
+def state_dict_hook(opt: CPUOffloadOptimizer, buckets: list[Bucket]) -> Callable[..., None]:
+    """A state_dict pre-hook that waits for ``buckets`` (lazy mode), holding the optimizer weakly."""
+    ref = weakref.ref(opt)
+
+    def hook(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
         o = ref()
         if o is not None and o._handover.inflight:
             o._handover.await_buckets(buckets)

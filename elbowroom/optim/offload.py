@@ -449,11 +449,12 @@ class CPUOffloadOptimizer(Optimizer):
         blocks (``offload_params=last_fraction(...)``) for this to pay.
 
         Anything that reads offloaded weights outside the forward of the module that owns them (a fused
-        head + loss that takes the head's weight, a functional use of a tied weight, saving
-        ``model.state_dict()``, evaluation code that bypasses ``forward``) must call :meth:`wait_for` (those
+        head + loss that takes the head's weight, a functional use of a tied weight, ``model.parameters()``
+        read directly, evaluation code that bypasses ``forward``) must call :meth:`wait_for` (those
         weights) or :meth:`wait_for_weights` (all) first; a gradient that arrives for an update no forward
-        waited for is logged once and waited for then. ``state_dict()``, ``load_state_dict()``
-        and ``zero_grad(set_to_none=False)`` wait by themselves. The numbers of :meth:`stats` lag one
+        waited for is logged once and waited for then. ``model.state_dict()`` (a state_dict pre-hook on each
+        module owning offloaded weights), the optimizer's ``state_dict()``, ``load_state_dict()`` and
+        ``zero_grad(set_to_none=False)`` wait by themselves. The numbers of :meth:`stats` lag one
         step. Without ``offload_gradients``, gradients of offloaded parameters stay on the device until
         their copy (which may now run into the next forward).
 
