@@ -45,7 +45,18 @@ def test_table_and_out(profile_file: str, tmp_path: Path, capsys: pytest.Capture
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--budget", "24 parsecs"], "cannot read budget '24 parsecs'; accepted: a number with GiB"),
+        (["--budget", "24 parsecs"], "cannot read --budget '24 parsecs'; accepted: a number with GiB"),
+        # the output's folder is checked before any work (it printed the plan, then a FileNotFoundError traceback)
+        (["--budget", "24GiB", "--out", "missing/plan.toml"], "the folder 'missing' does not exist; create it"),
+        # more than the device has: refused, naming the device's memory (it said "below the minimum" of a budget
+        # it had silently lowered)
+        (["--budget", "200GiB"],
+         r"--budget 200\.00 GiB is above the 80\.00 GiB of h100-test; pass --budget 80GiB or less"),
+        (["--budget", "24GiB", "--host-memory", "12XB"], "cannot read --host-memory '12XB'"),
+        (["--budget", "-3GiB"], "--budget must be positive, got '-3GiB'"),  # (argparse: "expected one argument")
+        (["--budget", "24GiB", "--host-memory", "-1TiB"], "--host-memory must be positive"),
+        (["--budget", "24GiB", "--global-batch", "-2"], "--global-batch must be positive"),
+        (["--budget", "1.5"], r"--budget '1\.5' is not a whole number of bytes; add a unit"),
         (["--budget", "2GiB"], "below the minimum"),
         (["--budget", "24GiB", "--out", "plan.yaml"], r"--out must end in \.toml or \.json"),
         (["--budget", "24GiB", "--frobnicate"], "unrecognized arguments"),
@@ -103,6 +114,40 @@ def test_unknown_device_lists_the_known_ones(capsys: pytest.CaptureFixture[str])
     assert cmd_plan(["--model", "w1", "--device", "tpu-v9", "--budget", "24GiB"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "tpu-v9" in err and "h100-80gb" in err
+    from elbowroom.plan.devices import ALIASES
+
+    assert all(alias in err for alias in ALIASES)  # h200-141gb included
+
+
+def test_help_lists_every_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from elbowroom.models.decoder import PRESETS
+
+    with pytest.raises(SystemExit):
+        cmd_plan(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "gpt2-xl" in PRESETS and f"model preset: {', '.join(PRESETS)}" in out
+
+
+def test_a_budget_under_one_gib_is_shown_in_mib(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cmd_plan(["--model", "tiny", "--device", "h100", "--budget", "512MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "budget 512.00 MiB" in out and "of 512.00 MiB" in out and "0.50 GiB" not in out
+
+
+def test_a_closed_pipe_ends_quietly(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``elbowroom plan ... | head``: the reader leaves; no BrokenPipeError traceback, the status a shell reports
+    for a tool a closed pipe stopped."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)
+    closed = os.fdopen(w, "w")
+    monkeypatch.setattr("sys.stdout", closed)
+    try:
+        assert cmd_plan(["--model", "tiny", "--device", "h100", "--budget", "8GiB"]) == 141
+    finally:
+        closed.close()
+    assert capsys.readouterr().err == ""
 
 
 def test_device_aliases_and_case(capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,6 +220,9 @@ def test_budget_hints_name_this_commands_flags(profile_file: str, capsys: pytest
     assert cmd_plan(["--profile", profile_file, "--budget", "1GiB"]) == 2
     err = capsys.readouterr().err
     assert "--precision bf16 allows" in err and "precision='bf16'" not in err and "global_batch=" not in err
+    assert cmd_plan(["--profile", profile_file, "--budget", "1GiB", "--no-fused-loss"]) == 2
+    err = capsys.readouterr().err
+    assert "the fused head and loss (no --no-fused-loss) shrinks" in err and "fused_loss=" not in err
     # under data parallel the fused loss is refused: not offered as a way out
     assert cmd_plan(["--profile", profile_file, "--budget", "1GiB", "--dp-replicate", "2", "--no-fused-loss"]) == 2
     assert "fused" not in capsys.readouterr().err

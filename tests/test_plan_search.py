@@ -368,3 +368,32 @@ def test_a_plan_whose_recompute_hides_host_time_gives_the_range() -> None:
     assert [n for n in tight.repredicted(p).notes if n.startswith("the recompute")] == [note]
     clipped = plan_for(p, 40 * GiB, precision="bf16", fused_loss_allowed=True)
     assert not [n for n in clipped.notes if n.startswith("the recompute")]
+
+
+def test_budget_hints_name_fit_s_keywords() -> None:
+    """The hints name the keywords of ``elbowroom.fit``, which users read them against (one named
+    ``fused_loss_allowed``, which fit does not have)."""
+    import inspect
+
+    from elbowroom.plan import fit
+
+    with pytest.raises(BudgetError) as e:
+        plan_for(make_profile(), 4 * GiB)
+    text = str(e.value)
+    assert search.FUSED_LOSS_HINT in text and "fused_loss_allowed" not in text
+    for keyword in ("fused_loss", "precision", "global_batch"):
+        assert f"{keyword}=" in text and keyword in inspect.signature(fit).parameters
+    # a front end's mapping keyed by the hint as it read before still maps it (the trainer's, until it changes)
+    before = "fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss"
+    assert "--train.fused_loss true shrinks the head and loss;" in e.value.reworded(
+        {before: "--train.fused_loss true shrinks the head and loss"})
+    assert "  " not in e.value.reworded({"(elbowroom plan --host-memory)": ""})
+
+
+def test_a_budget_above_the_device_below_the_minimum_names_the_device() -> None:
+    """Planned for the device's memory (the budget is above it) and still too small: the error names the device's
+    memory, not the budget it was never planned with ("budget 200 GiB is below the minimum 90 GiB")."""
+    p = make_profile(micro_batch=64)
+    with pytest.raises(BudgetError, match=r"budget 200\.0 GiB is above the 80\.0 GiB of h100-test, which is below "
+                                          r"the minimum"):
+        plan_for(p, 200 * GiB)

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="elbowroom plan", description="Plan a training step under a device-memory budget.")
-    p.add_argument("--model", default="tiny", help="model preset: tiny, w1, w2, 7b (default tiny)")
+    p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(_presets())} (default tiny)")
     p.add_argument("--arch", choices=("llama", "gpt2"), default=None, help="block family (default: the preset's)")
     p.add_argument("--device", default=None, help="device of the table elbowroom.plan.devices, e.g. h100-80gb")
     p.add_argument("--host-memory", default=None, help="host memory of the machine planned for, e.g. 128GiB "
@@ -61,6 +64,64 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", default=None, help="save the plan to this .toml or .json file")
     return p
+
+
+def _presets() -> list[str]:
+    from elbowroom.models.decoder import PRESETS
+
+    return list(PRESETS)
+
+
+_VALUED = ("--budget", "--host-memory", "--batch", "--global-batch", "--dp-shard", "--dp-replicate")
+"""Options whose value may begin with a minus sign."""
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--budget -3GiB`` as ``--budget=-3GiB``: argparse takes ``-3GiB`` for an option and says only "expected one
+    argument"; joined, the value reaches its own check, which names what is wrong with it."""
+    out: list[str] = []
+    it = iter(range(len(argv)))
+    for i in it:
+        a = argv[i]
+        if a in _VALUED and i + 1 < len(argv) and re.match(r"^-[0-9.]", argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            next(it)
+        else:
+            out.append(a)
+    return out
+
+
+def _check_out(path: str) -> None:
+    """Refuse an --out the plan cannot be saved to, before any work (a missing or read-only folder ended in a
+    traceback after the whole plan was printed)."""
+    out = Path(path)
+    if out.suffix not in (".toml", ".json"):
+        raise _UsageError(f"elbowroom plan: --out must end in .toml or .json, got {path!r}")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise _UsageError(f"elbowroom plan: --out {path!r}: the folder {str(parent)!r} does not exist; create it or "
+                          "choose another path")
+    if out.is_dir():
+        raise _UsageError(f"elbowroom plan: --out {path!r} is a folder; name a .toml or .json file")
+    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise _UsageError(f"elbowroom plan: --out {path!r} cannot be written (no write permission); choose "
+                          "another path")
+
+
+def _size(n: float) -> str:
+    """Bytes as ``--budget`` reads them, in the largest unit they fill: 24.00 GiB, 512.00 MiB."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _at_most(n: int) -> str:
+    """``n`` bytes rounded down to two decimals of the largest unit it fills, as --budget reads it."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{math.floor(n * 100 / size) / 100:g}{unit}"
+    return f"{n}B"
 
 
 def _parse_batch(text: str) -> tuple[int, int]:
@@ -91,13 +152,13 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
     if args.device is None:
         raise _UsageError("elbowroom plan: --device is needed to profile a model (e.g. --device h100-80gb), or "
                           "pass --profile FILE.json")
-    from elbowroom.plan.devices import get_device
+    from elbowroom.plan.devices import ALIASES, get_device
 
     try:
         get_device(args.device, host_memory=0)  # the table's names, any case, and its short aliases (h100, l4...)
     except ValueError:
         raise _UsageError(f"elbowroom plan: unknown device {args.device!r}; known: {', '.join(_known_devices())} "
-                          "(aliases: h100, a100, l4, rtx4090)") from None
+                          f"(aliases: {', '.join(ALIASES)})") from None
     preset = PRESETS[args.model]
     b, s = _parse_batch(args.batch) if args.batch else (1, preset.max_seq_len)
     try:
@@ -108,11 +169,8 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
     cfg = ModelConfig.from_preset(args.model, arch=args.arch, max_seq_len=max(preset.max_seq_len, s))
     model = build_model(cfg, device="meta")
     sample = torch.zeros((b, s), dtype=torch.long, device="meta")
-    from elbowroom.plan.fit import parse_budget
-
     try:
-        host = parse_budget(args.host_memory) if args.host_memory else None
-        return profile(model, sample, source="analytic", machine=get_device(args.device, host_memory=host))
+        return profile(model, sample, source="analytic", machine=get_device(args.device, host_memory=args.host_bytes))
     except (KeyError, ValueError) as e:
         raise _UsageError(f"elbowroom plan: {e}") from None
 
@@ -128,13 +186,14 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
     from elbowroom.plan.types import profile_from_dict
 
     try:
-        args = _parser().parse_args(list(argv) if argv is not None else None)
+        args = _parser().parse_args(_join_negative_values(list(argv) if argv is not None else sys.argv[1:]))
         try:
-            budget = parse_budget(args.budget)
+            budget = parse_budget(args.budget, name="--budget")
+            args.host_bytes = parse_budget(args.host_memory, name="--host-memory") if args.host_memory else None
         except ValueError as e:
             raise _UsageError(f"elbowroom plan: {e}") from None
-        if args.out is not None and Path(args.out).suffix not in (".toml", ".json"):
-            raise _UsageError(f"elbowroom plan: --out must end in .toml or .json, got {args.out!r}")
+        if args.out is not None:
+            _check_out(args.out)
         if args.global_batch is not None and args.global_batch < 1:
             raise _UsageError(f"elbowroom plan: --global-batch must be positive, got {args.global_batch}")
         if args.dp_shard < 1:
@@ -149,6 +208,11 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                 raise _UsageError(f"elbowroom plan: cannot read profile {args.profile!r}: {e}") from None
         else:
             prof = _profile_from_args(args)
+        device = prof.machine.device_memory_bytes
+        if 0 < device < budget:
+            # planning for less than was asked would print a plan "of" a budget it never had: say so instead
+            raise _UsageError(f"elbowroom plan: --budget {_size(budget)} is above the {_size(device)} of "
+                              f"{prof.machine.name}; pass --budget {_at_most(device)} or less")
         sharded: dict[str, Any] = {}
         per_host = min(args.dp_shard * args.dp_replicate, 8)
         if args.dp_shard > 1:  # as the trainer plans a rank under FSDP2 (elbowroom.train.planning)
@@ -182,18 +246,29 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         print(str(e).replace("\n", " "), file=sys.stderr)
         return 2
-    if args.json:
-        print(plan.to_json())
-    else:
-        print(plan.table())
-        print(f"\npredicted peak {plan.predicted_peak_bytes / 2**30:.2f} GiB of {budget / 2**30:.2f} GiB; "
-              f"step {plan.predicted_step_seconds:.3f} s ({plan.predicted_tokens_per_s:,.0f} tokens/s)")
     if args.out is not None:
-        plan.save(args.out)
+        try:
+            plan.save(args.out)
+        except OSError as e:
+            print(f"elbowroom plan: cannot write --out {args.out!r}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    try:
+        if args.json:
+            print(plan.to_json())
+        else:
+            print(plan.table())
+            print(f"\npredicted peak {_size(plan.predicted_peak_bytes)} of {_size(budget)}; "
+                  f"step {plan.predicted_step_seconds:.3f} s ({plan.predicted_tokens_per_s:,.0f} tokens/s)")
+        sys.stdout.flush()  # here, so that a closed pipe is seen here and not at the interpreter's exit
+    except BrokenPipeError:
+        # the reader left (``| head``): stop quietly as Unix tools do; stdout goes to devnull so that the
+        # interpreter's own flush at exit does not complain again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool that a closed pipe stopped
     return 0
 
 
-_FUSED = "fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss"
+_FUSED = "fused_loss=True (elbowroom.linear_cross_entropy) shrinks the head and loss"  # search.FUSED_LOSS_HINT
 _HINTS = {
     "global_batch= lets the planner split the batch into micro-batches":
         "--global-batch lets the planner split the batch into micro-batches",

@@ -74,7 +74,7 @@ installs no wrapper; any policy turns the cache off inside every block). ``H``: 
 ``saved + logits_transient (+ 2 B per head parameter for its autocast cast)``; fused head
 ``dh + dW + fused_transient = 2 In_last + 4 B x head parameters + fused_transient`` (``linear_cross_entropy``
 keeps only the gradients of its input and weight; the HeadProfile lumps embeddings with the head, so ``dW`` is
-bounded by all of them).
+bounded by all of them; ``fused_transient``, one chunk's logits, grows with the tokens only up to one chunk).
 
 The search needs a bound that is a sum over blocks plus terms fixed by a few global choices; with the options
 limited to those of extra at most ``E`` (``e_i <= E``, hence ``o_i <= E``), every phase above is at most::
@@ -598,7 +598,7 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     in_last = blocks[-1].input_bytes if blocks else 0
     head_params_cast = 2 * head.num_params if (autocast and weight == "float32") else 0
     if d.fused_loss:
-        head_b = s * (2 * in_last + head.fused_transient_bytes) + 4 * head.num_params
+        head_b = s * 2 * in_last + fused_transient_bytes(profile, s) + 4 * head.num_params
     else:
         head_b = s * (head.saved_bytes + head.logits_transient_bytes) + head_params_cast
     block_params_32 = 0 if (not autocast or weight == "bfloat16") else sum(
@@ -626,6 +626,18 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
         host_exposed_s=float(host_exposed_s),
         host_bytes=int(HOST_BYTES_PER_PARAM * p_off) + og_bytes,
     )
+
+
+def fused_transient_bytes(profile: Profile, s: float) -> float:
+    """One chunk's logits of ``linear_cross_entropy`` at ``s`` times the profile's micro-batch: they grow with the
+    tokens up to one chunk (``HeadProfile.fused_chunk_tokens``) and no further. Scaling the profile's bytes by ``s``
+    alone priced a micro-batch smaller than the profile's below one chunk of the tokens it runs, and a larger one
+    above it (W1 profiled at 1x2048: 2x4096 at 0.49 GiB, 4x4096 at 0.98 GiB, where one 4096-token chunk is 0.49)."""
+    head = profile.head
+    chunk, tokens = head.fused_chunk_tokens, profile.tokens
+    if chunk <= 0 or tokens <= 0:  # an older profile, without the chunk size
+        return s * head.fused_transient_bytes
+    return head.fused_transient_bytes * min(s * tokens, chunk) / min(tokens, chunk)
 
 
 def gradient_backlog_bytes(profile: Profile, d: Decisions) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 from elbowroom.plan.types import MachineProfile
 
-__all__ = ["DEVICES", "get_device", "host_memory_bytes"]
+__all__ = ["ALIASES", "DEVICES", "get_device", "host_memory_bytes"]
 
 _GIB = 1 << 30
 _MIB = 1 << 20
@@ -80,8 +80,9 @@ DEVICES: dict[str, MachineProfile] = {
 }
 """Known devices by name. Names are ``<part>-<memory>`` in lower case, as users type them (``--device h100-80gb``)."""
 
-_ALIASES = {"h100": "h100-80gb", "h200-141gb": "h200", "a100": "a100-80gb", "l4": "l4-24gb", "rtx4090": "rtx4090-24gb",
-            "4090": "rtx4090-24gb"}
+ALIASES = {"h100": "h100-80gb", "h200-141gb": "h200", "a100": "a100-80gb", "l4": "l4-24gb", "rtx4090": "rtx4090-24gb",
+           "4090": "rtx4090-24gb"}
+"""Short names :func:`get_device` accepts for the table's devices."""
 
 
 def host_memory_bytes() -> int:
@@ -107,7 +108,7 @@ def get_device(name: str, *, host_memory: int | None = None) -> MachineProfile:
         ValueError: for an unknown name, listing the known ones.
     """
     key = name.strip().lower()
-    key = _ALIASES.get(key, key)
+    key = ALIASES.get(key, key)
     if key not in DEVICES:
         raise ValueError(
             f"unknown device {name!r}; known devices: {', '.join(DEVICES)} (or measure this one with "

@@ -33,11 +33,15 @@ _UNITS = {
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }
-_BUDGET_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_BUDGET_RE = re.compile(r"^\s*([-+]?)\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_budget(budget: str | int) -> int:
+def parse_budget(budget: str | int, *, name: str = "budget") -> int:
     """Bytes of a budget: ``"24GiB"``, ``"24GB"`` (10^9), ``"512MiB"``, ``"1.5 TiB"`` or an int of bytes.
+
+    Args:
+        budget: the size.
+        name: what the size is, as the caller's user knows it (``--host-memory``), for the messages.
 
     Raises:
         ValueError: anything else, naming the accepted forms.
@@ -47,20 +51,26 @@ def parse_budget(budget: str | int) -> int:
         "or an int of bytes"
     )
     if isinstance(budget, bool):
-        raise ValueError(f"budget must be a size, got {budget!r}; {forms}")
+        raise ValueError(f"{name} must be a size, got {budget!r}; {forms}")
     if isinstance(budget, int):
         if budget <= 0:
-            raise ValueError(f"budget must be positive, got {budget}; {forms}")
+            raise ValueError(f"{name} must be positive, got {budget}; {forms}")
         return budget
     if not isinstance(budget, str):
-        raise ValueError(f"budget must be a string or an int, got {type(budget).__name__}; {forms}")
+        raise ValueError(f"{name} must be a string or an int, got {type(budget).__name__}; {forms}")
     m = _BUDGET_RE.match(budget)
-    unit = m.group(2).lower() if m else None
+    unit = m.group(3).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise ValueError(f"cannot read budget {budget!r}; {forms}")
-    value = int(float(m.group(1)) * _UNITS[unit])
+        raise ValueError(f"cannot read {name} {budget!r}; {forms}")
+    number = float(m.group(2))
+    if m.group(1) == "-" or number <= 0:
+        raise ValueError(f"{name} must be positive, got {budget!r}; {forms}")
+    if _UNITS[unit] == 1 and not number.is_integer():
+        # "1.5" read as bytes would plan for 1 byte: surely a size whose unit was left out
+        raise ValueError(f"{name} {budget!r} is not a whole number of bytes; add a unit (e.g. '{m.group(2)}GiB')")
+    value = int(number * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"budget must be positive, got {budget!r}; {forms}")
+        raise ValueError(f"{name} must be at least one byte, got {budget!r}; {forms}")
     return value
 
 

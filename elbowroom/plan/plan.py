@@ -27,7 +27,11 @@ PLAN_VERSION = 1
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes in GiB from 1 GiB, else in the unit that shows them (a 512 MiB budget read "0.50 GiB", 8 MiB "0.01")."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _count(n: int) -> str:

@@ -647,6 +647,7 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
         after_params=after_params,
         saved_bytes=head_saved, logits_transient_bytes=int(logits_transient),
         fused_transient_bytes=int(fused_transient),
+        fused_chunk_tokens=_fused_chunk_tokens(),
         forward_s=head_fwd, backward_s=head_bwd, flops=h.fwd_flops + h.bwd_flops,
     )
     extra = {

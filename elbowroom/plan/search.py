@@ -50,6 +50,14 @@ _REFINE_GRID = 48
 """Capacities tried above the bound's, per outer choice: ``M j / _REFINE_GRID`` (never depends on the budget)."""
 
 
+FUSED_LOSS_HINT = "fused_loss=True (elbowroom.linear_cross_entropy) shrinks the head and loss"
+"""The hint a BudgetError gives where the fused head and loss was not allowed, in ``fit``'s terms (its keyword)."""
+_RENAMED_HINTS = {"fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss":
+                  FUSED_LOSS_HINT}
+"""Hints as they read before, which front ends' mappings may still name: :meth:`BudgetError.reworded` reads them
+as the hints that replaced them."""
+
+
 class BudgetError(ValueError):
     """The budget is below what any plan needs; the message names the minimum and what dominates it."""
 
@@ -63,10 +71,10 @@ class BudgetError(ValueError):
         here) are left out, since they are no way out."""
         text = " ".join(str(self).split())
         for api, flag in names.items():
-            text = text.replace(api, flag)
+            text = text.replace(_RENAMED_HINTS.get(api, api), flag)
         for hint in refused:
             text = text.replace(f"; {hint}", "").replace(f"{hint}; ", "").replace(hint, "")
-        return text.replace(" ()", "")
+        return " ".join(text.replace(" ()", "").split())  # (a hint mapped to "" leaves two spaces)
 
 
 def _gib(n: float) -> str:
@@ -372,14 +380,17 @@ def plan_for(
     ks_all = _Knapsack(profile, tables, offload_ok=link_ok and offload_allowed, prefetch_window=prefetch_window_bytes,
                        selective_ok=selective_allowed)
     host_mem = m.host_memory_bytes if m.host_memory_bytes > 0 else math.inf
+    n = len(profile.blocks)
     programmes = [ks_all]
     if max(ks_all.level_pool) > 0 and max(ks_all.level_pool) * max(_micro_batches(profile, global_batch)) \
-            / profile.micro_batch > host_mem / 2:
-        # where the host cannot hold every activation a level may offload, the same levels without activation
-        # offload stay open (recompute alone), so that a small host limits the offload, not the plan
+            / profile.micro_batch + _most_optimizer_host_bytes(profile, opt_ok, gradient_offload_allowed,
+                                                               offload_config) > host_mem:
+        # where the host cannot hold every activation a level may offload beside the most optimizer state it may
+        # hold, the same levels without activation offload stay open (recompute alone), so that a small host limits
+        # the offload, not the plan. (Against half the host's memory, without the optimizer's share, W1 at 1x4096 on
+        # a 23.5 GiB host lost the recompute-only plans: 12.1 GiB minimum where 1x2048 and 1x8192 planned in 9.)
         programmes.append(_Knapsack(profile, tables, offload_ok=False, prefetch_window=prefetch_window_bytes,
                                     selective_ok=selective_allowed))
-    n = len(profile.blocks)
     mbs = _micro_batches(profile, global_batch)
     gb = global_batch if global_batch is not None else profile.micro_batch
     fused_opts = [False, True] if fused_loss_allowed else [False]
@@ -394,6 +405,8 @@ def plan_for(
 
     best: tuple[float, _Outer, int, int, float, _Knapsack] | None = None  # (seconds, outer, level, capacity, w, ks)
     minimum: tuple[int, _Outer, dict[str, int]] | None = None
+    # the same without the host's memory as a limit: (minimum budget, host bytes its plan needs), for the hint
+    unhosted: tuple[int, int] | None = None
     # every choice the bound admits, with the fastest its programme could be at any capacity (refined below)
     admitted: list[tuple[float, _Outer, int, int, float, _Knapsack, cost.Globals]] = []
     for layout, k, other, og in itertools.product(layouts, k_opts, other_opts, [False, True]):
@@ -415,25 +428,27 @@ def plan_for(
                     grad_clipping=grad_clipping, offload_gradients=og, persistent_gradients=persistent_gradients,
                 )
                 g = cost.globals_for(profile, d)
-                if g.host_bytes > host_mem or math.isinf(g.host_exposed_s):
+                if math.isinf(g.host_exposed_s):
                     continue
                 w = cost.duplex_share(d)
                 floor_s = cost.step_seconds(g, s, acc, 0.0)
                 for expandable, ks in ((a, k) for a in alloc_opts for k in programmes):
                     for li, e in enumerate(ks.levels):
-                        if g.host_bytes + s * ks.level_pool[li] > host_mem:
-                            continue
+                        host_need = int(g.host_bytes + s * ks.level_pool[li])
                         fixed = g.states + _bound_extra(g, s, e, ks.level_off[li], li == 0,
                                                         prefetch_window_bytes) + slack
                         fixed += (k_in - 1) * math.ceil(s * profile.head.saved_bytes)
                         outer = _Outer(layout, k, other, mb, acc, fused, expandable, og)
                         need = fixed + k_in * ks.min_units[li] * ks.unit0 * s
                         need_budget = _min_budget(profile, need, expandable)
+                        if unhosted is None or need_budget < unhosted[0]:
+                            unhosted = (need_budget, host_need)
+                        if host_need > host_mem:
+                            continue
                         if minimum is None or need_budget < minimum[0]:
-                            minimum = (need_budget, outer, {"model states and optimizer buffers": g.states,
-                                                            "activations at least": int(need - fixed),
-                                                            "head, loss and working memory": int(
-                                                                fixed - g.states)})
+                            minimum = (need_budget, outer, _minimum_parts(profile, d, g, s, e, ks.level_off[li],
+                                                                          li == 0, prefetch_window_bytes,
+                                                                          fixed, need))
                         margin = cost.margin_bytes(profile, budget, expandable)
                         cap = int(math.floor((budget - margin - fixed) / (k_in * ks.unit0 * s)))
                         if cap < ks.min_units[li]:
@@ -454,7 +469,7 @@ def plan_for(
     if best is None:
         raise _budget_error(
             profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed,
-            offload_config,
+            offload_config, unhosted=unhosted, usable=budget,
         )
     def decisions(outer: _Outer, opts: tuple[int, ...]) -> Decisions:
         return Decisions(
@@ -518,6 +533,39 @@ def _refine(profile: Profile, best: tuple, admitted: list, budget: int, decision
     return best
 
 
+def _most_optimizer_host_bytes(profile: Profile, opt_ok: bool, gradients_out: bool, offload_config: Any) -> int:
+    """Host bytes of the most optimizer state a plan may put there: every parameter's (and their host gradients
+    where they may leave the device), 0 when nothing may go."""
+    if not opt_ok:
+        return 0
+    n = len(profile.blocks)
+    d = Decisions(offload_config=offload_config, options=(Option(),) * n, offload_blocks=(True,) * n,
+                  offload_other=True, offload_gradients=gradients_out)
+    return cost.globals_for(profile, d).host_bytes
+
+
+_WAITING = "offloaded gradients waiting for their copy"
+"""The breakdown's name for :func:`cost.gradient_backlog_bytes` (``offload_gradients``)."""
+
+
+def _minimum_parts(profile: Profile, d: Decisions, g: cost.Globals, s: float, e: float, off: float, level0: bool,
+                   window: int, fixed: float, need: float) -> dict[str, int]:
+    """What the smallest plan's bound consists of, for the BudgetError. The gradients of host-stepped parameters that
+    wait for their copy (``offload_gradients``) are named apart from the head and working memory they used to hide
+    in: they grow as the micro-batch shrinks (a shorter backward hides less of the copies), which made W1's minimum
+    fall with the tokens (1x2048 9.9 GiB, 1x8192 7.4 GiB on a 1 TiB host) under a name that did not say why."""
+    waiting = 0
+    backlog = cost.gradient_backlog_bytes(profile, d)
+    if backlog:
+        without = replace(g, backward_work=g.backward_work - backlog)
+        waiting = _bound_extra(g, s, e, off, level0, window) - _bound_extra(without, s, e, off, level0, window)
+    parts = {"model states and optimizer buffers": g.states, "activations at least": int(need - fixed)}
+    if waiting > 0:
+        parts[_WAITING] = int(waiting)
+    parts["head, loss and working memory"] = int(fixed - g.states - max(waiting, 0))
+    return parts
+
+
 def _min_budget(profile: Profile, need: float, expandable: bool) -> int:
     """The smallest budget whose usable part (after the allocator's margin) holds ``need`` bytes."""
     got = cost.measured_margin(profile, expandable)
@@ -540,6 +588,9 @@ def _budget_error(
     global_batch: int | None,
     fused_allowed: bool,
     offload_config: Any = None,
+    *,
+    unhosted: tuple[int, int] | None = None,
+    usable: int | None = None,
 ) -> BudgetError:
     n = len(profile.blocks)
     all_dev = Decisions(offload_config=offload_config, options=(Option(),) * n, offload_blocks=(False,) * n)
@@ -549,28 +600,34 @@ def _budget_error(
         parts.append(f"with the optimizer on the host: {_gib(cost.state_bytes(profile, host))}")
         if "bf16" in layouts:
             parts.append(f"and bf16 device weights: {_gib(cost.state_bytes(profile, replace(host, layout='bf16')))}")
+    host = profile.machine.host_memory_bytes
+    hints = []
+    if unhosted is not None and host > 0 and unhosted[0] < (minimum[0] if minimum is not None else math.inf):
+        whole = cost.globals_for(profile, replace(all_dev, offload_blocks=(True,) * n, offload_other=True)).host_bytes
+        limit = (f"cannot hold the whole optimizer ({_gib(whole)}), which limits the offload" if opt_ok and whole > host
+                 else "limits the offload")
+        hints.append(f"the host's {_gib(host)} {limit}: a host with {_gib(unhosted[1])} of memory (elbowroom plan "
+                     f"--host-memory) lowers the minimum to {_gib(unhosted[0])}")
     if minimum is None:
-        return BudgetError(f"no plan fits the host memory of {profile.machine.name}; " + "; ".join(parts), 0)
+        msg = f"no plan fits the host memory of {profile.machine.name}; " + "; ".join(parts)
+        return BudgetError(msg + (" (" + "; ".join(hints) + ")" if hints else ""), 0)
     low, outer, comp = minimum
     top = max(comp, key=lambda k: comp[k])
     parts.append("the smallest plan: " + ", ".join(f"{k} {_gib(v)}" for k, v in comp.items())
                  + f" (micro-batch {outer.micro_batch}; {top} dominate)")
-    hints = []
-    if opt_ok:
-        need_host = cost.globals_for(profile, replace(all_dev, offload_blocks=(True,) * n, offload_other=True))
-        if need_host.host_bytes > profile.machine.host_memory_bytes:
-            hints.append(
-                f"the host's {_gib(profile.machine.host_memory_bytes)} cannot hold the whole optimizer "
-                f"({_gib(need_host.host_bytes)}), which limits the offload: a machine with more host memory "
-                "(elbowroom plan --host-memory) lowers the minimum"
-            )
+    if comp.get(_WAITING):
+        parts.append(f"the {_WAITING} grow as the micro-batch's backward shortens, which hides less of the copy")
     if precision == "fp32" and profile.compute_dtype in ("bfloat16", "float16") and opt_ok:
         hints.append("precision='bf16' allows bf16 device weights")
     if not fused_allowed:
-        hints.append("fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss")
+        hints.append(FUSED_LOSS_HINT)
     if global_batch is None and profile.micro_batch > 1:
         hints.append("global_batch= lets the planner split the batch into micro-batches")
-    msg = f"budget {_gib(budget)} is below the minimum {_gib(low)}: " + "; ".join(parts)
+    if usable is not None and usable < budget:  # planned for the device's memory (plan_for's note)
+        msg = (f"budget {_gib(budget)} is above the {_gib(usable)} of {profile.machine.name}, which is below the "
+               f"minimum {_gib(low)}: " + "; ".join(parts))
+    else:
+        msg = f"budget {_gib(budget)} is below the minimum {_gib(low)}: " + "; ".join(parts)
     if hints:
         msg += " (" + "; ".join(hints) + ")"
     return BudgetError(msg, low)
@@ -707,7 +764,8 @@ def with_bytes_of(profile: Profile, other: Profile) -> Profile:
     )
     head = replace(profile.head, saved_bytes=other.head.saved_bytes,
                    logits_transient_bytes=other.head.logits_transient_bytes,
-                   fused_transient_bytes=other.head.fused_transient_bytes)
+                   fused_transient_bytes=other.head.fused_transient_bytes,
+                   fused_chunk_tokens=other.head.fused_chunk_tokens)
     return replace(profile, blocks=blocks, head=head)
 
 

@@ -91,6 +91,10 @@ class HeadProfile:
     """Backward time outside the blocks."""
     flops: float
     """Forward + backward FLOPs outside the blocks."""
+    fused_chunk_tokens: int = 0
+    """Tokens per chunk of ``linear_cross_entropy`` (its ``chunk_tokens``): ``fused_transient_bytes`` is
+    ``min(tokens, fused_chunk_tokens)`` tokens' logits, so another micro-batch's transient grows with its tokens only
+    up to one chunk. 0 when not known (older profiles): the transient then scales with the tokens."""
     after_params: int = 0
     """Of ``num_params``, those registered after the last block's (an untied output head, a final norm): their
     gradients are final as the backward starts and their weights are needed only after the last block. The rest
