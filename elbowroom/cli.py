@@ -40,6 +40,8 @@ Memory: --budget 24GiB plans recompute, offload, optimizer placement and precisi
 applies a saved plan); --profile.steps 3-4 records those steps for `elbowroom report OUT`.
 Writes OUT/metrics.jsonl (one JSON object per logged step), OUT/checkpoints/, OUT/config.toml, and with a plan
 OUT/plan.toml and OUT/plan.json (a --resume re-applies OUT/plan.toml).
+--resume continues the run as saved in OUT/config.toml: give only what changes (--steps N); an option that would
+change its training (model, data, optimizer, schedule, ...) is refused.
 """
 
 EXIT_BAD_INPUT = 2
@@ -83,6 +85,9 @@ def cmd_train(argv: list[str]) -> int:
             i += 1
     try:
         cfg = C.resolve(config_file, rest)
+        saved = _saved_run_config(cfg.out) if cfg.resume else None
+        if saved is not None:  # a resumed run continues as it was saved; this command changes only what it names
+            cfg = C.resolve_resume(saved[0], saved[1], config_file, rest)
     except C.ConfigError as e:
         return _fail("train", str(e))
     cfg = _from_environment(cfg)
@@ -99,8 +104,8 @@ def cmd_train(argv: list[str]) -> int:
             result = train(cfg, launch_from_environment(os.environ))  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _fail("train", str(e))
-    except KeyboardInterrupt:  # a second Ctrl-C outside a save: the previous checkpoint stands
-        logging.getLogger("elbowroom").warning("aborted; the newest checkpoint saved before stands")
+    except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one outside a save: the previous checkpoint stands
+        logging.getLogger("elbowroom").warning("aborted; %s", _what_stands(cfg.out))
         return 128 + signal.SIGINT
     if result.interrupted:
         logging.getLogger("elbowroom").warning(
@@ -108,6 +113,43 @@ def cmd_train(argv: list[str]) -> int:
         )
         return 128 + (result.signal or signal.SIGTERM)
     return 0
+
+
+def _what_stands(out: str | None) -> str:
+    """What an aborted run leaves to resume from, for its last log line."""
+    if out is None:  # (a directory of its own, named in the log)
+        return "the newest checkpoint saved before, if any, stands"
+    from pathlib import Path
+
+    from elbowroom.train.checkpoint import CheckpointManager
+
+    found = CheckpointManager(Path(out) / "checkpoints").checkpoints()
+    if not found:
+        return f"no checkpoint was saved in {out}"
+    return f"the newest checkpoint saved before stands ({found[0][1]})"
+
+
+def _saved_run_config(out: str) -> tuple[dict[str, Any], str] | None:
+    """The config a run was trained with, as (nested dict, where it was read): its ``OUT/config.toml`` (written with
+    its first step), else the newest checkpoint's ``meta.json``; None when the run has neither (the trainer says
+    there is nothing to resume)."""
+    import json
+    from pathlib import Path
+
+    from elbowroom.config import load_toml
+    from elbowroom.train.checkpoint import CheckpointManager
+
+    path = Path(out) / "config.toml"
+    if path.is_file():
+        return load_toml(str(path)), str(path)
+    for _, ckpt in CheckpointManager(Path(out) / "checkpoints").checkpoints():
+        try:
+            saved = json.loads((ckpt / "meta.json").read_text()).get("config")
+        except (OSError, ValueError):
+            continue  # the trainer skips or refuses it, with its reason
+        if isinstance(saved, dict):
+            return saved, str(ckpt / "meta.json")
+    return None
 
 
 def launch_from_environment(environ: Mapping[str, str]) -> Launch | None:
@@ -195,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else EXIT_BAD_INPUT
+        if not argv:
+            print(f"elbowroom: error: no command given; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        return 0
     if argv[0] in ("-V", "--version"):
         from elbowroom import __version__
 

@@ -137,8 +137,8 @@ class TrainSection:
     extra)."""
 
     def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ConfigError(f"train.steps must be >= 0, got {self.steps}")
+        if self.steps < 1:
+            raise ConfigError(f"train.steps must be >= 1 (the optimizer steps of the whole run), got {self.steps}")
         if self.fused_loss and self.compile:
             raise ConfigError(
                 "train.fused_loss runs outside torch.compile; drop one of --train.fused_loss, --train.compile"
@@ -286,9 +286,11 @@ class LoggingSection:
 @dataclass
 class Config:
     out: str | None = None
-    """Run directory for metrics.jsonl, checkpoints/ and config.toml (unset: a new runs/YYYYmmdd-HHMMSS)."""
+    """Run directory for metrics.jsonl, checkpoints/ and config.toml (unset: a new runs/YYYYmmdd-HHMMSS, -2 etc. if
+    taken)."""
     resume: bool = False
-    """Continue from the newest valid checkpoint in OUT/checkpoints."""
+    """Continue from the newest valid checkpoint in OUT/checkpoints, with the run's saved OUT/config.toml; other options
+    may change only its length, evaluation, checkpoints, logging and memory layout."""
     budget: str | None = None
     """Device memory for one training step ("24GiB", "512MiB"): the planner chooses recompute, offload, optimizer
     placement and precision with elbowroom.plan.fit before step 1 (writes OUT/plan.toml and OUT/plan.json)."""
@@ -651,6 +653,77 @@ def resolve(config_file: str | None, overrides: list[str]) -> Config:
     for key, value in parse_overrides(overrides):
         set_dotted(raw, key, value)
     return build_config(raw)
+
+
+# What a resumed run may change: how long it runs and how it evaluates, saves, logs and is laid out in memory and
+# across devices. Everything else (model, data, optimizer, schedule, seed, precision, ...) is the run's trajectory.
+# (train.qat is the trainer's to check, against the checkpoint; --budget and --plan against the run's OUT/plan.toml.)
+RESUME_MAY_CHANGE = (
+    "out", "resume", "budget", "plan", "train.steps", "train.eval_every", "train.eval_batches", "train.device",
+    "train.compile", "train.qat", "scheduler.decay_steps", "data.num_workers", "data.pin_memory", "data.cache_dir",
+    "checkpoint.", "logging.", "profile.", "activations.", "offload.", "parallel.",
+)
+# Saved settings a resume does not carry over: the checkpoint keeps the schedule's length (see the trainer's
+# schedule_length), the run's OUT/plan.toml its plan, and profiling is asked for per command.
+_NOT_CARRIED = ("plan", "scheduler.decay_steps", "profile")
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_MAY_CHANGE)
+
+
+def resolve_resume(saved: dict[str, Any], where: str, config_file: str | None, overrides: list[str]) -> Config:
+    """The config of a resumed run: its saved config, then the options given explicitly (file and command line).
+
+    An explicit option that would change the run's training (anything not in ``RESUME_MAY_CHANGE``) and differs
+    from the saved value raises ConfigError naming it: a resumed run continues the exact loss curve.
+
+    Args:
+        saved: the run's saved config as a nested dict (its ``OUT/config.toml``).
+        where: the file it came from, for messages.
+        config_file: this command's ``--config`` file, if any.
+        overrides: this command's ``--section.key VALUE`` arguments.
+    """
+    explicit: dict[str, Any] = load_toml(config_file) if config_file else {}
+    for key, value in parse_overrides(overrides):
+        set_dotted(explicit, key, value)
+    base = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items() if k not in _NOT_CARRIED}
+    for key in _NOT_CARRIED:
+        sec, _, name = key.rpartition(".")
+        if sec and isinstance(base.get(sec), dict):
+            base[sec].pop(name, None)
+    try:
+        run_cfg = build_config(base)
+    except ConfigError as e:
+        raise ConfigError(f"--resume: the run's saved config {where} does not load ({e}); fix or remove it") from None
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, value in _flat(explicit):
+        set_dotted(merged, key, value)
+    cfg = build_config(merged)
+    changed = []
+    for key, _ in _flat(explicit):
+        if _may_change(key):
+            continue
+        now, was = _get(cfg, key), _get(run_cfg, key)
+        if now != was:
+            changed.append(f"--{key} {_shown(now)} (the run has {_shown(was)})")
+    if changed:
+        raise ConfigError(
+            f"--resume continues the run as saved in {where}, and these would change its training: "
+            f"{', '.join(changed)}; drop them to resume, or start a new run with another --out"
+        )
+    return cfg
+
+
+def _get(cfg: Config, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _shown(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

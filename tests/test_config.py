@@ -31,7 +31,7 @@ def test_round_trip_through_toml(tmp_path) -> None:
     "args, message",
     [
         (["--train.stepz", "3"], "unknown config key 'train.stepz'; did you mean train.steps"),
-        (["--steps", "-1"], "train.steps must be >= 0, got -1"),
+        (["--steps", "-1"], r"train.steps must be >= 1 \(the optimizer steps of the whole run\), got -1"),
         (["--steps", "ten"], "train.steps expects an integer, got 'ten'"),
         (["--train.dtype", "fp8"], "train.dtype must be one of auto, fp32, bf16, fp16"),
         (["--activations.offload_ratio", "1.5"], r"activations.offload_ratio must be in \[0, 1\], got 1.5"),

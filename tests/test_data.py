@@ -446,3 +446,22 @@ def test_pinning_loader_leaves_the_training_thread_its_threads():
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(n)
+
+
+def test_a_crash_with_loader_workers_alive_still_exits() -> None:
+    """The workers ignore SIGTERM (the trainer stops them itself); an uncaught error while they run must still end
+    the process (multiprocessing's exit handler would terminate them with SIGTERM and wait forever)."""
+    import subprocess
+
+    script = (
+        "import torch\n"
+        "from elbowroom.train import data as D\n"
+        "ds = D.ChunkDataset((torch.arange(4000) % 256).numpy(), 16)\n"
+        "loader = D.build_dataloader(ds, batch_size=4, seed=0, start_sample=0, num_workers=1, pin_memory=False,\n"
+        "                            persistent_workers=True, collate_fn=D.collate)\n"
+        "batches = iter(loader)\n"
+        "next(batches)\n"
+        "raise ValueError('a bug after the workers started')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "a bug after the workers started" in r.stderr, r.stderr

@@ -186,7 +186,7 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path, capsys) -> Non
     before = sorted(p.name for p in (tmp_path / "ws2").rglob("*"))
     # its data position is a count of samples of global batches of 4: at another dp size only with that batch
     assert main(["train", *BASE, "--out", str(tmp_path / "ws2"), *OFFLOAD, "--resume", "--data.batch_size", "8"]) == 2
-    assert "resume with --data.batch_size 4" in capsys.readouterr().err
+    assert "--data.batch_size 8 (the run has 4)" in capsys.readouterr().err  # its saved config's batch
     assert sorted(p.name for p in (tmp_path / "ws2").rglob("*")) == before
     resumed = _train(tmp_path / "ws2", *OFFLOAD, "--resume")
     _close({s: v for s, v in resumed["losses"].items() if s > 3},

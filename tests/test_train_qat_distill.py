@@ -117,7 +117,7 @@ def test_distill_at_ratio_0_follows_the_plain_curve_exactly(tmp_path, plain):
     assert val_losses(out) == val_losses(plain)  # validation is plain cross-entropy
 
 
-def test_distill_resume_continues_the_curve_and_warns_without_the_teacher(tmp_path, plain, caplog):
+def test_distill_resume_continues_the_curve_and_keeps_the_teacher(tmp_path, plain, caplog, capsys):
     args = ["--distill.teacher", str(plain), "--distill.ratio", "0.8", "--distill.temperature", "2"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert run(full, "--steps", "4", *args) == 0
@@ -125,8 +125,11 @@ def test_distill_resume_continues_the_curve_and_warns_without_the_teacher(tmp_pa
     assert run(part, "--steps", "4", "--resume", *args) == 0
     assert losses(part) == losses(full)
     with caplog.at_level("WARNING"):
-        assert run(part, "--steps", "5", "--resume") == 0  # the teacher is not in the checkpoint
-    assert "the checkpoint was trained with [distill]" in caplog.text
+        assert run(part, "--steps", "5", "--resume") == 0  # the run's saved [distill]: its teacher again
+    assert "the checkpoint was trained with [distill]" not in caplog.text
+    capsys.readouterr()
+    assert run(part, "--steps", "6", "--resume", "--distill.ratio", "0.5") == 2  # another loss: refused
+    assert "--distill.ratio 0.5 (the run has 0.8)" in capsys.readouterr().err
 
 
 def _initial_weights(tmp_path: Path) -> Path:

@@ -119,6 +119,26 @@ def test_resume_continues_the_exact_loss_curve(tmp_path: Path, extra: list[str])
         assert sum(r["host_step_s"] for r in train_rows) > 0  # (a lazy step's figures lag one step)
 
 
+def test_resume_takes_the_runs_saved_config_not_the_defaults(tmp_path: Path, capsys) -> None:
+    """`--resume --steps N` alone continues the run as it was configured (batch size, LR and warmup here not the
+    defaults): the loss and LR curves are the uninterrupted run's. An explicit setting that would change the
+    training is refused (exit 2, one line naming it, nothing written)."""
+    settings = ["--data.batch_size", "2", "--optimizer.lr", "1e-3", "--scheduler.warmup_steps", "2"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run(full, "--steps", "12", *settings) == 0
+    assert run(part, "--steps", "6", "--scheduler.decay_steps", "12", *settings) == 0
+    before = {p: p.read_bytes() for p in part.rglob("*") if p.is_file()}
+    assert main(["train", "--out", str(part), "--resume", "--data.batch_size", "4", "--optimizer.lr", "1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "--data.batch_size 4 (the run has 2)" in err and "optimizer.lr" not in err, err  # (same lr: allowed)
+    assert err.count("\n") == 1, err
+    assert {p: p.read_bytes() for p in part.rglob("*") if p.is_file()} == before
+    assert main(["train", "--out", str(part), "--steps", "12", "--resume"]) == 0
+    assert train_losses(part) == train_losses(full)  # bit-identical on CPU
+    assert [r["lr"] for r in rows(full) if "lr" in r] == [r["lr"] for r in rows(part) if "lr" in r]
+    assert "batch_size = 2" in (part / "config.toml").read_text()
+
+
 def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path: Path, caplog) -> None:
     full, part = tmp_path / "full", tmp_path / "part"
     assert run(full, "--steps", "12") == 0
@@ -149,6 +169,40 @@ def test_crash_while_saving_keeps_previous_checkpoint(tmp_path: Path, monkeypatc
     assert loaded.step == 1 and torch.equal(loaded.state["w"], torch.arange(4))
     mgr.save(3, {"w": torch.arange(2)})  # the next save clears the leftover temporary
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000003"]
+
+
+def test_save_keeps_the_temporaries_of_a_live_writer(tmp_path: Path) -> None:
+    """A save clears what crashed saves left (their writer is gone), never a save under way in another process."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        mgr = CheckpointManager(tmp_path, keep=2)
+        mgr.save(1, {"w": torch.arange(4)})
+        others = {f".tmp-step_00000002-{live.pid}", f".old-step_00000001-{live.pid}"}
+        leftovers = {f".tmp-step_00000002-{dead.pid}", ".tmp-step_00000002"}
+        for name in others | leftovers:
+            (tmp_path / name).mkdir()
+        mgr.save(3, {"w": torch.arange(2)})
+        assert {p.name for p in tmp_path.iterdir()} == {"step_00000001", "step_00000003", *others}
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path: Path, monkeypatch,
+                                                                      capsys) -> None:
+    from elbowroom.train.trainer import new_run_directory
+
+    root = tmp_path / "runs"
+    got = [new_run_directory(root, stamp="20250101-120000")[0] for _ in range(3)]
+    assert [p.name for p in got] == ["20250101-120000", "20250101-120000-2", "20250101-120000-3"]
+    assert all(p.is_dir() for p in got)
+    # the default directory of a run that fails before its first step is given back: nothing is left
+    monkeypatch.chdir(tmp_path / "runs")
+    assert main(["train", *SMALL, "--steps", "2", "--data.path", "missing.bin"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(p.name for p in got)
 
 
 def test_keep_last_k_and_checksum(tmp_path: Path) -> None:
@@ -188,6 +242,54 @@ def test_sigterm_saves_and_resume_finishes_the_same_curve(tmp_path: Path) -> Non
     assert train_losses(part) == train_losses(full)
 
 
+def test_sigterm_to_the_process_group_saves_with_loader_workers(tmp_path: Path) -> None:
+    """`kill -TERM -- -PGID` (a scheduler stopping a job) reaches the loader's worker processes too: they ignore it,
+    the main process finishes its step, saves and exits 143, and no worker outlives it."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "elbowroom.cli", "train", "--out", str(out), *SMALL, "--data.num_workers", "1",
+           "--steps", "2000", "--checkpoint.every", "0"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(train_losses(out)) >= 2):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)  # the whole group: the main process and its loader worker
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "killed by signal" not in output and "Traceback" not in output, output
+    stopped = max(train_losses(out))
+    assert stopped < 2000, "the run finished before the signal: nothing was tested"
+    assert [s for s, _ in CheckpointManager(out / "checkpoints").checkpoints()] == [stopped]
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # no process of the group is left
+        os.killpg(proc.pid, 0)
+
+
+def test_ctrl_c_before_the_first_step_says_nothing_was_saved(tmp_path: Path) -> None:
+    """Ctrl-C while the run is still starting (building the corpus here): exit 130, and the last line does not
+    speak of a checkpoint that was never saved."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "elbowroom.cli", "train", "--out", str(out), *SMALL, "--steps", "2"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ELBOWROOM_CACHE=str(tmp_path / "cache"))  # a corpus to build
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "building the built-in corpus" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    output = "".join(lines) + proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert f"aborted; no checkpoint was saved in {out}" in output and "stands" not in output, output
+
+
+def test_no_command_says_so(capsys) -> None:
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert "usage: elbowroom COMMAND" in captured.out
+    assert captured.err == "elbowroom: error: no command given; choose one of train, prepare, plan, report, export\n"
+
+
 # ---------------------------------------------------------------- bad input: message, exit code 2, nothing written
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "elbowroom.cli", *args], capture_output=True, text=True,
@@ -205,13 +307,18 @@ def test_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--steps", "-3"], "train.steps must be >= 0"),
+        (["--steps", "-3"], "train.steps must be >= 1"),
+        (["--steps", "0"], "train.steps must be >= 1"),  # (it named scheduler.decay_steps, which nobody set)
         (["--steps", "abc"], "train.steps expects an integer"),
         (["--data.path", "MISSING"], "does not exist"),
         (["--data.path", "EMPTY"], "empty"),
         (["--optimizer.offload_fraction", "0.5", "--optimizer.offload_param_dtype", "bfloat16"],
          "needs bf16 autocast: set --train.dtype bf16"),
         (["--optimizer.param_dtype", "bfloat16"], "runs the model in bf16: set --train.dtype bf16"),
+        (["--activations.checkpoint", "full", "--activations.checkpoint_blocks", "7"],
+         "block index 7 out of range for a model with 2 blocks; give indices from 0 to 1"),
+        (["--activations.offload_checkpoint_inputs", "--activations.checkpoint", "full", "--activations.keep_last",
+          "2"], "pass --activations.keep_last 1 or less"),
     ],
 )
 def test_bad_input_messages(tmp_path: Path, capsys, args: list[str], message: str) -> None:
@@ -231,7 +338,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path: Path, capsys) -> None:
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert run(out, "--steps", "6", "--resume", "--model.dim", "64") == 2
     err = capsys.readouterr().err
-    assert "was written for another model" in err and "'dim': (32, 64)" in err
+    assert "would change its training: --model.dim 64 (the run has 32)" in err, err
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert before == after  # nothing overwritten
 
@@ -243,6 +350,16 @@ def test_existing_run_is_not_overwritten(tmp_path: Path, capsys) -> None:
     assert run(out, "--steps", "2") == 2
     assert "already holds a run" in capsys.readouterr().err
     assert (out / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("below", ["", "run"])
+def test_out_that_is_a_file_is_refused(tmp_path: Path, capsys, below: str) -> None:
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    assert run(file / below if below else file, "--steps", "2") == 2
+    err = capsys.readouterr().err
+    assert f"{file} is a file, not a directory; choose another --out" in err and err.count("\n") == 1, err
+    assert file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 def test_help_lists_every_option_with_default(capsys) -> None:

@@ -94,6 +94,26 @@ def _signature(path: Path) -> tuple[Any, ...]:
     return tuple(sig)
 
 
+_WRITER_PID = re.compile(r"-(\d+)$")
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the temporary ``name`` (``.tmp-step_N-PID``) belongs to a live process other than this one."""
+    m = _WRITER_PID.search(name.removeprefix(".tmp-step_").removeprefix(".old-step_"))
+    if m is None:  # no writer named (a sharded save's, whose ranks clear their own): a leftover
+        return False
+    pid = int(m.group(1))
+    if pid == os.getpid():  # our own, from a save that failed earlier in this process
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, under another user
+        return True
+    return True
+
+
 SHARDED_FORMAT = 2
 """``meta.json``'s ``format`` of a sharded (torch.distributed.checkpoint) checkpoint."""
 
@@ -191,8 +211,10 @@ class CheckpointManager:
         return final
 
     def _remove_stale_temporaries(self) -> None:
+        """Delete what crashed saves left behind, but not the temporaries of a save under way in another live
+        process (``.tmp-step_N-PID``: another run writing here, or one shutting down)."""
         for p in self.directory.iterdir():
-            if p.name.startswith((".tmp-", ".old-")):
+            if p.name.startswith((".tmp-", ".old-")) and not _writer_alive(p.name):
                 shutil.rmtree(p, ignore_errors=True)
 
     def _prune(self) -> None:

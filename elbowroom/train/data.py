@@ -8,7 +8,10 @@ here, so ``elbowroom.train.data`` remains the one import of the trainer's data l
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -286,6 +289,7 @@ def build_dataloader(
     drop_last: bool = True,
     dp_rank: int = 0,
     dp_size: int = 1,
+    worker_init_fn: Callable[[int], None] | None = None,
 ) -> DataLoader:
     """An endless, exactly resumable training loader.
 
@@ -294,8 +298,9 @@ def build_dataloader(
     batches an uninterrupted run would. Batches may span an epoch boundary; the stream never ends, so
     ``drop_last`` never drops anything. The loader gets its own ``torch.Generator``: creating an
     iterator draws the workers' base seed from it, not from the global RNG (which would shift every
-    later dropout mask and break exact resume). Workers ignore SIGINT: the trainer's main process handles
-    Ctrl-C (finish the step, save, exit) and still needs the batch in flight.
+    later dropout mask and break exact resume). Workers ignore SIGINT and SIGTERM: the trainer's main process
+    handles Ctrl-C and a scheduler's SIGTERM to the whole process group (finish the step, save, exit), still needs
+    the batch in flight, and shuts the workers down itself.
 
     Args:
         dataset: A map-style dataset.
@@ -310,6 +315,7 @@ def build_dataloader(
         drop_last: Passed to the BatchSampler.
         dp_rank: Under data parallel, this rank's index: it reads its part of each ``batch_size`` (global) batch.
         dp_size: Data-parallel ranks (``batch_size`` must divide by it).
+        worker_init_fn: Called in each worker as DataLoader calls it, after the stop signals are ignored.
 
     Returns:
         The DataLoader; iterate it as long as training runs.
@@ -324,7 +330,7 @@ def build_dataloader(
                                                        dp_size=dp_size)
     else:
         batches = BatchSampler(sampler, batch_size, drop_last=drop_last)
-    return DataLoader(
+    loader = DataLoader(
         dataset,
         batch_sampler=batches,
         num_workers=num_workers,
@@ -332,16 +338,33 @@ def build_dataloader(
         pin_memory=_pin_memory(pin_memory),
         persistent_workers=persistent_workers and num_workers > 0,
         generator=torch.Generator().manual_seed(seed),
-        worker_init_fn=_ignore_sigint if num_workers > 0 else None,
+        worker_init_fn=functools.partial(_ignore_stop_signals, then=worker_init_fn) if num_workers > 0 else None,
     )
+    if num_workers > 0:
+        # Workers that ignore SIGTERM outlive multiprocessing's exit handler (it terminates and joins them: the join
+        # would wait forever when a traceback keeps the loader alive to the end). This handler, registered after
+        # that one, runs before it and stops them the way DataLoader does when it is collected.
+        atexit.register(_shut_down_workers, weakref.ref(loader))
+    return loader
 
 
-def _ignore_sigint(worker_id: int) -> None:
-    # Ctrl-C in a terminal reaches the whole process group: a worker that died of it would fail the batch the
-    # main process is waiting for, before it could save. The main process decides how the run stops.
+def _shut_down_workers(loader_ref: weakref.ref[DataLoader]) -> None:
+    loader = loader_ref()
+    it = getattr(loader, "_iterator", None)  # persistent workers: the loader holds its iterator (torch's own name)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+
+
+def _ignore_stop_signals(worker_id: int, then: Callable[[int], None] | None = None) -> None:
+    # Ctrl-C in a terminal, and `kill -TERM -- -PGID` from a scheduler, reach the whole process group: a worker
+    # that died of either would fail the batch the main process is waiting for, before it could save. The main
+    # process decides how the run stops, and shuts the workers down when its loader goes.
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if then is not None:
+        then(worker_id)
 
 
 def build_eval_loader(

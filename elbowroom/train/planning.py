@@ -254,7 +254,7 @@ _CLI_HINTS = {
     "global_batch= lets the planner split the batch into micro-batches":
         "a smaller --data.batch_size with more --train.gradient_accumulation_steps lowers it",
     "precision='bf16' allows bf16 device weights": "--optimizer.param_dtype bfloat16 allows bf16 device weights",
-    "fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss":
+    "fused_loss=True (elbowroom.linear_cross_entropy) shrinks the head and loss":
         "--train.fused_loss true shrinks the head and loss",
     "(elbowroom plan --host-memory)": "",
 }

@@ -199,6 +199,19 @@ def apply_activations(model: DecoderLM, cfg: Config) -> None:
     apply_activation_policy(model, cfg.activations)
 
 
+def check_activation_blocks(acts: ActivationConfig, n_blocks: int) -> None:
+    """The ``[activations]`` block choice against the model's ``n_blocks``, before anything is built or written."""
+    if acts.offloads and n_blocks <= acts.keep_last:
+        raise ConfigError(f"the model has {n_blocks} block(s) and the last activations.keep_last {acts.keep_last} "
+                          f"never offload, so nothing would be offloaded; pass --activations.keep_last {n_blocks - 1} "
+                          "or less, or drop the offload settings")
+    try:
+        acts.block_policies(n_blocks)
+    except ValueError as e:
+        raise ConfigError(f"activations.checkpoint_blocks: {e}; give indices from 0 to {n_blocks - 1} (negative ones "
+                          "count from the end)") from None
+
+
 def accumulate_gradients(
     model: nn.Module,
     micro_batches: list[dict[str, Any]],
@@ -255,7 +268,10 @@ def gradient_norm(params: list[torch.Tensor], optimizer: Any) -> torch.Tensor | 
 
 
 def _check_out_dir(out: Path, resume: bool) -> None:
-    """Refuse to write over an earlier run unless resuming it."""
+    """Refuse a run directory that cannot be one (a file, or under a file), and an earlier run unless resuming it."""
+    existing_part = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing_part is not None and not existing_part.is_dir():
+        raise ConfigError(f"--out {out}: {existing_part} is a file, not a directory; choose another --out")
     if resume:
         return
     existing = [p.name for p in (out / "metrics.jsonl", out / "checkpoints") if p.exists()]
@@ -411,17 +427,55 @@ def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
         # ranks of one host share its cores: each host step gets its share (not every core, as one process would)
         cfg = replace(cfg, offload=replace(cfg.offload, cpu_threads=default_step_threads(launch.local_world_size)))
     with _restored_global_state(), start_run(cfg, launch) as run:
-        for replans in itertools.count():
-            try:
-                # the last try fails as any run does: with the OOM report, what was live against the plan
-                return _train(cfg, run, may_replan=replans < MAX_REPLANS)
-            except FirstStepOutOfMemory as e:
-                cfg = replan_after_oom(cfg, e)
+        claimed = None
+        if cfg.out is None:  # rank 0 claims a directory of its own; every rank writes there
+            claimed = run.same_on_all(new_run_directory() if run.is_main else None)
+            cfg = replace(cfg, out=str(claimed[0]))
+        try:
+            for replans in itertools.count():
+                try:
+                    # the last try fails as any run does: with the OOM report, what was live against the plan
+                    return _train(cfg, run, may_replan=replans < MAX_REPLANS)
+                except FirstStepOutOfMemory as e:
+                    cfg = replan_after_oom(cfg, e)
+        except BaseException:
+            if claimed is not None and run.is_main:  # a run that failed before its first step leaves nothing
+                _release_run_directory(*claimed)
+            raise
+
+
+def new_run_directory(root: str | os.PathLike = "runs", stamp: str | None = None) -> tuple[Path, bool]:
+    """Create a run directory no other run has: ``root/YYYYmmdd-HHMMSS``, or ``-2``, ``-3``... after it when
+    another run took that name (two runs started in the same second). ``os.mkdir`` is the claim: it fails for
+    every process but one.
+
+    Returns:
+        The directory, and whether ``root`` was created for it.
+    """
+    root = Path(root)
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
+    made_root = not root.is_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        path = root / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            os.mkdir(path)
+            return path, made_root
+        except FileExistsError:
+            n += 1
+
+
+def _release_run_directory(path: Path, made_root: bool) -> None:
+    """Remove a claimed run directory that nothing was written to (and ``runs/`` if it was made for it)."""
+    with contextlib.suppress(OSError):  # not empty: something was written, it stays
+        path.rmdir()
+        if made_root:
+            path.parent.rmdir()
 
 
 def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainResult:
-    if cfg.out is None:
-        cfg = replace(cfg, out=run.same_on_all(time.strftime("runs/%Y%m%d-%H%M%S")))
+    assert cfg.out is not None, "train() claims the run directory"
     out = Path(cfg.out)
     _check_out_dir(out, cfg.resume)
     device = run.place(resolve_device(cfg.train.device))
@@ -493,6 +547,9 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
             f"checkpoint {loaded.path} was written for another model (checkpoint vs now: {diff}); "
             "resume with the same --model settings, or start a new run with another --out"
         )
+    n_blocks = model_cfg.n_layers if model_cfg is not None else getattr(hf_config, "num_hidden_layers", None)
+    if n_blocks is not None and run.model_ranks == 1:  # (tensor and pipeline parallel apply them per stage)
+        check_activation_blocks(cfg.activations, n_blocks)
     if device.type == "cpu" and model_cfg is not None:
         check_host_memory(cfg, model_cfg)
     schedule_steps = schedule_length(cfg, loaded)
