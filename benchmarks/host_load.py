@@ -33,24 +33,26 @@ from elbowroom.models.workloads import WORKLOADS  # noqa: E402
 from elbowroom.optim.config import default_step_threads  # noqa: E402
 
 
-class HostLoad:
-    """A thread stepping fused CPU AdamW on ``numel`` parameters on the optimizer's thread count until stopped."""
+class _Background:
+    """A thread running ``_work`` over and over from ``with`` to its end, counting the rounds in ``steps``."""
 
-    def __init__(self, numel: int) -> None:
-        self.p = torch.nn.Parameter(torch.zeros(numel))
-        self.p.grad = torch.full((numel,), 1e-3)
-        self.opt = torch.optim.AdamW([self.p], lr=1e-4, fused=True)
+    def __init__(self) -> None:
         self.stop = threading.Event()
         self.steps = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        torch.set_num_threads(default_step_threads())
-        while not self.stop.is_set():
-            self.opt.step()
-            self.steps += 1
+    def _setup(self) -> None:
+        """Once, on the thread, before the first round."""
 
-    def __enter__(self) -> HostLoad:
+    def _work(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        self._setup()
+        while not self.stop.is_set():
+            self._work()
+
+    def __enter__(self) -> _Background:
         self.thread.start()
         return self
 
@@ -59,36 +61,44 @@ class HostLoad:
         self.thread.join()
 
 
-class Churn:
+class HostLoad(_Background):
+    """A thread stepping fused CPU AdamW on ``numel`` parameters on the optimizer's thread count until stopped."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(numel))
+        self.p.grad = torch.full((numel,), 1e-3)
+        self.opt = torch.optim.AdamW([self.p], lr=1e-4, fused=True)
+
+    def _setup(self) -> None:
+        torch.set_num_threads(default_step_threads())
+
+    def _work(self) -> None:
+        self.opt.step()
+        self.steps += 1
+
+
+class Churn(_Background):
     """A thread doing what the optimizer's workers do per parameter until stopped: a view, a small copy and a few
     lines of Python, over and over (each tensor op releases the interpreter's lock and takes it back)."""
 
     def __init__(self, ops: int, gap: float) -> None:
+        super().__init__()
         self.src = torch.zeros(1 << 16)
         self.dst = torch.zeros(1 << 16)
         self.ops, self.gap = ops, gap
-        self.stop = threading.Event()
-        self.steps = 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
+    def _setup(self) -> None:
         torch.set_grad_enabled(False)
-        while not self.stop.is_set():
-            for i in range(self.ops):
-                a = (i * 64) % 4096
-                view = self.dst[a : a + 64].view(8, 8)
-                view.copy_(self.src[a : a + 64].view(8, 8))
-                self.steps += 1
-            if self.gap:
-                time.sleep(self.gap)
 
-    def __enter__(self) -> Churn:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
+    def _work(self) -> None:
+        for i in range(self.ops):
+            a = (i * 64) % 4096
+            view = self.dst[a : a + 64].view(8, 8)
+            view.copy_(self.src[a : a + 64].view(8, 8))
+            self.steps += 1
+        if self.gap:
+            time.sleep(self.gap)
 
 
 def main() -> None:
@@ -132,7 +142,7 @@ def main() -> None:
         quiet = None
         for loaded in (False, True, False):
             step()
-            load = None
+            load: _Background | None = None
             if loaded:
                 load = HostLoad(args.numel) if args.load == "adamw" else Churn(args.churn_ops, args.churn_gap)
             if load is not None:

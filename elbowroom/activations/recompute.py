@@ -251,9 +251,9 @@ def reentrant_default() -> bool:
     a recomputed block costs the host less, once in the forward and once per saved tensor in the backward (a small
     Hugging Face block on CPU: 0.39 ms over a plain step against 0.82), and its backward runs without the
     interpreter's lock that the optimizer's threads share. Where the host bounds the step that is the step's time:
-    GPT-2-XL at 24 GiB ran 17% faster (``BENCHMARKS.md``). It does not work with ``torch.autograd.grad`` nor with
-    ``backward(inputs=...)`` (torch raises); a loop using them passes ``reentrant=False`` to
-    :func:`elbowroom.fit`.
+    GPT-2-XL at 24 GiB trained 22-25% more tokens per second (``BENCHMARKS.md``). It does not work with
+    ``torch.autograd.grad`` nor with ``backward(inputs=...)`` (torch raises); a loop using them passes
+    ``reentrant=False`` to :func:`elbowroom.fit`.
     """
     import torch.distributed as dist
 

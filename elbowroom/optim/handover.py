@@ -361,6 +361,7 @@ class Handover:
         owned: set[int] = set()
         readers = _fsdp_readers(model)
         waits: dict[int, tuple[torch.nn.Module, list[Bucket]]] = {}
+        owners: list[tuple[torch.nn.Module, list[Bucket]]] = []
         for mod in model.modules():
             buckets: list[Bucket] = []
             for p in mod.parameters(recurse=False):
@@ -375,12 +376,12 @@ class Handover:
                 reader = readers.get(id(mod), mod)
                 _, have = waits.setdefault(id(reader), (reader, []))
                 have.extend(b for b in buckets if b not in have)
+                # model.state_dict() (or a block's) right after step() would hand out weights whose update has not
+                # landed: saved, they are the step before's, or half of it
+                owners.append((mod, buckets))
         hooks = [reader.register_forward_pre_hook(forward_hook(opt, buckets), prepend=_is_fsdp(reader))
                  for reader, buckets in waits.values()]
-        # model.state_dict() (or a block's) right after step() would hand out weights whose update has not landed:
-        # saved, they are the step before's, or half of it
-        hooks += [mod.register_state_dict_pre_hook(state_dict_hook(opt, list(dict.fromkeys(hp.bucket for hp in hps))))
-                  for mod, hps in self._owners(model)]
+        hooks += [mod.register_state_dict_pre_hook(state_dict_hook(opt, buckets)) for mod, buckets in owners]
         missing = [hp.index for hp in self.placement.hps if id(hp.owner) not in owned]
         if missing:
             for h in hooks:
@@ -397,15 +398,6 @@ class Handover:
             torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)  # stream wait
             if self.sharded:  # FSDP2's all-gather stream reads the shards, and waits for no stream of ours
                 self.streams.h2d.synchronize()  # host wait for the copies
-
-    def _owners(self, model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[HostParam]]]:
-        """Each module of ``model`` that owns offloaded parameters, with them."""
-        out = []
-        for mod in model.modules():
-            hps = [hp for p in mod.parameters(recurse=False) if (hp := self.placement.hp_of.get(p)) is not None]
-            if hps:
-                out.append((mod, hps))
-        return out
 
     def await_buckets(self, buckets: list[Bucket]) -> None:
         """Lazy mode: wait until these buckets' last CPU steps are done and order the current stream after

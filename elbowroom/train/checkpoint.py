@@ -106,11 +106,11 @@ def _writer_alive(name: str) -> bool:
     if pid == os.getpid():  # our own, from a save that failed earlier in this process
         return False
     try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists (PermissionError: it does, another user's)
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, under another user
-        return True
+    except PermissionError:
+        pass
     return True
 
 
