@@ -464,3 +464,74 @@ def test_bf16_overlap_with_forward_race_detector(cast_on_device: bool, offload_g
         nets.append(net)
     for a, b in zip(*(n.parameters() for n in nets)):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_streamed_race_detector(clip: float | None, offload_gradients: bool, mixed: bool) -> None:
+    # host state stepped on the device (stream_params) through a ring of two small slots, steps back to back in the
+    # lazy mode with no host sync. With every offloaded parameter streamed and no clipping the run is bitwise torch's
+    # fused AdamW on the GPU (the same kernel), so a missing wait on a slot, the state's copy back, the gradient or
+    # the weights shows up as a difference; mixed with host-stepped ones (the CPU kernel rounds otherwise), close.
+    knobs(stream_slot_numel=1 << 16, offload_gradients=offload_gradients)
+    net, ref_net = seeded(BigNet)
+    late = last_fraction(net.parameters(), 0.6)
+    streamed = [p for p in late if p.dim() == 2][:2] if mixed else late
+    opt = make_opt(net.parameters(), torch.optim.AdamW, offload_params=late, stream_params=streamed, lr=1e-4)
+    opt.overlap_with_forward(net)
+    ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-4, fused=True)
+    inputs = [torch.randn(8, 3, 32, 32, device="cuda") for _ in range(10)]
+    for x in inputs:
+        net(x).pow(2).mean().backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_weights()
+    for x in inputs:
+        ref_net(x).pow(2).mean().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref_net.parameters(), clip)
+        ref.step()
+        ref.zero_grad()
+    assert_weights_close(net, ref_net)
+    if not mixed and clip is None:
+        for a, b in zip(net.parameters(), ref_net.parameters()):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    ids = {id(p) for p in streamed}
+    sd = opt.state_dict()
+    for i, p in enumerate(net.parameters()):
+        if id(p) in ids:
+            assert float(sd["state"][i]["step"]) == len(inputs)
+            assert sd["state"][i]["exp_avg"].is_pinned()
+    opt.close()
+
+
+def test_streamed_bf16_matches_device_masters() -> None:
+    # bf16 device weights with fp32 masters (master_weights=True): streamed from host masters, or stepped on fp32
+    # masters kept on the device, both run torch's fused kernel on the GPU over the upcast gradients and cast the
+    # master into the weight: bitwise the same weights, step after step in the lazy mode
+    inputs = [torch.randn(8, 3, 32, 32, device="cuda") for _ in range(6)]
+    nets = []
+    for stream in (False, True):
+        net, _ = seeded(BigNet)
+        for p in net.parameters():
+            if p.dim() > 1:
+                p.data = p.data.to(torch.bfloat16)  # the same Parameter objects, now bf16
+        late = last_fraction(net.parameters(), 0.6) if stream else []
+        opt = make_opt(net.parameters(), offload_params=late, stream_params=late, master_weights=True, lr=1e-3)
+        opt.overlap_with_forward(net)
+        for x in inputs:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = net(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_weights()
+        assert (opt.stats()["h2d_bytes"] > 0) == stream
+        nets.append(net)
+        opt.close()
+    for a, b in zip(*(n.parameters() for n in nets)):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -64,6 +64,22 @@ def adam_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[s
     return st
 
 
+def fused_kernel(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """torch's fused Adam or AdamW kernel for this optimizer and the keyword arguments of ``group`` it takes."""
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+    beta1, beta2 = group["betas"]
+    kw = {
+        "lr": float(group["lr"]),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "weight_decay": float(group["weight_decay"]),
+        "eps": float(group["eps"]),
+        "amsgrad": False,
+        "maximize": bool(group.get("maximize", False)),
+    }
+    return (torch._fused_adamw_ if decoupled else torch._fused_adam_), kw
+
+
 def step_chunked(
     optimizer: torch.optim.Optimizer,
     group: dict[str, Any],
@@ -96,18 +112,7 @@ def step_chunked(
     st = adam_state(optimizer, master)
     if count_step:
         st["step"] += 1
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    beta1, beta2 = group["betas"]
-    kw = {
-        "lr": float(group["lr"]),
-        "beta1": float(beta1),
-        "beta2": float(beta2),
-        "weight_decay": float(group["weight_decay"]),
-        "eps": float(group["eps"]),
-        "amsgrad": False,
-        "maximize": bool(group.get("maximize", False)),
-    }
+    fused, kw = fused_kernel(optimizer, group)
     p, m, v = (shards.local(t).view(-1)[a:e] for t in (master, st["exp_avg"], st["exp_avg_sq"]))
     g = grad.view(-1)
     if g.numel() != e - a:
@@ -157,14 +162,10 @@ def step_batched(
     states = [adam_state(optimizer, m) for m in masters]
     steps = [st["step"] for st in states]
     torch._foreach_add_(steps, 1)
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    beta1, beta2 = group["betas"]
+    fused, kw = fused_kernel(optimizer, group)
     ups = list(scratch[: sum(sizes)].split(sizes))
     torch._foreach_copy_(ups, [g.reshape(-1) for g in grads])
     flat = [m.view(-1) for m in masters]
     fused(flat, ups, [st["exp_avg"].view(-1) for st in states], [st["exp_avg_sq"].view(-1) for st in states], [],
-          steps, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-          weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
-          maximize=bool(group.get("maximize", False)))
+          steps, **kw)
     torch._foreach_copy_([o.view(-1) for o in outs], flat)

@@ -46,6 +46,24 @@ class Streams:
         self.cuda = device.type == "cuda"
         self.d2h: Any = torch.cuda.Stream(device) if self.cuda else None
         self.h2d: Any = torch.cuda.Stream(device) if self.cuda else None
+        # the streamed parameters' state, up and back (stream_step): streams of their own, so that the host-stepped
+        # buckets' gradients and weights do not queue behind it (on one stream the link carried one, then the other)
+        self.state_h2d: Any = torch.cuda.Stream(device) if self.cuda else None
+        self.state_d2h: Any = torch.cuda.Stream(device) if self.cuda else None
+
+    def after_updates(self) -> None:
+        """Order later work of this thread's current stream after every weight update enqueued so far (a stream
+        wait; a no-op on CPU)."""
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self.h2d)
+            cur.wait_stream(self.state_h2d)
+
+    def sync_updates(self) -> None:
+        """Host wait until every weight update enqueued so far has landed (a no-op on CPU)."""
+        if self.cuda:
+            self.h2d.synchronize()
+            self.state_h2d.synchronize()
 
     def record(self, stream: Any = None) -> Any:
         """An event at the current position of ``stream`` (default: this thread's current stream)."""

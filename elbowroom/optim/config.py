@@ -105,6 +105,12 @@ class CPUOffloadConfig:
     jobs step as they arrive. On W1 at 8 GiB ``"needed_first"`` ran at 75-81% of plain where ``"arrival"`` ran at
     58-64%, in one call (``BENCHMARKS.md``): the next forward starts once the first weights are back and goes on as
     the rest land, instead of waiting for the late layers' steps before its first block."""
+    stream_slot_numel: int = 1 << 24
+    """Elements per slot of the device ring that streamed parameters (``stream_params``) step through: each slot holds
+    that many fp32 elements of master, both moments and the upcast gradient (16 B each); a bigger parameter steps chunk
+    by chunk. A multiple of 64."""
+    stream_slots: int = 2
+    """Slots of that ring: the states of one chunk come up while the one before steps and goes back."""
     trace_steps: bool = False
     """Record each step's timeline in ``stats()["trace"]`` (hand-over, copy, CPU step, forward waits)."""
     join_timeout_s: float = 10.0
@@ -138,6 +144,11 @@ class CPUOffloadConfig:
             raise ValueError(f"cpu_threads must be an int >= 1, or None for the default, got {self.cpu_threads!r}")
         if not _is_int(self.host_chunk_numel) or self.host_chunk_numel < 64 or self.host_chunk_numel % 64:
             raise ValueError(f"host_chunk_numel must be a positive multiple of 64, got {self.host_chunk_numel!r}")
+        if not _is_int(self.stream_slot_numel) or self.stream_slot_numel < 64 or self.stream_slot_numel % 64:
+            raise ValueError(f"stream_slot_numel must be a positive multiple of 64, got {self.stream_slot_numel!r}")
+        if not _is_int(self.stream_slots) or self.stream_slots < 1:
+            raise ValueError(f"stream_slots must be an int >= 1 (2 lets a chunk's copies overlap the next), "
+                             f"got {self.stream_slots!r}")
         if not _is_int(self.device_chunk_numel) or self.device_chunk_numel < 1:
             raise ValueError(f"device_chunk_numel must be a positive int, got {self.device_chunk_numel!r}")
         t = self.join_timeout_s

@@ -62,6 +62,7 @@ import torch
 from elbowroom.optim.buffers import Closed, HostMemory, SlotPool, Streams, nbytes, piece_spans
 from elbowroom.optim.config import CPUOffloadConfig, default_step_threads
 from elbowroom.optim.host_step import HostStep
+from elbowroom.optim.stream_step import DeviceStep
 
 if TYPE_CHECKING:
     from elbowroom.optim.placement import Bucket, HostParam, Staging
@@ -113,7 +114,7 @@ class Job:
     finished: bool = False
 
 
-class Engine(HostStep):
+class Engine(HostStep, DeviceStep):
     """The copy thread and the step thread of one optimizer (see the module docstring for who owns what).
 
     Args:
@@ -137,6 +138,10 @@ class Engine(HostStep):
         self.h2d_events: list[Any] = [None] * len(staging.h2d)  # step thread only
         self.h2d_next = 0  # step thread only
         self.scratch = staging.scratch  # step thread only
+        # streamed parameters: the device ring they step through, and each slot's last copy back (step thread only)
+        self.stream_ring = staging.stream_ring
+        self.stream_events: list[Any] = [None] * len(staging.stream_ring)
+        self.stream_next = 0
         self.offload_gradients = config.offload_gradients
         # offload_gradients: several jobs wait at once; step the one the next forward needs first (_next_ready)
         self.needed_first = config.offload_gradients and config.step_order == "needed_first"
@@ -354,7 +359,9 @@ class Engine(HostStep):
         # a parameter too big for a slot is copied piece by piece, by this thread after the hand-over or else
         # by the step thread when it steps (the job keeps the device grad referenced until then); only a stale
         # master is re-read here
-        todo = [] if pieces else [(i, hp, g) for i, (hp, g) in enumerate(zip(job.params, job.grads)) if g is not None]
+        # a streamed bucket's gradients stay on the device, where it steps (stream_step)
+        keep = pieces or job.bucket.streamed
+        todo = [] if keep else [(i, hp, g) for i, (hp, g) in enumerate(zip(job.params, job.grads)) if g is not None]
         if not todo and not job.refresh:
             return stream
         dests = []
@@ -382,7 +389,7 @@ class Engine(HostStep):
             for hp in job.refresh:
                 hp.master.copy_(hp.param.detach(), non_blocking=True)
             job.copied = s.record(s.d2h)
-        if not pieces:
+        if not keep:
             # drop our references: the device grads may be freed now (record_stream keeps the copy safe)
             job.grads = [None] * len(job.grads)
         return stream
@@ -470,8 +477,9 @@ class Engine(HostStep):
                     self._done(job)
                 return
             if isinstance(msg, Gate):
-                # forward order: the next forward needs the first offloaded weights first
-                waiting.sort(key=lambda j: j.params[0].index)
+                # streamed ones first (they only enqueue device work: the link steps them while the host steps the
+                # others), then forward order: the next forward needs the first offloaded weights first
+                waiting.sort(key=lambda j: (not j.bucket.streamed, j.params[0].index))
                 for job in waiting:
                     self._run(self._post, job)
                 waiting.clear()
@@ -485,7 +493,7 @@ class Engine(HostStep):
             if job.kind == "accumulate":
                 self._done(job)
             elif job.gate is not None and job.gate.open:
-                if self.needed_first:
+                if self.needed_first and not job.bucket.streamed:  # streamed: enqueued at once, the link does it
                     ready.append(job)
                 else:
                     self._run(self._post, job)
@@ -542,7 +550,10 @@ class Engine(HostStep):
             plan = job.gate.plan
             assert plan is not None
             if not plan.skip:
-                self._step_bucket(job, plan)
+                if job.bucket.streamed:
+                    self._step_streamed(job, plan)
+                else:
+                    self._step_bucket(job, plan)
                 self.note_state(job.bucket)  # the step thread owns the bucket's state here
         finally:
             self._drain_pieces(job)

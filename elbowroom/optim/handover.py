@@ -112,6 +112,8 @@ class Handover:
             grad: the device gradient (None: nothing new since earlier micro-batches).
             early: handed over by the hook during backward, before any post-backward edit.
         """
+        if hp.streamed and kind == "accumulate":
+            return  # it steps on the device: earlier micro-batches accumulate there, as torch's own
         p = hp.owner
         grad = None if grad is None else shards.local(grad)  # FSDP2: this rank's shard of the reduced gradient
         offload_gradients = self.config.offload_gradients
@@ -293,7 +295,8 @@ class Handover:
             )
             self.engine.open_gate(gate, plan)  # the CPU steps start now, while step() runs the device part
             held, self.held = self.held, []
-            for job in sorted(held, key=lambda j: j.params[0].index):  # forward order
+            # streamed first (their device work only needs enqueueing), then forward order
+            for job in sorted(held, key=lambda j: (not j.bucket.streamed, j.params[0].index)):
                 self.engine.submit(job)
         return skip, dev_mults, hyper
 
@@ -394,10 +397,13 @@ class Handover:
         """Wait for all CPU work; later work on the compute stream sees the updated weights."""
         self.engine.wait_idle()  # host wait for the CPU steps
         self.inflight.clear()
+        for b in self.placement.buckets:
+            if b.d2h_event is not None:  # streamed: written by the step thread before its job finished (waited above)
+                b.d2h_event.synchronize()  # host wait: the state read next is the one the device step wrote back
         if self.streams.cuda:
-            torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)  # stream wait
+            self.streams.after_updates()  # stream wait
             if self.sharded:  # FSDP2's all-gather stream reads the shards, and waits for no stream of ours
-                self.streams.h2d.synchronize()  # host wait for the copies
+                self.streams.sync_updates()  # host wait for the copies
 
     def await_buckets(self, buckets: list[Bucket]) -> None:
         """Lazy mode: wait until these buckets' last CPU steps are done and order the current stream after

@@ -67,6 +67,7 @@ from elbowroom.optim.placement import (
     param_groups_on_one_device,
     probe_optimizer_class,
     select_offloaded,
+    select_streamed,
 )
 from elbowroom.optim.stats import StepStats
 
@@ -145,6 +146,12 @@ class CPUOffloadOptimizer(Optimizer):
         keep_dtype: offloaded parameters whose device copy keeps its dtype under ``param_dtype``, for example the
             embedding tables, whose output would otherwise carry ``param_dtype`` into a residual stream that
             autocast keeps in fp32 (:func:`elbowroom.plan.apply` passes every ``nn.Embedding``'s weight).
+        stream_params: offloaded parameters whose state stays on the host but steps on the device: each step their
+            fp32 master and moments come up into a small device ring (``CPUOffloadConfig.stream_slots`` x
+            ``stream_slot_numel`` x 16 B), torch's fused Adam(W) steps them next to the gradient, and they go back
+            (:mod:`elbowroom.optim.stream_step`). 12 B per parameter each way on the link instead of 4, no host CPU
+            work, no host gradient; their gradients stay on the device until their step, also with
+            ``offload_gradients``. Torch's Adam/AdamW only (fused, no AMSGrad).
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``...).
 
     Raises:
@@ -168,6 +175,7 @@ class CPUOffloadOptimizer(Optimizer):
         master_weights: bool | None = None,
         param_dtype: torch.dtype | None = None,
         keep_dtype: Iterable[torch.Tensor] | None = None,
+        stream_params: Iterable[torch.Tensor] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
@@ -225,6 +233,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._stats = StepStats()
 
         offloaded = select_offloaded(all_params, cfg.offload_fraction, offload_params)
+        self._placement.streamed = select_streamed(stream_params, all_params, offloaded, optimizer_class, cpu_kwargs)
         check_host_memory(sum(p.numel() for p in all_params if id(p) in offloaded), state_ratio, cfg)
         for gi, group in enumerate(self.param_groups):
             self._place(gi, group["params"], offloaded)
@@ -417,7 +426,7 @@ class CPUOffloadOptimizer(Optimizer):
             wait_s = time.perf_counter() - t_wait
             if self._streams.cuda:
                 # stream wait: later work on the compute stream (the next forward) reads the new weights
-                torch.cuda.current_stream(self.device).wait_stream(self._streams.h2d)
+                self._streams.after_updates()
 
         self._end_step()
         if wait_s is None:  # lazy: what forward pre-hooks waited since the last step (one step behind)

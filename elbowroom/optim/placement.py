@@ -106,6 +106,10 @@ class HostParam:
         # here directly, at link speed; later micro-batches stage in a slot and are added to it
         self.hgrad: torch.Tensor | None = None
         self.hgrad_valid = False  # holds this step's gradient (set by the copy thread, reset after the step)
+        # streamed (``stream_params``): the state stays on the host but steps on the device; its pinned moments
+        # (exp_avg, exp_avg_sq), which become the inner optimizer's state at the first step (step thread)
+        self.streamed = False
+        self.stream_state: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def staging(self, slot: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Its region of a staging slot, as a tensor of ``dtype`` (default: a staged gradient's)."""
@@ -127,6 +131,9 @@ class Bucket:
         self.arrived: list[tuple[HostParam, torch.Tensor | None]] = []
         self.arrived_kind = "final"
         self.h2d_event: Any = None
+        # streamed: its parameters step on the device from host state (all or none of a bucket's)
+        self.streamed = bool(params) and params[0].streamed
+        self.d2h_event: Any = None  # streamed: the last copy of its state back to the host (step thread writes)
         off = eoff = 0
         for hp in params:
             hp.bucket = self
@@ -164,6 +171,39 @@ def select_offloaded(
             taken += nbytes(p)
     return out
 
+
+
+def select_streamed(
+    chosen: Iterable[torch.Tensor] | None,
+    params: list[torch.Tensor],
+    offloaded: set[int],
+    optimizer_class: type[Optimizer],
+    cpu_kwargs: dict[str, Any],
+) -> set[int]:
+    """ids of the offloaded parameters that step on the device from their host state (``stream_params``).
+
+    Raises:
+        ValueError: a streamed parameter that is not offloaded, not contiguous, or an optimizer other than
+            torch's fused Adam/AdamW without AMSGrad (the device kernel the streamed step calls).
+    """
+    if chosen is None:
+        return set()
+    ids = {id(p) for p in chosen}
+    if not ids:
+        return ids
+    if not ids <= offloaded:
+        known = {id(p) for p in params}
+        what = "are not parameters of this optimizer" if not ids <= known else "are not offloaded (offload_params)"
+        raise ValueError(f"stream_params lists tensors that {what}; streamed parameters are offloaded ones")
+    probe = optimizer_class([torch.zeros(64, requires_grad=True)], **cpu_kwargs)
+    if not _host_adam.supports(probe):
+        raise ValueError(
+            f"stream_params steps with torch's fused Adam/AdamW kernel; {optimizer_class.__name__} with "
+            f"{cpu_kwargs} cannot (use torch.optim.AdamW or Adam without amsgrad, or leave stream_params out)"
+        )
+    if any(not p.is_contiguous() for p in params if id(p) in ids):
+        raise ValueError("stream_params needs contiguous parameters")
+    return ids
 
 
 def probe_optimizer_class(
@@ -291,6 +331,8 @@ class Staging:
     """Pinned staging bytes in all."""
     chunked: bool
     """Some bucket of low-precision parameters steps chunk by chunk (``chunked_host_step``)."""
+    stream_ring: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Device slots the streamed parameters step through (:meth:`Placement.stream_ring`)."""
 
 
 class Placement:
@@ -331,6 +373,7 @@ class Placement:
         self.dev_params: list[torch.Tensor] = []
         self.dev_masters: dict[torch.Tensor, torch.Tensor] = {}  # resident low-precision param -> fp32 master
         self.keep_dtype: set[int] = set()  # ids of offloaded parameters that param_dtype leaves in their dtype
+        self.streamed: set[int] = set()  # ids of offloaded parameters that step on the device (``stream_params``)
 
     def place(
         self, gi: int, base: int, params: list[torch.Tensor], offloaded: set[int], hyper: dict[str, Any]
@@ -367,7 +410,13 @@ class Placement:
                     cast_on_device=cfg.cast_on_device,
                 )
                 hp = HostParam(base + j, gi, shard, master, device_cast=cfg.cast_on_device, owner=p)
-                if cfg.offload_gradients:
+                if id(p) in self.streamed:
+                    if shards.is_sharded(p):
+                        raise ValueError("stream_params steps whole parameters, not FSDP2 shards")
+                    hp.streamed = True
+                    hp.stream_state = (self.host.empty(shard.shape, torch.float32, pinned=True),
+                                       self.host.empty(shard.shape, torch.float32, pinned=True))
+                elif cfg.offload_gradients:
                     # gradients leave the device at link speed, whatever the CPU step's pace, in the dtype they
                     # are staged in: fp32 when the casts run on the device (+4 B/param), so that the host step
                     # is the fused fp32 kernel and not the upcast path (half its pace: ``_host_adam``)
@@ -420,7 +469,7 @@ class Placement:
         size = 0
         for hp in ordered:
             n = align(nbytes(hp.param))
-            if chunk and size + n > self.config.bucket_bytes:
+            if chunk and (size + n > self.config.bucket_bytes or hp.streamed != chunk[0].streamed):
                 new.append(self._new_bucket(chunk, hyper))
                 chunk, size = [], 0
             chunk.append(hp)
@@ -456,7 +505,8 @@ class Placement:
         hp = b.params[0]
         piece_bytes = align(self.config.bucket_bytes)
         if (
-            b.staging_bytes <= piece_bytes
+            b.streamed
+            or b.staging_bytes <= piece_bytes
             or len(b.params) != 1
             or self.config.offload_gradients
             or not _host_adam.supports(b.optimizer)
@@ -480,25 +530,38 @@ class Placement:
         piece_bytes = align(cfg.bucket_bytes)
         for b in self.buckets:
             b.piece_numel = self.piece_numel(b)
-        whole = [b.staging_bytes for b in self.buckets if not b.piece_numel]
+        whole = [b.staging_bytes for b in self.buckets if not b.piece_numel and not b.streamed]
         pieces = any(b.piece_numel for b in self.buckets)
         # the pool's slots also carry pieces, which the copy thread streams into them ahead of the step
         slot_bytes = max([*whole, piece_bytes if pieces else 0], default=0)
         slots = [self.host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(cfg.num_staging_slots)]
         piece_slots = [self.host.empty(piece_bytes, torch.uint8, pinned=True) for _ in range(2)] if pieces else []
-        needs_cast = any(not hp.same_dtype and not hp.device_cast for hp in self.hps)
+        needs_cast = any(not hp.same_dtype and not hp.device_cast and not hp.streamed for hp in self.hps)
         h2d = [self.host.empty(slot_bytes, torch.uint8, pinned=True) for _ in range(2)] if needs_cast else []
         # fp32 scratch for host gradients of another dtype than their master (casts on the host): one chunk when
         # those buckets step chunk by chunk, else room for a bucket's upcast. None when every gradient reaches the
         # host in its master's dtype (casts on the device)
-        cast = [h for h in self.hps if h.master.dtype != (h.hgrad.dtype if h.hgrad is not None else h.stage_dtype)]
+        cast = [h for h in self.hps
+                if not h.streamed and h.master.dtype != (h.hgrad.dtype if h.hgrad is not None else h.stage_dtype)]
         scratch = None
         if cast:
             if cfg.chunked_host_step and all(hp.bucket.chunked for hp in cast):
                 numel = min(cfg.host_chunk_numel, max(hp.param.numel() for hp in cast))
             else:
-                numel = max(b.scratch_numel for b in self.buckets)
+                numel = max(b.scratch_numel for b in self.buckets if not b.streamed)
             scratch = self.host.empty(numel, torch.float32, pinned=False)
         total = slot_bytes * (cfg.num_staging_slots + len(h2d)) + piece_bytes * len(piece_slots)
-        chunked = cfg.chunked_host_step and any(b.chunked for b in self.buckets)
-        return Staging(slots, piece_slots, h2d, scratch, slot_bytes if self.buckets else 0, total, chunked)
+        chunked = cfg.chunked_host_step and any(b.chunked for b in self.buckets if not b.streamed)
+        return Staging(slots, piece_slots, h2d, scratch, slot_bytes if self.buckets else 0, total, chunked,
+                       self.stream_ring())
+
+    def stream_ring(self) -> list[torch.Tensor]:
+        """The device ring the streamed parameters step through: ``stream_slots`` flat fp32 slots, each of four
+        regions (master, exp_avg, exp_avg_sq, upcast gradient) of ``stream_slot_numel`` elements, or of the largest
+        streamed parameter's when that is smaller (empty without streamed parameters)."""
+        streamed = [hp for hp in self.hps if hp.streamed]
+        if not streamed:
+            return []
+        cfg = self.config
+        numel = min(cfg.stream_slot_numel, -(-max(hp.param.numel() for hp in streamed) // 64) * 64)
+        return [torch.empty(4 * numel, dtype=torch.float32, device=self.device) for _ in range(cfg.stream_slots)]
