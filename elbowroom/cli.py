@@ -200,6 +200,9 @@ def cmd_prepare(argv: list[str]) -> int:
         meta = prepare(args.input, args.output, tokenizer=args.tokenizer, progress=not args.no_progress)
     except (DataError, ImportError) as e:
         return _fail("prepare", str(e))
+    except KeyboardInterrupt:  # prepare() removed what it was writing (a file there from before stands)
+        logging.getLogger("elbowroom").warning("interrupted; %s was not written", args.output)
+        return 128 + signal.SIGINT
     logging.getLogger("elbowroom").info(
         "wrote %s: %s tokens (%s, vocab %s)", args.output, f"{meta['num_tokens']:,}", meta["dtype"], meta["vocab_size"]
     )

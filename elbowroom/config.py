@@ -10,12 +10,16 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
+import os
+import re
 import sys
 import textwrap
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from functools import cache
+from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 # The mechanisms own their config dataclasses (frozen, validated, one docstring per field); the run's config
@@ -402,9 +406,27 @@ ALIASES = {
 
 
 # ---------------------------------------------------------------- field docs
+_ROLE = re.compile(r":(?:py:)?(\w+):`([^`]+)`")  # :func:`name`, :class:`~pkg.Name`, :meth:`title <target>`
+
+
+def _plain_text(doc: str) -> str:
+    """A docstring as ``--help`` shows it: a reST role as its target's name (a function's with "()", a ``~`` target's
+    last component) and double-backquoted literals without their backquotes."""
+
+    def role(m: re.Match[str]) -> str:
+        kind, target = m.groups()
+        if target.endswith(">") and "<" in target:  # an explicit title
+            return target.split("<", 1)[0].strip()
+        if target.startswith("~"):  # shown as its last component
+            target = target[1:].rsplit(".", 1)[-1]
+        return f"{target}()" if kind in ("func", "meth") else target
+
+    return _ROLE.sub(role, doc).replace("``", "")
+
+
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstrings under each field of a dataclass, read from its source."""
+    """The docstrings under each field of a dataclass, read from its source, as plain text."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):  # source unavailable (frozen app): no help text, nothing breaks
@@ -419,7 +441,7 @@ def field_docs(cls: type) -> dict[str, str]:
             and isinstance(nxt.value, ast.Constant)
             and isinstance(nxt.value.value, str)
         ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+            docs[node.target.id] = _plain_text(" ".join(nxt.value.value.split()))
     return docs
 
 
@@ -594,6 +616,63 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 
 
+# ---------------------------------------------------------------- a file given to the wrong option
+# each of elbowroom's files: what it is, and how `elbowroom train` takes it
+_FILE_KINDS = {
+    "plan": ("a plan file", "pass it with --plan {path}"),
+    "config": ("a run config", "pass it with --config {path}"),
+    "profile": ("a profile", "plan from it with `elbowroom plan --profile {path} --budget SIZE --out plan.toml`, then "
+                "pass --plan plan.toml"),
+}
+
+
+def file_kind(path: str | os.PathLike[str]) -> str | None:
+    """Which of elbowroom's files ``path`` is, read from its keys: "plan" (``elbowroom plan --out``, a run's
+    OUT/plan.toml), "profile" (the JSON ``elbowroom plan --profile`` reads), "config" (a run's config.toml), or None
+    (another file, or none at all)."""
+    p = Path(path)
+    if p.suffix not in (".toml", ".json") or not p.is_file():
+        return None  # (a token file may be gigabytes: only these are read)
+    try:
+        data = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):  # (TOML's and JSON's decode errors are ValueErrors)
+        return None
+    if not isinstance(data, dict):
+        return None
+    if {"blocks", "budget_bytes"} <= data.keys():
+        return "plan"
+    if {"blocks", "machine", "head"} <= data.keys():
+        return "profile"
+    hints = _resolved_types(Config)
+    if data.keys() <= hints.keys() and any(_is_section(hints[k]) for k in data):
+        return "config"
+    return None
+
+
+def wrong_file(option: str, path: str | os.PathLike[str], takes: str) -> str | None:
+    """The fix-it message for one of elbowroom's files given to ``option``, which takes ``takes`` (a kind of
+    :func:`file_kind`, or words such as "a token file"), or None when the file is that kind or none of elbowroom's.
+    """
+    kind = file_kind(path)
+    if kind is None or kind == takes:
+        return None
+    what, fix = _FILE_KINDS[kind]
+    expected = _FILE_KINDS[takes][0] if takes in _FILE_KINDS else takes
+    return f"{option} {path}: {path} is {what}, not {expected}; {fix.format(path=path)}"
+
+
+def _section_as_option(section: str, value: str | None) -> ConfigError:
+    """``--profile FILE`` (an option of ``elbowroom plan``) or ``--train 3``: a section given as an option."""
+    first = next(k for k in _known_keys() if k.startswith(f"{section}."))
+    message = (f"--{section} is the [{section}] section, not an option: set its keys as --{section}.KEY VALUE "
+               f"(such as --{first})")
+    kind = file_kind(value) if value is not None else None
+    if kind is not None:
+        what, fix = _FILE_KINDS[kind]
+        message += f"; {value} is {what}: {fix.format(path=value)}"
+    return ConfigError(message)
+
+
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     """Set ``raw["a"]["b"] = value`` for key "a.b" (creating the table)."""
     parts = key.split(".")
@@ -622,6 +701,9 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             name = ALIASES[name]
         name = name.replace("-", "_") if name not in hints else name
         if name not in hints:
+            if any(k.startswith(f"{name}.") for k in hints):  # --profile plan.toml
+                nxt = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+                raise _section_as_option(name, value if eq else nxt)
             raise _unknown_key(name)
         tp = hints[name]
         if not eq:
@@ -647,9 +729,17 @@ def _looks_numeric(s: str) -> bool:
         return False
 
 
+def _load_config_file(path: str) -> dict[str, Any]:
+    """The ``--config`` file, refused with the fix when it is another of elbowroom's files (a plan, a profile)."""
+    wrong = wrong_file("--config", path, takes="config")
+    if wrong is not None:
+        raise ConfigError(wrong)
+    return load_toml(path)
+
+
 def resolve(config_file: str | None, overrides: list[str]) -> Config:
     """The config of a run: defaults, then the TOML file, then command-line overrides."""
-    raw: dict[str, Any] = load_toml(config_file) if config_file else {}
+    raw: dict[str, Any] = _load_config_file(config_file) if config_file else {}
     for key, value in parse_overrides(overrides):
         set_dotted(raw, key, value)
     return build_config(raw)
@@ -684,7 +774,7 @@ def resolve_resume(saved: dict[str, Any], where: str, config_file: str | None, o
         config_file: this command's ``--config`` file, if any.
         overrides: this command's ``--section.key VALUE`` arguments.
     """
-    explicit: dict[str, Any] = load_toml(config_file) if config_file else {}
+    explicit: dict[str, Any] = _load_config_file(config_file) if config_file else {}
     for key, value in parse_overrides(overrides):
         set_dotted(explicit, key, value)
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items() if k not in _NOT_CARRIED}

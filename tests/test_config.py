@@ -78,6 +78,20 @@ def test_every_option_documented() -> None:
     assert "(default: 200)" in text  # train.steps
 
 
+def test_help_reads_as_plain_text(capsys) -> None:
+    """`elbowroom train --help` shows the mechanisms' docstrings without their reST markup."""
+    import re
+
+    from elbowroom.cli import main
+
+    assert main(["train", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and not re.search(r":\w+:`", text), re.findall(r".{30}(?:``|:\w+:`).{30}", text)
+    # (each from a docstring that has the markup)
+    assert "None: default_step_threads() (this process's cores less two)" in text  # :func:`default_step_threads`
+    assert "(torch's bucket_cap_mb)" in text  # ``bucket_cap_mb``
+
+
 # ---------------------------------------------------------------- composed mechanism configs
 def test_activations_is_the_mechanisms_own_config() -> None:
     """[activations] is ActivationConfig itself: every field is an option, with the mechanism's docstring."""

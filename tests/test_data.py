@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pickle
+import stat
 import sys
 from pathlib import Path
 
@@ -111,6 +113,45 @@ def test_prepare_failing_midway_leaves_the_old_file_and_no_temp_file(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "x.bin", "x.bin.json"]
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_prepare_writes_files_with_the_users_umask(tmp_path, umask, mode):
+    """The token file and its sidecar get the mode of any file the user writes, not mkstemp's private 0600."""
+    from elbowroom.cli import main
+
+    (tmp_path / "in.txt").write_text("some text")
+    old = os.umask(umask)
+    try:
+        assert main(["prepare", str(tmp_path / "in.txt"), str(tmp_path / "x.bin"), "--no-progress"]) == 0
+    finally:
+        os.umask(old)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.glob("x.bin*")} == {
+        "x.bin": mode, "x.bin.json": mode}
+
+
+@pytest.mark.parametrize("where", ["tokens", "sidecar"])
+def test_ctrl_c_during_prepare_exits_130_and_leaves_no_partial_output(tmp_path, monkeypatch, capsys, caplog, where):
+    """Ctrl-C while the tokens or the sidecar are written: one line, exit 130, no file of the output left."""
+    from elbowroom.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "tokens":
+        monkeypatch.setattr(tokens, "_byte_encoder", lambda eos: interrupted)
+    else:  # the token file is in place already: without its sidecar it must go too
+        monkeypatch.setattr(tokens, "_write_sidecar", interrupted)
+    (tmp_path / "in.txt").write_text("some text")
+    try:
+        code = main(["prepare", str(tmp_path / "in.txt"), str(tmp_path / "x.bin"), "--no-progress"])
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C ended `elbowroom prepare` in a traceback")
+    assert code == 130
+    assert [r.getMessage() for r in caplog.records if r.levelname != "INFO"] == [
+        f"interrupted; {tmp_path / 'x.bin'} was not written"]
+    assert capsys.readouterr().err == ""  # no traceback
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
 def test_prepare_directory_reads_txt_files_sorted_each_followed_by_eos(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "b.txt").write_text("bb")
@@ -155,6 +196,19 @@ def test_prepare_with_tokenizer(tmp_path):
     assert (meta["vocab_size"], meta["eos_id"], meta["dtype"]) == (5, 1, "uint16")
     assert meta["tokenizer"] == str((tmp_path / "tokenizer.json").resolve())
     assert D.load_tokens(tmp_path / "x.bin").tokens.tolist() == [2, 3, 2, 4, 1, 3, 0, 1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs the tokenizers package")
+def test_a_tokenizer_file_that_is_not_one_exits_2(tmp_path, capsys):
+    from elbowroom.cli import main
+
+    (tmp_path / "in.txt").write_text("hello")
+    (tmp_path / "plan.json").write_text('{"blocks": [], "budget_bytes": 1}')  # another JSON file
+    args = ["prepare", str(tmp_path / "in.txt"), str(tmp_path / "x.bin"), "--tokenizer", str(tmp_path / "plan.json")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"tokenizer file {tmp_path / 'plan.json'} is not a Hugging Face tokenizer.json" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "x.bin").exists()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -216,6 +216,20 @@ def test_prune_sparsity_is_exact(llama, method, amount):
     assert not any(hasattr(m, "weight_orig") for m in layers)  # made permanent
 
 
+@pytest.mark.parametrize("amount", ["0.9", "0.25"])
+def test_two_four_refuses_an_amount_it_would_ignore(runs, tmp_path, capsys, amount):
+    """2:4 prunes exactly half: another --amount exits 2 with the fix, before any model is read, writing nothing."""
+    out = tmp_path / "pruned"
+    assert cmd_export(["prune", str(runs["llama"]), "--out", str(out), "--method", "2:4", "--amount", amount]) == 2
+    err = capsys.readouterr().err
+    assert f"its amount is fixed at 0.5 (50%), got --amount {amount}; drop --amount" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+    from elbowroom.export.prune import prune_model
+
+    with pytest.raises(ValueError, match="fixed at 0.5"):  # the library refuses it too
+        prune_model(torch.nn.Sequential(torch.nn.Linear(8, 8)), "2:4", float(amount))
+
+
 def test_pruned_checkpoint_reloads(runs, tmp_path):
     out = tmp_path / "pruned"
     assert cmd_export(["prune", str(runs["llama"]), "--out", str(out), "--method", "l1", "--amount", "0.5",

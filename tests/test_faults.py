@@ -325,6 +325,30 @@ def test_a_second_ctrl_c_during_the_save_does_not_lose_it(tmp_path: Path, monkey
     assert CheckpointManager(out / "checkpoints").load_latest().step == 3
 
 
+def test_a_ctrl_c_during_a_periodic_save_stops_right_after_it(tmp_path: Path, monkeypatch) -> None:
+    """The first Ctrl-C lands while step 2's checkpoint is written: the save completes, no step 3 runs, nothing
+    is saved twice, exit 130."""
+    real_accumulate, real_save = T.accumulate_gradients, CheckpointManager.save
+    steps, saves = [], []
+
+    def accumulate(*args, **kwargs):
+        steps.append(len(steps) + 1)
+        return real_accumulate(*args, **kwargs)
+
+    def save(self, step, state, meta=None):
+        saves.append(step)
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs now, inside the save
+        return real_save(self, step, state, meta)
+
+    monkeypatch.setattr(T, "accumulate_gradients", accumulate)
+    monkeypatch.setattr(CheckpointManager, "save", save)
+    out = tmp_path / "run"
+    assert run(out, "--steps", "50", "--checkpoint.every", "2") == 130
+    assert (steps, saves) == ([1, 2], [2])
+    assert [s for s, _ in CheckpointManager(out / "checkpoints").checkpoints()] == [2]
+    assert max(r["step"] for r in rows(out / "metrics.jsonl")) == 2
+
+
 # ---------------------------------------------------------------- 7. logging does not change training; clean-up
 def test_logging_the_grad_norm_does_not_go_through_the_optimizers_clip(tmp_path: Path, monkeypatch) -> None:
     from elbowroom.optim import CPUOffloadOptimizer

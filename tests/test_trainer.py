@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -330,6 +331,74 @@ def test_bad_input_messages(tmp_path: Path, capsys, args: list[str], message: st
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def own_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One of each of elbowroom's files: a plan (TOML and JSON, from `elbowroom plan --out`), a profile (what
+    `elbowroom plan --profile` reads) and a run config (a run's OUT/config.toml)."""
+    from elbowroom.config import Config, to_toml
+    from elbowroom.plan import profile
+    from elbowroom.plan.devices import get_device
+
+    d = tmp_path_factory.mktemp("files")
+    for name in ("plan.toml", "plan.json"):
+        assert main(["plan", "--budget", "1GiB", "--device", "h100-80gb", "--out", str(d / name)]) == 0
+    model = build_model(ModelConfig.from_preset("tiny"), device="meta")
+    prof = profile(model, torch.zeros((1, 64), dtype=torch.long, device="meta"), source="analytic",
+                   machine=get_device("h100-80gb", host_memory=2**30))
+    (d / "profile.json").write_text(json.dumps(prof.to_dict()))
+    (d / "config.toml").write_text(to_toml(Config()))
+    return {p.name: p for p in d.iterdir()}
+
+
+_PLAN_IT = "plan from it with `elbowroom plan --profile {profile.json} --budget SIZE --out plan.toml`, then pass --plan"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--profile", "plan.toml"], "--profile is the [profile] section, not an option: set its keys as "
+         "--profile.KEY VALUE (such as --profile.steps); {plan.toml} is a plan file: pass it with --plan {plan.toml}"),
+        (["--profile=profile.json"], "{profile.json} is a profile: " + _PLAN_IT),
+        (["--config", "plan.json"],
+         "--config {plan.json}: {plan.json} is a plan file, not a run config; pass it with --plan {plan.json}"),
+        (["--config", "profile.json"], "{profile.json} is a profile, not a run config; " + _PLAN_IT),
+        (["--plan", "config.toml"],
+         "--plan {config.toml}: {config.toml} is a run config, not a plan file; pass it with --config {config.toml}"),
+        (["--plan", "profile.json"], "{profile.json} is a profile, not a plan file; " + _PLAN_IT),
+        (["--data.path", "plan.toml"],
+         "--data.path {plan.toml}: {plan.toml} is a plan file, not a token file; pass it with --plan {plan.toml}"),
+        (["--distill.teacher", "plan.toml"], "distill.teacher {plan.toml} is a file, not a directory; give"),
+        (["--data.cache_dir", "plan.toml"], "cannot make the corpus cache directory {plan.toml} (a file is in the "
+         "way); pass a writable directory as --data.cache_dir"),
+    ],
+    ids=["profile=plan", "profile=profile", "config=plan", "config=profile", "plan=config", "plan=profile",
+         "data.path=plan", "teacher=file", "cache_dir=file"],
+)
+def test_a_file_given_to_the_wrong_option_names_the_one_that_takes_it(tmp_path: Path, capsys, own_files,
+                                                                       args: list[str], message: str) -> None:
+    """Each of elbowroom's files passed to a file option of train that takes another kind: exit 2, one line naming
+    the file's kind and the option to pass it with, no traceback, nothing written."""
+    for name, path in own_files.items():
+        args = [a.replace(name, str(path)) for a in args]
+        message = message.replace(f"{{{name}}}", str(path))
+    out = tmp_path / "run"
+    assert run(out, *args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_a_teacher_directory_transformers_cannot_load_exits_2(tmp_path: Path, capsys, own_files) -> None:
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(own_files["plan.json"].read_text())  # not a transformers config
+    assert run(tmp_path / "run", "--distill.teacher", str(teacher)) == 2
+    err = capsys.readouterr().err
+    assert f"distill.teacher: {teacher}: transformers cannot load a causal LM from it" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "run").exists()
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path: Path, capsys) -> None:

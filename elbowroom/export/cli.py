@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("prune", "magnitude pruning, made permanent; writes a checkpoint directory")
     p.add_argument("--method", required=True, choices=PRUNE, help="l1 (unstructured), channel, or 2:4")
-    p.add_argument("--amount", type=float, default=0.5, help="fraction pruned in (0, 1) (2:4: always 0.5)")
+    p.add_argument("--amount", type=float, default=0.5, help="fraction pruned in (0, 1) (default 0.5; 2:4 prunes "
+                   "exactly 0.5 and refuses another amount)")
     p.add_argument("--eval-batches", type=int, default=None, help="validation batches (default: the run's)")
     return parser
 
@@ -163,7 +164,7 @@ def _export_prune(src: Source, args: argparse.Namespace, tmp: Path) -> dict[str,
     model = copy.deepcopy(src.model)
     stats = prune_model(model, args.method, args.amount)
     after = _loss(model, batches)
-    info = {"method": args.method, "amount": 0.5 if args.method == "2:4" else args.amount, **stats}
+    info = {"method": args.method, "amount": args.amount, **stats}
     meta = {"model": src.config.to_dict(), "pruning": info}
     if isinstance(src.meta.get("config"), dict):
         meta["config"] = src.meta["config"]  # keeps the validation split findable for a later export
@@ -190,6 +191,10 @@ def _preflight(args: argparse.Namespace) -> None:
         from elbowroom.export.hf import parse_size
 
         parse_size(args.max_shard_size)
+    if args.what == "prune":
+        from elbowroom.export.prune import check_amount
+
+        check_amount(args.method, args.amount)
 
 
 def run_export(args: argparse.Namespace) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from elbowroom.export._deps import require
-from elbowroom.export.source import load_source
+from elbowroom.export.source import ExportError, load_source
 
 __all__ = ["distillation_loss", "Teacher", "load_teacher"]
 
@@ -183,7 +183,11 @@ def load_teacher(path: str | os.PathLike[str], *, dtype: torch.dtype | None = No
     p = Path(path)
     if (p / "config.json").is_file() and not (p / "meta.json").is_file():
         transformers = require("transformers", "a Hugging Face teacher")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype or torch.float32)
+        try:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(p, local_files_only=True,
+                                                                   dtype=dtype or torch.float32)
+        except (ValueError, OSError, KeyError) as e:  # a config.json it cannot read, no weights beside it
+            raise ExportError(f"{p}: transformers cannot load a causal LM from it ({e})") from None
         hf.to(device)
         base = hf.get_decoder() if hasattr(hf, "get_decoder") else hf.base_model
 

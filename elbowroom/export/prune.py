@@ -23,10 +23,26 @@ from torch.nn.utils import prune
 
 from elbowroom.export.source import ExportError
 
-__all__ = ["METHODS", "prunable", "prune_model", "sparsity", "two_four_mask", "to_semi_structured"]
+__all__ = ["METHODS", "check_amount", "prunable", "prune_model", "sparsity", "two_four_mask", "to_semi_structured"]
 
 METHODS = ("l1", "channel", "2:4")
 """The pruning methods, as named on the command line."""
+
+
+def check_amount(method: str, amount: float) -> None:
+    """Refuse an amount the method cannot prune (before any model is read).
+
+    Raises:
+        ExportError: an unknown method, an amount outside (0, 1), or a ``2:4`` amount other than 0.5 (the pattern
+            zeroes exactly 2 of every 4 weights: another amount would be silently ignored).
+    """
+    if method not in METHODS:
+        raise ExportError(f"unknown pruning method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "2:4" and amount != 0.5:
+        raise ExportError(f"2:4 pruning zeroes 2 of every 4 weights, so its amount is fixed at 0.5 (50%), got --amount "
+                          f"{amount}; drop --amount, or prune another fraction with --method l1 or channel")
+    if not 0.0 < amount < 1.0:
+        raise ExportError(f"--amount must be in (0, 1), got {amount}")
 
 
 def prunable(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -56,18 +72,15 @@ def prune_model(model: nn.Module, method: str, amount: float = 0.5) -> dict[str,
         model: the model.
         method: one of :data:`METHODS`.
         amount: fraction pruned, in (0, 1) (``l1``: of each layer's weights; ``channel``: of each layer's
-            output channels); ``2:4`` is always 0.5 and ignores it.
+            output channels); ``2:4`` prunes exactly 0.5 and refuses any other amount.
 
     Returns:
         ``{"sparsity": zeros / weights over the pruned layers, "zeros": int, "weights": int}``.
 
     Raises:
-        ExportError: an unknown method or an amount outside (0, 1).
+        ExportError: what :func:`check_amount` refuses.
     """
-    if method not in METHODS:
-        raise ExportError(f"unknown pruning method {method!r}; choose one of {', '.join(METHODS)}")
-    if method != "2:4" and not 0.0 < amount < 1.0:
-        raise ExportError(f"--amount must be in (0, 1), got {amount}")
+    check_amount(method, amount)
     layers = prunable(model)
     for _, mod in layers:
         if method == "l1":

@@ -653,14 +653,16 @@ class CPUOffloadOptimizer(Optimizer):
 
         Returns:
             ``{"optimizer_state": [...], "master_weights": [...]}``: the device part's optimizer state (Adam's
-            moments, its ``step``) and the fp32 masters of low-precision parameters kept on the device. What lives
-            on the host (offloaded parameters' masters and state) is counted by ``stats()["host_bytes"]``.
+            moments, its ``step``, and the ring streamed parameters step through) and the fp32 masters of
+            low-precision parameters kept on the device. What lives on the host (offloaded parameters' masters
+            and state) is counted by ``stats()["host_bytes"]``.
         """
         pl = self._placement
         state: list[torch.Tensor] = []
         if pl.dev_opt is not None:
             for st in list(pl.dev_opt.state.values()):  # the training thread steps the device part: no race here
                 state += [v for v in list(st.values()) if isinstance(v, torch.Tensor)]
+        state += self._engine.stream_ring  # the device slots streamed parameters' state steps through
         return {"optimizer_state": state, "master_weights": list(pl.dev_masters.values())}
 
     def stats(self) -> dict[str, Any]:

@@ -102,7 +102,8 @@ def load_distillation(cfg: DistillSection, *, vocab_size: int, seq_len: int, dev
         return None
     path = Path(cfg.teacher)
     if not path.is_dir():
-        raise ConfigError(f"distill.teacher {path} does not exist; give an elbowroom run or checkpoint directory, "
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise ConfigError(f"distill.teacher {path} {what}; give an elbowroom run or checkpoint directory, "
                           "or a local Hugging Face model directory")
     from elbowroom.export.distill import load_teacher
     from elbowroom.export.source import ExportError

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from elbowroom.config import Config, ConfigError, memory_overrides
+from elbowroom.config import Config, ConfigError, memory_overrides, wrong_file
 from elbowroom.train.tokens import default_cache_dir
 
 if TYPE_CHECKING:
@@ -80,6 +80,9 @@ def plan_to_follow(cfg: Config, out: Path, load: Callable[[str | Path], Any] | N
     """
     from elbowroom.plan import parse_budget
 
+    wrong = wrong_file("--plan", cfg.plan, takes="plan") if cfg.plan is not None else None
+    if wrong is not None:  # a run config or a profile given as the plan
+        raise ConfigError(wrong)
     load = load or load_plan
     saved = out / PLAN_FILE
     if cfg.resume and saved.is_file():

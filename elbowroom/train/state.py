@@ -49,7 +49,7 @@ def _restored_global_state() -> Any:
 
 
 class _StopSignal:
-    """Turns SIGTERM/SIGINT into a flag the loop checks after each step.
+    """Turns SIGTERM/SIGINT into a flag the loop checks after each step and after each save.
 
     A second SIGINT aborts at once (KeyboardInterrupt; the previous checkpoint stands), except during a
     save: there it is noted and ignored, so that the checkpoint the first signal asked for is completed.
@@ -77,7 +77,10 @@ class _StopSignal:
                 raise KeyboardInterrupt
             return
         self.received = signum
-        log.warning("received %s: finishing this step, saving a checkpoint, then exiting", name)
+        if self._saving:  # the loop stops once this save is written
+            log.warning("received %s while saving a checkpoint: finishing the save, then exiting", name)
+        else:
+            log.warning("received %s: finishing this step, saving a checkpoint, then exiting", name)
 
     @contextlib.contextmanager
     def saving(self) -> Any:

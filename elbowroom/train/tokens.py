@@ -20,7 +20,7 @@ import mmap
 import os
 import sys
 import sysconfig
-import tempfile
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,7 +299,9 @@ def _eos_positions(tokens: np.ndarray, eos_id: int) -> np.ndarray:
 def _atomic_write(path: Path) -> Iterator[BinaryIO]:
     """Writes ``path`` under a temporary name in its directory and renames it into place on success."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    # not mkstemp, whose files are 0600: the umask applies, as to any file the user writes (0644 under 022)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -351,6 +353,12 @@ def build_default_corpus(cache_dir: str | os.PathLike[str] | None = None) -> Pat
             f"this Python ships no standard-library source under {sysconfig.get_paths()['stdlib']}, so the "
             "built-in corpus cannot be built; pass a data file made with `elbowroom prepare INPUT.txt OUT.bin`"
         )
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+        raise DataError(f"cannot make the corpus cache directory {cache_dir} ({why}); pass a writable directory as "
+                        "--data.cache_dir or $ELBOWROOM_CACHE") from None
     logger.info("building the built-in corpus from %d stdlib files into %s", len(files), path)
     num_tokens = total = 0
     with _atomic_write(path) as out:
@@ -382,7 +390,7 @@ def prepare(
     UTF-8 bytes, and the eos byte (0 by default) is removed from the text so it only separates
     documents. With ``tokenizer``, text is encoded by a local Hugging Face ``tokenizer.json`` (needs
     the ``tokenizers`` package), in chunks cut after newlines so large files stream. Both files are
-    written atomically.
+    written atomically: an interrupted prepare (Ctrl-C included) leaves no partial file behind.
 
     Args:
         input_path: A text file, or a directory whose ``*.txt`` files (sorted by name) are the documents.
@@ -440,7 +448,12 @@ def prepare(
         output_path.unlink()
         raise DataError(f"input {input_path} produced 0 tokens; check that it holds text")
     meta = _sidecar(dtype=dtype, vocab_size=vocab_size, num_tokens=num_tokens, eos_id=eos, tokenizer=tokenizer_name)
-    _write_sidecar(output_path, meta)
+    try:
+        _write_sidecar(output_path, meta)
+    except BaseException:  # (Ctrl-C included) a token file without its sidecar, or under an old one, is no output
+        output_path.unlink()
+        sidecar_path(output_path).unlink(missing_ok=True)
+        raise
     logger.info("prepared %s: %d tokens, vocab %d, %s", output_path, num_tokens, vocab_size, dtype)
     return meta
 
@@ -492,7 +505,11 @@ def _load_tokenizer(path: Path) -> Any:
         ) from e
     if not path.is_file():
         raise DataError(f"tokenizer file {path} does not exist; pass the path of a local tokenizer.json")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the tokenizers package raises plain Exceptions
+        raise DataError(f"tokenizer file {path} is not a Hugging Face tokenizer.json ({e}); pass the tokenizer.json "
+                        "saved with the model") from None
 
 
 def _tokenizer_eos(tok: Any, path: str | os.PathLike[str]) -> int:

@@ -9,7 +9,8 @@ checkpoint to resume, the data file, the model against the data, the checkpoint 
 the run directory appears only with the first finished step, so a failed start leaves nothing behind. A
 resumed run keeps its checkpoint's LR schedule length unless ``--scheduler.decay_steps`` says otherwise. On
 SIGTERM/SIGINT the step finishes, a checkpoint is saved (no validation pass first) and the result carries the
-signal, which the CLI turns into exit code 128 + N.
+signal, which the CLI turns into exit code 128 + N; a signal during a periodic save stops the run once that save,
+of the current step, is written.
 
 With ``--budget`` the memory layout is planned, not configured: the model is built, its first training
 micro-batch is profiled and :func:`elbowroom.plan.fit` chooses recompute, offload, optimizer placement and
@@ -39,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from elbowroom.activations.policy import ActivationConfig, apply_activation_policy
-from elbowroom.config import Config, ConfigError, to_dict, to_toml
+from elbowroom.config import Config, ConfigError, to_dict, to_toml, wrong_file
 from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count_params, flops_per_token
 from elbowroom.optim.config import default_step_threads
 from elbowroom.train import data as D
@@ -506,6 +507,9 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
 
     # --- data (validated before anything is written to OUT)
     cache_dir = cfg.data.cache_dir  # the CLI fills it from $ELBOWROOM_CACHE
+    wrong = wrong_file("--data.path", cfg.data.path, takes="a token file") if cfg.data.path is not None else None
+    if wrong is not None:  # a plan or a run config given as the data
+        raise ConfigError(wrong)
     tokens = D.load_tokens(cfg.data.path, cache_dir=cache_dir, require_sidecar=True)
     seq_len, bsz, accum = cfg.data.seq_len, cfg.data.batch_size, cfg.train.gradient_accumulation_steps
     if not cfg.data.variable_length:
@@ -792,6 +796,8 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
                     with stop.saving():  # a second Ctrl-C now would lose the checkpoint the first asked for
                         save(step)
                     t_log = time.perf_counter()
+                    if not last:  # a first signal during this save stops here: its checkpoint is this step's
+                        stopping = run.any_rank(stop.received is not None)
                 if stopping:
                     result.interrupted = True
                     result.signal = stop.received
