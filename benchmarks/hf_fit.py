@@ -74,7 +74,7 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
 
             extra["offload_config"] = CPUOffloadConfig(trace_steps=True)
         model, opt, plan = fit(model, batch, budget=budget, precision="bf16", grad_clipping=False, lr=1e-4,
-                               fused=device.type == "cuda", **extra)
+                               fused=device.type == "cuda", stream=False if args.no_stream else None, **extra)
         row["plan_seconds"] = round(time.perf_counter() - t0, 1)
     cuda = device.type == "cuda"
     if cuda:
@@ -137,6 +137,7 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
                    pred_peak_GiB=round(plan.predicted_peak_bytes / 2**30, 2),
                    plan={"weights": plan.weight_dtype, "micro_batch": plan.micro_batch,
                          "optimizer_on_host": len(plan.optimizer_offload_blocks),
+                         "optimizer_streamed": len(plan.optimizer_stream_blocks),
                          "blocks": sorted({b.policy_label for b in plan.blocks})},
                    settings={"mechanism": {"plan": plan.to_dict()}})
         if "step_s" in row:
@@ -174,6 +175,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="a small config that runs on CPU")
+    ap.add_argument("--no-stream", action="store_true", help="fit(stream=False): no block streams its optimizer state")
     ap.add_argument("--no-plain", action="store_true", help="only the fit rows (no plain AdamW row first)")
     ap.add_argument("--json", help="append each row to this JSONL file")
     ap.add_argument("--trace", default=None, help="write the last step's profiler trace (gzipped Chrome JSON) here; "

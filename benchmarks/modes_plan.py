@@ -89,6 +89,8 @@ def _cap_at(budget_bytes: int) -> float | None:
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
            plan_file: str | None = None, fused: bool = False, clip: bool = False,
            split: bool = False, uniform: str | None = None, cap: bool = False, og: bool = True) -> Setup:
+    import os
+
     from elbowroom.plan import Plan, apply, fit
 
     idx, tgt = args.sample
@@ -110,7 +112,11 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
                                    if split or getattr(args, "step_accum", 1) > 1 else None,
                                    # the harness clips through the optimizer, which sees gradients already on the host:
                                    # the planner may send them there where that fits and nothing faster does
-                                   gradient_offload=og, **_threads())
+                                   gradient_offload=og,
+                                   # ELBOWROOM_BENCH_NO_STREAM=1: no block streams its optimizer state (the host or
+                                   # the device only, as before streaming existed)
+                                   stream=False if os.environ.get("ELBOWROOM_BENCH_NO_STREAM") else None,
+                                   **_threads())
         if clip:
             def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
                 if hasattr(o, "clip_grad_norm_"):
@@ -189,7 +195,8 @@ def _summary(plan: Any) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for b in plan.blocks:
         counts[b.policy_label] = counts.get(b.policy_label, 0) + 1
-    return {"blocks": counts, "optimizer_on_host": len(plan.optimizer_offload_blocks), "weights": plan.weight_dtype,
+    return {"blocks": counts, "optimizer_on_host": len(plan.optimizer_offload_blocks),
+            "optimizer_streamed": len(plan.optimizer_stream_blocks), "weights": plan.weight_dtype,
             "micro_batch": plan.micro_batch, "accumulation": plan.gradient_accumulation_steps,
             "fused_loss": plan.fused_loss}
 

@@ -3,7 +3,8 @@
 :func:`apply` casts the weights when the plan says bf16, installs the per-block activation policies
 (:func:`~elbowroom.activations.apply_block_policies`), builds the optimizer (torch's own when nothing is
 offloaded and no masters are needed, else :class:`~elbowroom.optim.CPUOffloadOptimizer` with the plan's
-parameters on the host and ``overlap_with_forward``), and sets the CUDA allocator options the plan names.
+parameters on the host, those of its streamed blocks streaming, and ``overlap_with_forward``), and sets the CUDA
+allocator options the plan names.
 
 It is two steps, callable apart: :func:`install` (casts, policies, allocator) and :func:`build_optimizer`. Under
 FSDP2 the policies must wrap the blocks before ``fully_shard`` does and the optimizer must see the shards, so the
@@ -25,6 +26,16 @@ from elbowroom.plan.plan import Plan
 __all__ = ["apply", "build_optimizer", "install", "resolve_blocks"]
 
 logger = logging.getLogger(__name__)
+
+STREAMING_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
+"""The optimizer classes whose state can stream through the device to step (``BlockPlan.optimizer_streamed``): the
+offloaded optimizer steps streamed parameters with torch's fused Adam/AdamW kernel on the device."""
+
+
+def can_stream(optimizer_class: Any, opt_kwargs: dict[str, Any]) -> bool:
+    """Whether ``optimizer_class(..., **opt_kwargs)`` can step streamed parameters: Adam or AdamW without AMSGrad
+    (``CPUOffloadOptimizer(stream_params=...)`` refuses the others)."""
+    return optimizer_class in STREAMING_OPTIMIZERS and not opt_kwargs.get("amsgrad", False)
 
 _PROXY_ATTR = "_elbowroom_plan_blocks"
 
@@ -159,6 +170,18 @@ def install(
     return model
 
 
+def _check_streaming(plan: Plan, optimizer_class: type[torch.optim.Optimizer], opt_kwargs: dict[str, Any]) -> None:
+    """Refuse a plan that streams blocks for an optimizer that cannot step them on the device."""
+    if plan.optimizer_stream_blocks and not can_stream(optimizer_class, opt_kwargs):
+        name = getattr(optimizer_class, "__name__", optimizer_class)
+        raise ValueError(
+            f"the plan streams blocks {list(plan.optimizer_stream_blocks)} through the device, which only Adam and "
+            f"AdamW without amsgrad can (their fused device step), not {name} with {opt_kwargs}: plan again for it "
+            "(elbowroom.plan.fit does so; plan_for(..., stream_allowed=False)) or set those blocks' "
+            "optimizer_streamed = false (optimizer_on_host = true to step them on the host)"
+        )
+
+
 def build_optimizer(
     model: nn.Module,
     plan: Plan,
@@ -172,28 +195,37 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """The plan's optimizer for ``model``'s parameters as they are now: torch's own when nothing is offloaded and
     no masters are needed, else a :class:`~elbowroom.optim.CPUOffloadOptimizer` whose host parameters are those of
-    the blocks the plan puts on the host (under FSDP2, built after sharding: their local shards).
+    the blocks the plan puts on the host or streams (under FSDP2, built after sharding: their local shards); the
+    streamed blocks' parameters are its ``stream_params`` too (their state lives on the host, they step on the device).
 
     Args:
         overlap_with_forward: the offloaded optimizer's step returns at once and each module (under FSDP2 each
             unit, ahead of its all-gather) waits for its own weights in the next forward; False: ``step()`` waits
             for the host.
         (the others as :func:`apply`'s)
+
+    Raises:
+        ValueError: the plan streams blocks and ``optimizer_class`` is not Adam or AdamW (or uses AMSGrad).
     """
     blks = resolve_blocks(model, blocks)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
+    _check_streaming(plan, optimizer_class, opt_kwargs)
     offload: list[torch.Tensor] = []
+    stream: list[torch.Tensor] = []  # of ``offload``, those that step on the device
     if plan.offloads_optimizer:
         seen: set[int] = set()
         in_blocks: set[int] = set()
         for i, blk in enumerate(blks):
+            row = plan.blocks[i]
             for p in blk.parameters():
                 in_blocks.add(id(p))
-                if plan.blocks[i].optimizer_on_host and p.requires_grad and id(p) not in seen:
+                if (row.optimizer_on_host or row.optimizer_streamed) and p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     offload.append(p)
+                    if row.optimizer_streamed:
+                        stream.append(p)
         if plan.offload_other_params:
             offload += [p for p in params if id(p) not in in_blocks and id(p) not in seen]
     masters = plan.weight_dtype == "bfloat16"
@@ -205,6 +237,8 @@ def build_optimizer(
         from elbowroom.optim.masters import embedding_tables
 
         param_dtype = torch.bfloat16 if (plan.offload_param_dtype == "bfloat16" and not masters and offload) else None
+        # (only where some block streams: a plan that streams nothing builds the optimizer as it always did)
+        streamed: dict[str, Any] = {"stream_params": stream} if stream else {}
         opt = CPUOffloadOptimizer(
             groups,
             optimizer_class,
@@ -214,17 +248,18 @@ def build_optimizer(
             master_weights=masters,
             offload_gradients=bool(offload) and plan.offload_gradients,
             config=offload_config,
+            **streamed,
             **opt_kwargs,
         )
         if offload and overlap_with_forward:
             # step() returns at once; each module waits for its own updated weights in the next forward
             opt.overlap_with_forward(model)
     logger.info(
-        "plan applied: %d of %d blocks recompute, %d offload activations, %d parameters' optimizer on the host, "
-        "weights %s",
+        "plan applied: %d of %d blocks recompute, %d offload activations, %d parameters' optimizer on the host "
+        "(%d of them streamed through the device, %d blocks), weights %s",
         sum(b.checkpoint != "none" for b in plan.blocks), plan.num_blocks,
         sum(b.offload_ratio > 0 or b.offload_input for b in plan.blocks), sum(p.numel() for p in offload),
-        plan.weight_dtype,
+        sum(p.numel() for p in stream), len(plan.optimizer_stream_blocks), plan.weight_dtype,
     )
     return opt
 
@@ -258,8 +293,10 @@ def apply(
         ``(model, optimizer)``: the same model, changed in place.
 
     Raises:
-        ValueError: the plan's block count differs from the model's.
+        ValueError: the plan's block count differs from the model's, or it streams blocks and ``optimizer_class``
+            is not Adam or AdamW (or uses AMSGrad).
     """
+    _check_streaming(plan, optimizer_class, opt_kwargs)  # (before the model changes)
     install(model, plan, blocks=blocks, reentrant=reentrant)
     opt = build_optimizer(model, plan, optimizer_class, blocks=blocks, offload_config=offload_config,
                           param_groups=param_groups, **opt_kwargs)

@@ -3,7 +3,7 @@
 ::
 
     elbowroom plan --model w1 --device h100-80gb --budget 24GiB [--batch 4x4096] [--precision bf16]
-                   [--global-batch N] [--json] [--out plan.toml]
+                   [--global-batch N] [--no-stream] [--json] [--out plan.toml]
     elbowroom plan --profile profile.json --budget 24GiB     # a saved Profile (Profile.to_dict() as JSON)
 
 The model is built on the meta device (no memory) and profiled analytically (bytes from a trace, speeds from
@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                    "with fp32 masters")
     p.add_argument("--no-fused-loss", action="store_true", help="the loop cannot use the fused head + loss")
     p.add_argument("--no-clip", action="store_true", help="the loop does not clip gradients")
+    p.add_argument("--no-stream", action="store_true", help="no block's optimizer state streams through the device "
+                   "to step there (host-stepped or on the device only; streaming needs Adam or AdamW)")
     p.add_argument("--dp-shard", type=int, default=1, help="plan one rank of FSDP2 sharding over this many ranks "
                    "(the trainer's --parallel.dp_shard; --budget is then one GPU's, --batch one rank's micro-batch, "
                    "8 ranks per host at most share its memory)")
@@ -236,6 +238,7 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                 # (refused under data parallel)
                 fused_loss_allowed=not args.no_fused_loss and args.dp_shard == args.dp_replicate == 1,
                 grad_clipping=not args.no_clip,
+                stream_allowed=not args.no_stream,
                 # as the trainer plans: it clips through the optimizer, which sees the gradients already on the host
                 gradient_offload_allowed=True,
                 **sharded,

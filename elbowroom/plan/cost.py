@@ -11,7 +11,9 @@ Decisions
 Per block one :class:`Option`: keep (``none``), keep and offload a share ``r`` of the saved bytes, selective
 recompute (with a share ``r`` of its kept matmul/attention outputs offloaded, or everything incl. its input),
 full recompute, full recompute with its input offloaded. Globally (:class:`Decisions`): which blocks' parameters
-step on the host (``offload_blocks``), whether the parameters outside the blocks do (``offload_other``), the
+step on the host (``offload_blocks``) and which keep their state on the host but step on the device, streamed
+through a device ring (``stream_blocks``), whether the parameters outside the blocks step on the host
+(``offload_other``), the
 weight layout (:data:`LAYOUTS`), micro-batch and accumulation, the fused head + loss, the allocator setting, and
 whether the training loop clips gradients (it decides when the host step may start).
 
@@ -25,7 +27,11 @@ Model states, per parameter on the device (``P_res`` resident, ``P_off`` offload
     bf16 weights, fp32 masters:             16 B resident (2 + 2 + 4 master + 8),                4 B offloaded
 
 plus, when anything is offloaded, ``num_staging_slots * bucket_bytes`` of device staging (the optimizer's config),
-and with bf16 weights the fp32 chunk the device masters step through (``device_chunk_numel * 4``).
+and with bf16 weights the fp32 chunk the device masters step through (``device_chunk_numel * 4``). A streamed
+parameter (``P_str``) holds its weight and its gradient in the offloaded weights' dtype (8 B, or 4 with bf16 device
+weights) with or without ``offload_gradients`` (its gradient never leaves: it steps where it is), its state 12 B on
+the host and no host gradient; when any block streams the device holds the ring it steps through,
+``stream_slots * min(stream_slot_numel, largest streamed block's parameters) * 16`` (:func:`stream_ring_bytes`).
 
 Gradients of resident parameters (``g`` = 4 B fp32, 2 B bf16 per parameter; ``G_i`` of block ``i``, ``G_h`` of the
 parameters outside the blocks) are part of those 16 B, but with one micro-batch per step (and the loop's
@@ -109,9 +115,10 @@ memory_bandwidth``, ``P_32`` the parameters held in fp32 on the device and run u
 fp32 weights, the resident ones with bf16 offloaded copies, none with bf16 weights). ``X_0`` is the same for the
 profile's own layout (all parameters when it ran fp32 weights under autocast), which the profiled times include.
 
-``T_dev``: the device optimizer step, memory-bound: ``P_res * b / memory_bandwidth`` with ``b`` =
+``T_dev``: the device optimizer step, memory-bound: ``(P_res * b + P_str * 32) / memory_bandwidth`` with ``b`` =
 :data:`DEVICE_ADAM_BYTES_PER_PARAM` (fp32) or :data:`DEVICE_MASTER_ADAM_BYTES_PER_PARAM` (bf16 weights, fp32
-device masters stepped chunk by chunk).
+device masters stepped chunk by chunk), 32 B (:data:`STREAM_ADAM_BYTES_PER_PARAM`) per streamed parameter: its
+fused step runs on a side stream, but it takes the device's memory bandwidth all the same.
 
 ``T_host``: what the device cannot hide of the host AdamW step. Jobs ``j`` (an offloaded block, or the parameters
 outside the blocks) each copy ``4 P_j`` gradient bytes out, step for ``h_j = P_j / host_adam_params_per_s`` and
@@ -136,6 +143,14 @@ The host step's pace varies between runs (1.6x between two identical runs of one
 rests on it hiding with little slack loses most when it runs slow: ``T_host`` is the mean of the lateness at the
 measured rate and at :data:`HOST_STEP_SPREAD` of it (a plan with slack to spare pays nothing; one that offloads
 optimizer state only to shorten the device step by a few milliseconds no longer wins by doing so).
+Streamed blocks are jobs of the link alone (:mod:`elbowroom.plan.host_pipeline`): ready when a host job would be,
+each holds both directions for ``12 P_j / bw`` (master and moments up into the device's ring, stepped there, and
+back), and its weights are ready when its states are up; the gradients' copies share the device-to-host direction
+with them, one after another in the order the jobs are ready, and the host's weights come back in the time they
+leave free on the other. As streamed states take both directions, the activation copies of the micro-batch that
+shares the link with the optimizer (``w`` above) get :data:`SHARED_LINK_SHARE` of the duplex rate instead of all of
+it when any block streams: a link busy with activations makes streaming cost what it takes from them (the whole
+micro-batch's copies, however few blocks stream: on the safe side).
 With ``offload_gradients`` the pipeline is the same: the gradients travel in fp32 either way (4 B each way per
 parameter), into a pinned host gradient instead of a staging slot, and the device frees each one once its copy is
 enqueued (2 B per bf16 parameter, 4 per fp32 one, no longer held from the backward to the step). Their host copies
@@ -145,13 +160,18 @@ kernel's pace (the upcast on the host), which is what made them look costly in e
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM, host_exposed_seconds
+from elbowroom.plan.host_pipeline import (
+    OPTIMIZER_LINK_BYTES_PER_PARAM,
+    STREAM_LINK_BYTES_PER_PARAM,
+    host_exposed_seconds,
+)
 from elbowroom.plan.types import BlockProfile, Profile
 
 __all__ = [
@@ -161,6 +181,7 @@ __all__ = [
     "DEVICE_MASTER_ADAM_BYTES_PER_PARAM",
     "LAYOUTS",
     "OPTIONS",
+    "STREAM_ADAM_BYTES_PER_PARAM",
     "Decisions",
     "Option",
     "Prediction",
@@ -190,6 +211,19 @@ DEVICE_MASTER_ADAM_BYTES_PER_PARAM = 40
 """The same for bf16 weights with fp32 device masters, stepped chunk by chunk: the bf16 gradient upcast into fp32
 scratch (read 2, write 4), the fused step on the master (28), the master cast into the bf16 weight (read 4,
 write 2)."""
+
+STREAM_ADAM_BYTES_PER_PARAM = 32
+"""Fused AdamW on the device per streamed parameter, in its ring: reads master, gradient and two moments, writes
+master, moments and the device weight (fp32 states; the weight and the gradient in the offloaded weights' dtype:
+32 B with fp32 weights, 28 with bf16)."""
+
+STREAM_RING_BYTES_PER_ELEMENT = 16
+"""Bytes per element of a slot of the streamed states' device ring: fp32 master, two moments and the upcast
+gradient (``CPUOffloadConfig.stream_slot_numel``)."""
+
+SHARED_LINK_SHARE = 0.5
+"""The share of a link direction's duplex rate that activation copies get while streamed optimizer states use the
+same direction (two copies at once, each about half)."""
 
 
 DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
@@ -264,6 +298,10 @@ class Decisions:
     """Per block: its parameters' optimizer state and step on the host."""
     offload_other: bool = False
     """The parameters outside the blocks (embeddings, final norm, head) on the host."""
+    stream_blocks: tuple[bool, ...] = ()
+    """Per block: its parameters' optimizer state lives on the host but steps on the device, streamed through a small
+    device ring (``CPUOffloadOptimizer(stream_params=...)``); empty: no block. A block streams or steps on the host
+    (``offload_blocks``), never both."""
     layout: str = "fp32"
     """A key of :data:`LAYOUTS`."""
     micro_batch: int = 1
@@ -279,16 +317,42 @@ class Decisions:
     """The CPU-offloaded optimizer's engine settings (``CPUOffloadConfig``; None: its defaults), whose staging
     slots the plan prices."""
 
+    def __post_init__(self) -> None:
+        if self.stream_blocks and len(self.stream_blocks) != len(self.offload_blocks):
+            raise ValueError(f"stream_blocks has {len(self.stream_blocks)} entries, offload_blocks "
+                             f"{len(self.offload_blocks)}: one per block (or none)")
+        both = [i for i, (o, st) in enumerate(zip(self.offload_blocks, self.stream_blocks)) if o and st]
+        if both:
+            raise ValueError(f"block {both[0]} both steps on the host and streams: a block's optimizer is on the "
+                             "device, on the host (offload_blocks) or streamed (stream_blocks)")
+
+    @property
+    def streamed(self) -> tuple[bool, ...]:
+        """Per block: streamed (``stream_blocks``, all False when it is empty)."""
+        return self.stream_blocks or (False,) * len(self.offload_blocks)
+
+    @property
+    def streams(self) -> bool:
+        """Some block streams its optimizer state."""
+        return any(self.stream_blocks)
+
     @property
     def offloads_params(self) -> bool:
-        return self.offload_other or any(self.offload_blocks)
+        """Some optimizer state lives on the host (stepped there or streamed)."""
+        return self.offload_other or any(self.offload_blocks) or self.streams
 
     @property
     def optimizer_config(self) -> Any:
         """The ``CPUOffloadConfig`` the optimizer is built with: ``offload_config``, or its defaults."""
-        from elbowroom.optim.config import CPUOffloadConfig
+        return self.offload_config if self.offload_config is not None else _default_offload_config()
 
-        return self.offload_config if self.offload_config is not None else CPUOffloadConfig()
+
+@functools.lru_cache(maxsize=1)
+def _default_offload_config() -> Any:
+    """``CPUOffloadConfig()``, made once (it is frozen; the search reads it thousands of times)."""
+    from elbowroom.optim.config import CPUOffloadConfig
+
+    return CPUOffloadConfig()
 
 
 @dataclass(frozen=True)
@@ -389,15 +453,23 @@ class BlockTables:
     recompute: np.ndarray
     exposed_oneway: np.ndarray
     exposed_duplex: np.ndarray
+    exposed_shared: np.ndarray
+    """At :data:`SHARED_LINK_SHARE` of the duplex rate: the streamed optimizer states hold the copies' direction."""
 
-    def cost(self, w: float) -> np.ndarray:
+    def cost(self, w: float, shared: float = 0.0) -> np.ndarray:
         """Seconds per micro-batch of each option (unscaled): recompute plus the copies' exposed time with a share
-        ``w`` of micro-batches at the duplex rate. One expression, used by the search and by :func:`predict`."""
-        if w == 0.0:  # (0 * inf would be nan where a machine without a link makes copies infinitely slow)
-            return self.recompute + self.exposed_oneway
-        if w == 1.0:
-            return self.recompute + self.exposed_duplex
-        return self.recompute + ((1.0 - w) * self.exposed_oneway + w * self.exposed_duplex)
+        ``w`` of micro-batches beside the optimizer's copies, of which ``shared`` (0 or ``w``) beside streamed ones.
+        One expression, used by the search and by :func:`predict`."""
+        # (terms of share 0 are left out: 0 * inf would be nan where a machine without a link makes copies
+        # infinitely slow)
+        out = self.recompute
+        for share, exposed in ((1.0 - w, self.exposed_oneway), (w - shared, self.exposed_duplex),
+                               (shared, self.exposed_shared)):
+            if share == 1.0:
+                out = out + exposed
+            elif share != 0.0:
+                out = out + share * exposed
+        return out
 
 
 _TABLES: dict[int, tuple[Profile, BlockTables]] = {}
@@ -419,14 +491,16 @@ def _block_tables(profile: Profile) -> BlockTables:
     m = profile.machine
     blocks = profile.blocks
     n = len(blocks)
-    rows = [[], [], [], [], [], []]
+    rows = [[], [], [], [], [], [], []]
+    shared = SHARED_LINK_SHARE * m.duplex_bandwidth
     for i, b in enumerate(blocks):
         nf = blocks[i + 1].forward_s if i + 1 < n else profile.head.forward_s
         nb = blocks[i + 1].backward_s if i + 1 < n else profile.head.backward_s
         k, f, e = option_bytes(b)
         rec, x1 = option_seconds(b, nf, nb, m.d2h_bandwidth, m.h2d_bandwidth)
         _, x2 = option_seconds(b, nf, nb, m.duplex_bandwidth, m.duplex_bandwidth)
-        for row, v in zip(rows, (k, f, e, rec, x1, x2)):
+        _, x3 = option_seconds(b, nf, nb, shared, shared)
+        for row, v in zip(rows, (k, f, e, rec, x1, x2, x3)):
             row.append(v)
     return BlockTables(*(np.array(r, dtype=np.float64).reshape(n, len(OPTIONS)) for r in rows))
 
@@ -525,12 +599,27 @@ def _sums(profile: Profile) -> _Sums:
     return sums
 
 
-def _param_split(profile: Profile, d: Decisions) -> tuple[int, int]:
+def _param_split(profile: Profile, d: Decisions) -> tuple[int, int, int]:
+    """Parameters (stepped on the device, stepped on the host, streamed)."""
     sums = _sums(profile)
     p_off = sum(n for n, o in zip(sums.block_params, d.offload_blocks) if o)
     if d.offload_other:
         p_off += profile.head.num_params
-    return sums.num_params - p_off, p_off
+    p_str = sum(n for n, st in zip(sums.block_params, d.stream_blocks) if st)
+    return sums.num_params - p_off - p_str, p_off, p_str
+
+
+def stream_ring_bytes(profile: Profile, d: Decisions) -> int:
+    """The device ring the streamed states step through, 0 when no block streams: ``stream_slots`` slots of
+    ``min(stream_slot_numel, largest streamed parameter)`` elements of master, two moments and the upcast gradient
+    (:data:`STREAM_RING_BYTES_PER_ELEMENT`). The profile knows the blocks' parameter counts, not their tensors': the
+    largest streamed block's count (rounded up to 64) bounds its largest tensor."""
+    largest = max((n for n, st in zip(_sums(profile).block_params, d.stream_blocks) if st), default=0)
+    if not largest:
+        return 0
+    cfg = d.optimizer_config
+    numel = min(int(cfg.stream_slot_numel), -(-largest // 64) * 64)
+    return int(cfg.stream_slots) * numel * STREAM_RING_BYTES_PER_ELEMENT
 
 
 def fp32_offloaded_params(profile: Profile, d: Decisions) -> int:
@@ -545,11 +634,15 @@ def fp32_offloaded_params(profile: Profile, d: Decisions) -> int:
 
 def state_bytes(profile: Profile, d: Decisions) -> int:
     """Model states on the device and the optimizer's device buffers (see the module docstring)."""
-    p_res, p_off = _param_split(profile, d)
+    p_res, p_off, p_str = _param_split(profile, d)
     weight, off_dtype = LAYOUTS[d.layout]
     halve = 2 if d.offload_gradients else 1
-    off_per = (8 if off_dtype == "float32" else 4) // halve  # weight (+ gradient)
+    str_per = 8 if off_dtype == "float32" else 4  # weight and gradient: a streamed one steps where it is
+    off_per = str_per // halve  # weight (+ gradient)
     total = 16 * p_res + off_per * p_off + (8 // halve - off_per) * fp32_offloaded_params(profile, d)
+    # a streamed gradient lives from its block's backward to its step: in the backward when nothing needs every
+    # gradient first (priced with the resident ones that come and go, gradient_bytes), else to the end of the step
+    total += (str_per // (1 if streamed_gradients_persist(d) else 2)) * p_str + stream_ring_bytes(profile, d)
     bucket, slots, chunk = _optimizer_config(d)
     if p_off:
         # each staging slot holds one bucket of gradients (at most bucket_bytes; the whole offloaded set when smaller)
@@ -559,10 +652,20 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     return total
 
 
+def streamed_gradients_persist(d: Decisions) -> bool:
+    """Whether streamed blocks' gradients stay to the end of the step: with clipping (their steps wait for the global
+    norm), accumulation (they add up over the micro-batches) or DDP's buckets; else they are stepped, and freed, in
+    the backward."""
+    return d.grad_clipping or d.accumulation > 1 or d.persistent_gradients
+
+
 def gradient_bytes(profile: Profile, d: Decisions) -> tuple[int, tuple[int, ...]]:
-    """(``G_h``, ``G_i`` per block): gradient bytes of the device-resident parameters, outside and in the blocks."""
+    """(``G_h``, ``G_i`` per block): gradient bytes of the device-resident parameters, outside and in the blocks, and
+    of the streamed ones stepped in the backward (:func:`streamed_gradients_persist`; in the offloaded dtype)."""
     per = 2 if LAYOUTS[d.layout][0] == "bfloat16" else 4
-    blocks = tuple(0 if o else per * n for n, o in zip(_sums(profile).block_params, d.offload_blocks))
+    str_per = 0 if streamed_gradients_persist(d) else (2 if LAYOUTS[d.layout][1] == "bfloat16" else 4)
+    blocks = tuple(0 if o else (str_per if st else per) * n
+                   for n, o, st in zip(_sums(profile).block_params, d.offload_blocks, d.streamed))
     head = 0 if d.offload_other else per * profile.head.num_params
     return head, blocks
 
@@ -573,7 +676,7 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     s = d.micro_batch / profile.micro_batch
     blocks, head = profile.blocks, profile.head
     weight, off_dtype = LAYOUTS[d.layout]
-    p_res, p_off = _param_split(profile, d)
+    p_res, p_off, p_str = _param_split(profile, d)
     autocast = profile.compute_dtype in ("bfloat16", "float16")
     # parameters in fp32 on the device that autocast casts every micro-batch
     if not autocast or weight == "bfloat16":
@@ -589,11 +692,8 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     base = sums.base_s
     compute_s = s * max(0.0, base - cast0) + cast_s
     per = DEVICE_MASTER_ADAM_BYTES_PER_PARAM if weight == "bfloat16" else DEVICE_ADAM_BYTES_PER_PARAM
-    device_step_s = p_res * per / bwm
-    # the host step's pace varies between runs (HOST_STEP_SPREAD): the exposed part is the mean of the pipeline at the
-    # measured rate and at the slow end, so a plan that leans on the host step hiding pays for the risk it takes
-    host_step_s, exposed = host_terms(profile, d, device_step_s)
-    host_exposed_s = 0.5 * (exposed + host_terms(profile, d, device_step_s, HOST_STEP_SPREAD)[1])
+    device_step_s = (p_res * per + p_str * STREAM_ADAM_BYTES_PER_PARAM) / bwm
+    host_step_s, host_exposed_s = _host_step(profile, d, device_step_s)
 
     in_last = blocks[-1].input_bytes if blocks else 0
     head_params_cast = 2 * head.num_params if (autocast and weight == "float32") else 0
@@ -602,7 +702,8 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     else:
         head_b = s * (head.saved_bytes + head.logits_transient_bytes) + head_params_cast
     block_params_32 = 0 if (not autocast or weight == "bfloat16") else sum(
-        n for n, o in zip(sums.block_params, d.offload_blocks) if not (o and off_dtype == "bfloat16")
+        n for n, o, st in zip(sums.block_params, d.offload_blocks, d.streamed)
+        if not ((o or st) and off_dtype == "bfloat16")
     )
     cache = 2 * block_params_32
     largest, in_max = sums.largest, sums.in_max
@@ -624,7 +725,7 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
         device_step_s=device_step_s,
         host_step_s=host_step_s,
         host_exposed_s=float(host_exposed_s),
-        host_bytes=int(HOST_BYTES_PER_PARAM * p_off) + og_bytes,
+        host_bytes=int(HOST_BYTES_PER_PARAM * (p_off + p_str)) + og_bytes,
     )
 
 
@@ -644,8 +745,9 @@ def gradient_backlog_bytes(profile: Profile, d: Decisions) -> int:
     """``offload_gradients``: the most device gradient bytes of host-stepped blocks that wait for their copy at the
     start of a block's backward, else 0. Each is freed only once its copy (4 B per parameter, one after another over
     the link shared with the weights coming back) has run, and a block's backward can outpace that (the 7B shape:
-    ~10 ms of backward against ~18 ms of copy per block). Recompute is left out of the backward's time, which errs
-    on the large side."""
+    ~10 ms of backward against ~18 ms of copy per block). Without clipping, streamed blocks' states share that
+    direction in the backward, in the order the jobs are ready (:mod:`elbowroom.plan.host_pipeline`). Recompute is
+    left out of the backward's time, which errs on the large side."""
     if not d.offload_gradients:
         return 0
     blocks, m = profile.blocks, profile.machine
@@ -655,12 +757,15 @@ def gradient_backlog_bytes(profile: Profile, d: Decisions) -> int:
     per = 2 if "bfloat16" in (weight, off_dtype) else 4  # a host-stepped parameter's device gradient
     t, copied, worst = s * profile.head.backward_s, -math.inf, 0
     waiting: list[tuple[float, int]] = []  # (its copy done, bytes)
+    streamed = d.streamed if not d.grad_clipping else (False,) * len(blocks)  # (with clipping: after the backward)
     for j in range(len(blocks) - 1, -1, -1):
         worst = max(worst, sum(b for done, b in waiting if done > t))  # as block j's backward starts
         t += s * blocks[j].backward_s
         if d.offload_blocks[j]:
             copied = max(copied, t) + OPTIMIZER_LINK_BYTES_PER_PARAM * blocks[j].num_params / bw
             waiting.append((copied, per * blocks[j].num_params))
+        elif streamed[j]:  # its states take the same direction, in the order the jobs are ready
+            copied = max(copied, t) + STREAM_LINK_BYTES_PER_PARAM * blocks[j].num_params / bw
     return max(worst, sum(b for done, b in waiting if done > t))
 
 
@@ -671,7 +776,7 @@ def _offloaded_gradient_bytes(profile: Profile, d: Decisions) -> int:
     if not d.offload_gradients:
         return 0
     per = 4 if (LAYOUTS[d.layout][1] == "float32" or d.optimizer_config.cast_on_device) else 2
-    return int(per * _param_split(profile, d)[1])
+    return int(per * _param_split(profile, d)[1])  # (streamed gradients stay on the device)
 
 
 def host_terms(profile: Profile, d: Decisions, device_step_s: float, rate_scale: float = 1.0,
@@ -686,6 +791,27 @@ def host_terms(profile: Profile, d: Decisions, device_step_s: float, rate_scale:
     step at 2.5-2.9 G params/s, where the fp32 kernel steps 3.8-4.3), and priced as the pipeline the planner took them
     at 16 GiB and lost 9 points of plain's speed to a host step 33% slower."""
     return host_exposed_seconds(profile, d, device_step_s, rate_scale, extra_backward_s)
+
+
+_HOST: dict[tuple[Any, ...], tuple[Profile, float, float]] = {}
+
+
+def _host_step(profile: Profile, d: Decisions, device_step_s: float) -> tuple[float, float]:
+    """(the whole host step, its exposed part): the host step's pace varies between runs (:data:`HOST_STEP_SPREAD`),
+    so the exposed part is the mean of the pipeline at the measured rate and at the slow end, and a plan that leans on
+    the host step hiding pays for the risk it takes. Cached on what the pipeline reads: the search asks again for
+    every head and loss choice of one placement."""
+    key = (id(profile), d.offload_blocks, d.stream_blocks, d.offload_other, d.micro_batch, d.grad_clipping,
+           d.offload_gradients, d.optimizer_config.step_order, device_step_s)
+    got = _HOST.get(key)
+    if got is not None and got[0] is profile:
+        return got[1], got[2]
+    whole, exposed = host_terms(profile, d, device_step_s)
+    exposed = float(0.5 * (exposed + host_terms(profile, d, device_step_s, HOST_STEP_SPREAD)[1]))
+    if len(_HOST) > 4096:
+        _HOST.clear()
+    _HOST[key] = (profile, whole, exposed)  # the profile is held, so its id is not reused while cached
+    return whole, exposed
 
 
 def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: float) -> float:
@@ -712,6 +838,28 @@ def margin_bytes(profile: Profile, budget_bytes: int, expandable_segments: bool)
 def duplex_share(d: Decisions) -> float:
     """``w``: the share of micro-batches whose copies share the link with the optimizer's."""
     return 1.0 / d.accumulation if d.offloads_params else 0.0
+
+
+def stream_share(d: Decisions, profile: Profile | None = None) -> float:
+    """The share of micro-batches' copies that share their direction of the link with streamed optimizer states: ``w``
+    times the share of the window they stream in that the streamed states hold the link (12 B per streamed parameter
+    each way at the duplex rate, against the backward, or with clipping the forward, of one micro-batch), 0 when no
+    block streams. Without ``profile``, ``w`` (the whole window held: the safe side)."""
+    w = duplex_share(d) if d.streams else 0.0
+    if not w or profile is None:
+        return w
+    bw = profile.machine.duplex_bandwidth
+    p_str = sum(n for n, st in zip(_sums(profile).block_params, d.stream_blocks) if st)
+    s = d.micro_batch / profile.micro_batch
+    window = s * sum((b.forward_s if d.grad_clipping else b.backward_s) for b in profile.blocks)
+    if bw <= 0 or window <= 0:
+        return w
+    return w * min(1.0, STREAM_LINK_BYTES_PER_PARAM * p_str / bw / window)
+
+
+def link_shares(d: Decisions, profile: Profile | None = None) -> tuple[float, float]:
+    """(:func:`duplex_share`, :func:`stream_share`): the arguments of :meth:`BlockTables.cost`."""
+    return duplex_share(d), stream_share(d, profile)
 
 
 # ---------------------------------------------------------------------------------------------- phases
@@ -752,51 +900,138 @@ class _Phases:
         return "optimizer step", {"gradients": self.transient_grads}
 
 
-def _phases(profile: Profile, g: Globals, d: Decisions, idx: np.ndarray, window: int) -> _Phases:
-    """The phases of the module docstring for options ``idx`` (indices into :data:`OPTIONS`), vectorised."""
-    n = len(profile.blocks)
-    s = d.micro_batch / profile.micro_batch
-    tab = block_tables(profile)
+_SCALED: dict[tuple[int, float], tuple[Profile, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+_LATER: dict[tuple[Any, ...], tuple[Profile, np.ndarray]] = {}
+
+
+def _scaled(profile: Profile, s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every block's saved bytes, largest saved tensor and input at ``s`` times the profile's micro-batch (int64),
+    cached: the search prices thousands of plans at a few micro-batches."""
+    got = _SCALED.get((id(profile), s))
+    if got is not None and got[0] is profile:
+        return got[1]
     sums = _sums(profile)
+    arrays = tuple(np.ceil(s * a).astype(np.int64) for a in (sums.saved, sums.largest_each, sums.input_each))
+    for a in arrays:
+        a.flags.writeable = False  # (shared by every caller)
+    if len(_SCALED) > 64:
+        _SCALED.clear()
+    _SCALED[(id(profile), s)] = (profile, arrays)  # the profile is held, so its id is not reused while cached
+    return arrays
+
+
+def _later_gradients(profile: Profile, d: Decisions) -> np.ndarray:
+    """``sum_{j>=i} G_j`` for every block ``i`` (int64), cached on the blocks' placement and the layout."""
+    key = (id(profile), d.offload_blocks, d.stream_blocks, d.layout)
+    got = _LATER.get(key)
+    if got is not None and got[0] is profile:
+        return got[1]
+    _, g_blocks = gradient_bytes(profile, d)
+    later = np.cumsum(np.asarray(g_blocks, dtype=np.int64)[::-1])[::-1]
+    later.flags.writeable = False  # (shared by every caller)
+    if len(_LATER) > 1024:
+        _LATER.clear()
+    _LATER[key] = (profile, later)  # the profile is held, so its id is not reused while cached
+    return later
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The terms of :func:`_phases` that the options and the micro-batch alone decide (int64 arrays, scaled)."""
+
+    kept: np.ndarray
+    off: np.ndarray
+    saved: np.ndarray
+    before: np.ndarray  # kept by the blocks before i, and by the other micro-batches in flight
+    work_fwd: np.ndarray  # S_i + L_i
+    inflight: np.ndarray
+    fetch: np.ndarray
+    work_bwd: np.ndarray  # 2 In_i + L_i, without G
+    total_kept: int
+    last_off: int
+    policy: bool  # some block has a policy (autocast's weight cache is off)
+    fwd_max: int  # the largest forward block phase
+    bwd: np.ndarray  # backward block phases without gradients and G
+    bwd_max: int
+
+
+_HELD: dict[tuple[Any, ...], tuple[Profile, _Held]] = {}
+
+
+def _held(profile: Profile, idx: np.ndarray, s: float, window: int) -> _Held:
+    """:class:`_Held` for options ``idx`` at ``s`` times the profile's micro-batch, cached: the search checks the same
+    few options under many global choices."""
+    key = (id(profile), idx.tobytes(), s, window)
+    got = _HELD.get(key)
+    if got is not None and got[0] is profile:
+        return got[1]
+    n = len(profile.blocks)
+    tab = block_tables(profile)
     rows = np.arange(n)
     kept = np.ceil(s * tab.kept[rows, idx]).astype(np.int64)
     off = np.ceil(s * tab.offloaded[rows, idx]).astype(np.int64)
-    saved = np.ceil(s * sums.saved).astype(np.int64)
-    largest = np.ceil(s * sums.largest_each).astype(np.int64)
-    inp = np.ceil(s * sums.input_each).astype(np.int64)
-    cache = g.cache if not idx.any() else 0  # OPTIONS[0] is Option(): no block has a policy
-    grad_t = g.backward_work - int(math.ceil(s * (2 * sums.in_max + sums.largest)))
+    saved, largest, inp = _scaled(profile, s)
     held = (profile.inflight_microbatches - 1) * (int(kept.sum()) + math.ceil(s * profile.head.saved_bytes))
     before = np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64) + held  # + other micro-batches in flight
     inflight = np.concatenate(([0], off[:-1])).astype(np.int64)
     work_fwd = saved + largest
-    fwd = before + work_fwd + inflight
     nz = np.flatnonzero(off)
-    last_off = int(off[nz[-1]]) if nz.size else 0
-    total_kept = int(kept.sum()) + held
-    end = {"activations kept": total_kept, "copies in flight": last_off, "head and loss": g.head,
-           "autocast weight cache": cache}
-    fwd_end = total_kept + last_off + g.head + cache
     fetch = np.minimum(inflight, window)
-    work_bwd = 2 * inp + largest + grad_t
+    work_bwd = 2 * inp + largest
+    bwd = before + saved + fetch + work_bwd
+    arrays = (kept, off, saved, before, work_fwd, inflight, fetch, work_bwd, bwd)
+    for a in arrays:
+        a.flags.writeable = False  # (shared by every caller that asks for the same options)
+    out = _Held(kept, off, saved, before, work_fwd, inflight, fetch, work_bwd, total_kept=int(kept.sum()) + held,
+                last_off=int(off[nz[-1]]) if nz.size else 0, policy=bool(idx.any()),
+                fwd_max=int((before + work_fwd + inflight).max()), bwd=bwd, bwd_max=int(bwd.max()))
+    if len(_HELD) > 1024:  # (nine arrays of one int64 per block each)
+        _HELD.clear()
+    _HELD[key] = (profile, out)  # the profile is held, so its id is not reused while cached
+    return out
+
+
+def _grad_work(profile: Profile, g: Globals, s: float) -> int:
+    """``G``: the backward's working memory beyond ``2 In_max + L_max`` (bf16 weight gradients, waiting copies)."""
+    sums = _sums(profile)
+    return g.backward_work - int(math.ceil(s * (2 * sums.in_max + sums.largest)))
+
+
+def _phases(profile: Profile, g: Globals, d: Decisions, idx: np.ndarray, window: int) -> _Phases:
+    """The phases of the module docstring for options ``idx`` (indices into :data:`OPTIONS`), vectorised."""
+    n = len(profile.blocks)
+    s = d.micro_batch / profile.micro_batch
+    h = _held(profile, idx, s, window)
+    cache = g.cache if not h.policy else 0  # OPTIONS[0] is Option(): no block has a policy
+    grad_t = _grad_work(profile, g, s)
+    fwd = h.before + h.work_fwd + h.inflight
+    end = {"activations kept": h.total_kept, "copies in flight": h.last_off, "head and loss": g.head,
+           "autocast weight cache": cache}
+    fwd_end = h.total_kept + h.last_off + g.head + cache
+    work_bwd = h.work_bwd + grad_t
     if g.transient_grads:
-        _, g_blocks = gradient_bytes(profile, d)
-        grads = g.head_grads + np.cumsum(np.asarray(g_blocks, dtype=np.int64)[::-1])[::-1]
+        grads = g.head_grads + _later_gradients(profile, d)
     else:
         grads = np.zeros(n, dtype=np.int64)
-    bwd = grads + before + saved + fetch + work_bwd
+    bwd = grads + h.before + h.saved + h.fetch + work_bwd
     values = np.concatenate((fwd, [fwd_end], bwd, [g.transient_grads])).astype(np.int64)
-    return _Phases(values, kept, off, saved, before, work_fwd, inflight, fetch, work_bwd, grads, end,
+    return _Phases(values, h.kept, h.off, h.saved, h.before, h.work_fwd, h.inflight, h.fetch, work_bwd, grads, end,
                    g.transient_grads)
 
 
 def peak_bytes(profile: Profile, d: Decisions, idx: np.ndarray, budget_bytes: int, window: int,
                g: Globals | None = None) -> int:
-    """:func:`predict`'s peak alone, for options ``idx`` (the search checks thousands of plans with it)."""
+    """:func:`predict`'s peak alone, for options ``idx`` (the search checks thousands of plans with it): the largest
+    of :func:`_phases`' values, from the options' part of them (:func:`_held`) and the global terms."""
     g = globals_for(profile, d) if g is None else g
-    ph = _phases(profile, g, d, idx, window)
-    return g.states - g.transient_grads + int(ph.values.max()) + margin_bytes(profile, budget_bytes,
-                                                                              d.expandable_segments)
+    s = d.micro_batch / profile.micro_batch
+    h = _held(profile, idx, s, window)
+    bwd_max = h.bwd_max
+    if g.transient_grads:
+        bwd_max = int((h.bwd + (g.head_grads + _later_gradients(profile, d))).max())
+    top = max(h.fwd_max, h.total_kept + h.last_off + g.head + (0 if h.policy else g.cache),
+              bwd_max + _grad_work(profile, g, s), g.transient_grads)
+    return g.states - g.transient_grads + top + margin_bytes(profile, budget_bytes, d.expandable_segments)
 
 
 # ---------------------------------------------------------------------------------------------- predict
@@ -815,7 +1050,7 @@ def predict(
         The prediction, with breakdowns.
     """
     n = len(profile.blocks)
-    if len(d.options) != n or len(d.offload_blocks) != n:
+    if len(d.options) != n or len(d.offload_blocks) != n or len(d.streamed) != n:
         raise ValueError(f"decisions for {len(d.options)} blocks, profile has {n}")
     if prefetch_window_bytes is None:
         from elbowroom.activations.offload import DEFAULT_PREFETCH_WINDOW_BYTES
@@ -826,7 +1061,7 @@ def predict(
     idx = np.array([OPTIONS.index(o) for o in d.options], dtype=np.int64)
     rows = np.arange(n)
     g = globals_for(profile, d)
-    cost = tab.cost(duplex_share(d))[rows, idx]
+    cost = tab.cost(*link_shares(d, profile))[rows, idx]
     block_sum = 0.0
     for c in cost:
         block_sum += float(c)  # in block order, as the search's knapsack adds them
@@ -843,7 +1078,7 @@ def predict(
               **{k: v for k, v in parts.items() if v}, "allocator margin": margin}
     peak = states + int(ph.values[at]) + margin
 
-    x = (tab.cost(duplex_share(d)) - tab.recompute)[rows, idx]
+    x = (tab.cost(*link_shares(d, profile)) - tab.recompute)[rows, idx]
     rec = tab.recompute[rows, idx]
     base_block = [s * (b.forward_s + b.backward_s) for b in profile.blocks]
     blocks = tuple(
@@ -862,7 +1097,9 @@ def predict(
         "exposed activation copies": d.accumulation * s * float(x.sum()),
         "device optimizer step": g.device_step_s,
         "host optimizer step (whole)": g.host_step_s,
-        "host optimizer step (exposed)": g.host_exposed_s,
+        # (the part the device does not hide: of the host's step, and of the streamed states' trips over the link)
+        ("host and streamed optimizer steps (exposed)" if d.streams else "host optimizer step (exposed)"):
+            g.host_exposed_s,
     }
     pool = int(PINNED_ACTIVATION_SHARE * int(off.sum()))
     return Prediction(

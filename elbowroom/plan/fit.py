@@ -95,6 +95,7 @@ def fit(
     persistent_gradients: bool = False,
     ranks_per_host: int = 1,
     reentrant: bool | None = None,
+    stream: bool | None = None,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -155,6 +156,11 @@ def fit(
             the same way). None: yes unless torch.distributed is initialized
             (:func:`~elbowroom.activations.recompute.reentrant_default`). A loop that calls ``torch.autograd.grad``
             or ``backward(inputs=...)`` through the model passes False: torch refuses those under it.
+        stream: let blocks keep their optimizer state on the host and step it on the device, streamed through a
+            small ring each step (``CPUOffloadOptimizer(stream_params=...)``): a second optimizer beside the host's,
+            paced by the link instead of the host's memory. None (default): where the optimizer can (Adam and AdamW
+            without amsgrad) and torch.distributed is not initialized; False: never; True: where the plan gains by
+            it, and an optimizer that cannot is refused.
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
 
     Returns:
@@ -164,10 +170,17 @@ def fit(
         BudgetError: no plan fits the budget (the message names the minimum).
         ValueError: a bad budget or argument.
     """
-    from elbowroom.plan.apply import apply, resolve_blocks
+    from elbowroom.plan.apply import apply, can_stream, resolve_blocks
     from elbowroom.plan.search import plan_for
 
     budget_bytes = parse_budget(budget)
+    streamable = can_stream(optimizer, opt_kwargs)
+    if stream and not streamable:
+        raise ValueError(f"stream=True needs torch.optim.Adam or AdamW without amsgrad, not "
+                         f"{getattr(optimizer, '__name__', optimizer)} with {opt_kwargs}; leave stream unset")
+    if stream is None:
+        # (not measured under data parallel, where DDP's reduced gradients and FSDP2's shards come into play)
+        stream = streamable and not (torch.distributed.is_available() and torch.distributed.is_initialized())
     resolve_blocks(model, blocks)  # no repeated blocks: say so before profiling
     from elbowroom.plan.profiler import profile as take_profile  # the profiler: imported when first needed
 
@@ -195,6 +208,7 @@ def fit(
         fused_loss_allowed=fused_loss,
         grad_clipping=grad_clipping,
         selective_allowed=selective,
+        stream_allowed=stream,
         gradient_offload_allowed=gradient_offload,
         persistent_gradients=persistent_gradients,
         offload_config=opt_kwargs.get("offload_config"),

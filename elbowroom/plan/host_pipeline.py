@@ -6,6 +6,19 @@ whole backward in forward order, without it as the gradients become final (late 
 gradients and ``CPUOffloadConfig.step_order="needed_first"`` the host steps, among the jobs whose gradients have
 landed, the one the next forward needs first. The next forward needs each block's weights back before it reaches
 that block.
+
+A streamed block (``Decisions.stream_blocks``, ``CPUOffloadOptimizer(stream_params=...)``) is a job of the link
+alone: its fp32 master and moments come up into the device's ring, step there and go back, chunk by chunk, so it
+holds both directions at once for ``12 P / bw`` and its weights are ready when the last chunk has come up. The
+optimizer runs streamed jobs on copy streams of their own, beside the host-stepped jobs' copies; the model takes
+turns instead of sharing: the device-to-host direction takes the gradients' copies and the streamed jobs one after
+another in the order they are ready (the gradients first on a tie: they start the host's step, the longer wait),
+and the weights coming back from the host take the time the streamed jobs leave free on the other direction.
+Against ``benchmarks/stream_step.py`` (53 matrices of 4096x11008, bf16 device weights, after a clipped backward,
+the late ones streamed; H100, ``benchmarks/results/2026-11-24-s9/call3-stream-step.jsonl``), at 38 GB/s each way and
+2.85 G params/s on the host this gives 0.85 / 0.59 / 0.63 / 0.76 s for none / half / 60% / all streamed, measured
+0.84 / 0.59 / 0.57 / 0.75. Giving the streamed jobs the link first, the gradients only the time they leave, would
+hold the host's step back behind the whole stream (about the host alone's time at half streamed).
 """
 
 from __future__ import annotations
@@ -26,20 +39,40 @@ OPTIMIZER_LINK_BYTES_PER_PARAM = 4
 """Bytes per offloaded parameter on the link each way per step: fp32 gradients out and fp32 masters back (with bf16
 device weights the casts run on the device, so fp32 travels either way: ``CPUOffloadOptimizer.cast_on_device``)."""
 
+STREAM_LINK_BYTES_PER_PARAM = 12
+"""Bytes per streamed parameter on the link each way per step: its fp32 master and both AdamW moments come up to the
+device and go back; no gradient crosses (it steps where it is)."""
+
+
+def fill_after(busy: Sequence[tuple[float, float]], k: int, t: float, seconds: float) -> tuple[float, int]:
+    """When a copy of ``seconds`` that may start at ``t`` ends on a link direction that ``busy`` holds first (sorted,
+    disjoint intervals): it runs in the time between them. ``k``: the first interval that may still end after ``t``
+    (the copies on one direction are placed in order, so the next search starts there). Returns (end, next k)."""
+    while k < len(busy) and busy[k][1] <= t:
+        k += 1
+    while k < len(busy) and busy[k][0] < t + seconds:
+        seconds -= max(0.0, busy[k][0] - t)  # runs until the interval starts, waits for its end
+        t = busy[k][1]
+        k += 1
+    return t + seconds, k
+
 
 def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, rate_scale: float = 1.0,
                          extra_backward_s: Sequence[float] | None = None) -> tuple[float, float]:
-    """(host step seconds, the part of it the device does not hide): the pipeline of :mod:`elbowroom.plan.cost`,
-    with the host optimizer at ``rate_scale`` times the machine's measured rate. ``extra_backward_s``: seconds each
-    block's backward runs besides its own (its recompute, unscaled), which hide host work too."""
+    """(host step seconds, the part of the optimizer's step the device does not hide): the pipeline of
+    :mod:`elbowroom.plan.cost`, with the host optimizer at ``rate_scale`` times the machine's measured rate; streamed
+    blocks wait for the link alone. ``extra_backward_s``: seconds each block's backward runs besides its own (its
+    recompute, unscaled), which hide host work too."""
     m = profile.machine
     s = d.micro_batch / profile.micro_batch
-    jobs: list[tuple[int, int]] = [(i, b.num_params) for i, (b, o) in enumerate(zip(profile.blocks, d.offload_blocks))
-                                   if o]
+    # (block index, parameters, streamed) of every block whose optimizer is off the device
+    jobs: list[tuple[int, int, bool]] = [(i, b.num_params, st) for i, (b, o, st)
+                                         in enumerate(zip(profile.blocks, d.offload_blocks, d.streamed)) if o or st]
     if not jobs and not d.offload_other:
         return 0.0, 0.0
     rate, bw = m.host_adam_params_per_s * rate_scale, m.duplex_bandwidth
-    if rate <= 0 or bw <= 0:
+    host_jobs = d.offload_other or not all(st for _, _, st in jobs)
+    if bw <= 0 or (host_jobs and rate <= 0):
         return math.inf, math.inf
     n = len(profile.blocks)
     fwd_before = np.concatenate(([0.0], np.cumsum([b.forward_s for b in profile.blocks]))) * s
@@ -51,8 +84,8 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
     # after them (an untied output head: final first, needed after the last block, index n)
     head = profile.head
     after = head.num_params - head.before_params if d.offload_other else 0
-    before = [(-1, head.before_params)] if d.offload_other and head.before_params else []
-    tail = [(n, after)] if after else []
+    before = [(-1, head.before_params, False)] if d.offload_other and head.before_params else []
+    tail = [(n, after, False)] if after else []
     if d.grad_clipping:
         order = before + jobs + tail  # forward order, after the whole backward
         starts = [0.0] * len(order)
@@ -63,14 +96,25 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
         # embeddings' at its end
         final = s * (profile.head.backward_s + np.concatenate((np.cumsum(bwd[::-1])[::-1], [0.0])))
         final[n] = s * profile.head.backward_s
-        starts = [final[j] if j >= 0 else t_backward for j, _ in order]
+        # (never earlier than the job before: sums in two orders may differ in their last bit)
+        starts = np.maximum.accumulate([final[j] if j >= 0 else t_backward for j, _, _ in order]).tolist()
         t0 = t_backward
-    # the gradients' copies run one after another in the order the jobs become ready
+    # the device-to-host direction takes the gradients' copies and the streamed jobs one after another, in the order
+    # they are ready, the gradients first on a tie; a streamed job holds the other direction as long
+    queue = sorted(range(len(order)), key=lambda q: (starts[q], order[q][2]))
     copied: list[tuple[float, int, int]] = []  # (copy done, block index or -1, parameters)
+    streams: list[tuple[float, float, int]] = []  # (start, weights on the device, block index) of streamed jobs
     dn = -math.inf
-    for (j, p), t in zip(order, starts):
-        dn = max(dn, t) + OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
-        copied.append((dn, j, p))
+    for q in queue:
+        j, p, st = order[q]
+        if st:
+            start = max(dn, starts[q])
+            dn = start + STREAM_LINK_BYTES_PER_PARAM * p / bw
+            streams.append((start, dn, j))
+        else:
+            dn = max(dn, starts[q]) + OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
+            copied.append((dn, j, p))
+    busy = [(a, b) for a, b, _ in streams]  # the host-to-device direction, held by the streamed jobs
     if d.offload_gradients and not d.grad_clipping and d.optimizer_config.step_order == "needed_first":
         # the host has several jobs at once (gradients land at link speed): it steps the one needed first
         # (CPUOffloadOptimizer's step thread, earliest deadline first)
@@ -91,11 +135,14 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
         for c, j, p in copied:  # in arrival order
             hn = max(hn, c) + p / rate
             steps.append((hn, j, p))
-    un = late = -math.inf
+    late = -math.inf
+    for _, ready, j in streams:
+        late = max(late, ready - (t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)))
+    un, k = -math.inf, 0  # the weights come back in the time the streamed jobs leave free
     total = 0.0
     for h, j, p in steps:
         total += p / rate
-        un = max(un, h) + OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
+        un, k = fill_after(busy, k, max(un, h), OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
         need = t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)
         late = max(late, un - need)
     return total, max(0.0, late)

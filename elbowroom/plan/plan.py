@@ -56,6 +56,9 @@ class BlockPlan:
     """Offload the input a checkpointed block saves."""
     optimizer_on_host: bool = False
     """The block's parameters keep their fp32 masters and AdamW state on the host and step there."""
+    optimizer_streamed: bool = False
+    """The block's parameters keep their fp32 masters and AdamW state on the host and step on the device: the states
+    stream through a small device ring each step (``CPUOffloadOptimizer(stream_params=...)``; Adam and AdamW)."""
     kept_bytes: int = 0
     """Predicted activation bytes kept on the device from forward to backward (one micro-batch)."""
     offloaded_bytes: int = 0
@@ -71,6 +74,9 @@ class BlockPlan:
             raise ValueError(f"{where}.checkpoint must be one of {', '.join(_CHECKPOINTS)}, got {self.checkpoint!r}")
         if not 0.0 <= self.offload_ratio <= 1.0:
             raise ValueError(f"{where}.offload_ratio must be in [0, 1], got {self.offload_ratio}")
+        if self.optimizer_on_host and self.optimizer_streamed:
+            raise ValueError(f"{where} sets both optimizer_on_host and optimizer_streamed: a block's optimizer steps "
+                             "on the host or streams through the device, not both; set one of them to false")
         if self.offload_input and self.checkpoint == "none":
             raise ValueError(
                 f"{where}.offload_input needs checkpoint = 'full' or 'selective'; for a kept block set offload_ratio"
@@ -202,8 +208,14 @@ class Plan:
         return tuple(b.index for b in self.blocks if b.optimizer_on_host)
 
     @property
+    def optimizer_stream_blocks(self) -> tuple[int, ...]:
+        """Indices of the blocks whose optimizer state lives on the host and streams through the device to step."""
+        return tuple(b.index for b in self.blocks if b.optimizer_streamed)
+
+    @property
     def offloads_optimizer(self) -> bool:
-        return self.offload_other_params or any(b.optimizer_on_host for b in self.blocks)
+        """Some optimizer state lives on the host (stepped there or streamed)."""
+        return self.offload_other_params or any(b.optimizer_on_host or b.optimizer_streamed for b in self.blocks)
 
     @property
     def global_batch(self) -> int:
@@ -220,9 +232,11 @@ class Plan:
         from elbowroom.plan.cost import LAYOUTS, Decisions, Option
 
         layout = next(k for k, v in LAYOUTS.items() if v == (self.weight_dtype, self.offload_param_dtype))
+        streamed = tuple(b.optimizer_streamed for b in self.blocks)
         return Decisions(
             options=tuple(Option(b.checkpoint, b.offload_ratio, b.offload_input) for b in self.blocks),
             offload_blocks=tuple(b.optimizer_on_host for b in self.blocks),
+            stream_blocks=streamed if any(streamed) else (),
             offload_other=self.offload_other_params,
             layout=layout,
             micro_batch=self.micro_batch,
@@ -268,6 +282,10 @@ class Plan:
                          "parameters, gradients and optimizer state are one rank's shard")
         off = self.optimizer_offload_blocks
         where = _ranges(off) if off else "none"
+        streamed = self.optimizer_stream_blocks
+        if streamed:  # (a plan that streams nothing reads as it always did)
+            where += (f" ({len(off)})" if off else "") + (f"; state on the host, streamed to step on the device: "
+                                                          f"blocks {_ranges(streamed)} ({len(streamed)})")
         other = "on the host" if self.offload_other_params else "on the device"
         lines.append(f"optimizer on the host: blocks {where}; embeddings/head/norm {other}"
                      + ("; their gradients leave the device in the backward" if self.offload_gradients else ""))
@@ -280,7 +298,7 @@ class Plan:
                      f"{'recomputed':>11} {'ms':>8}")
         for b in self.blocks:
             lines.append(
-                f"{b.index:>5}  {b.policy_label:<26} {'host' if b.optimizer_on_host else 'device':<9} "
+                f"{b.index:>5}  {b.policy_label:<26} {_placement(b):<9} "
                 f"{b.kept_bytes / 2**30:>9.3f} {b.offloaded_bytes / 2**30:>10.3f} "
                 f"{b.recomputed_bytes / 2**30:>11.3f} {b.seconds * 1e3:>8.2f}"
             )
@@ -351,6 +369,11 @@ class Plan:
             return cls.from_toml(text) if path.suffix == ".toml" else cls.from_json(text)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{path}: {e}") from None
+
+
+def _placement(b: BlockPlan) -> str:
+    """The table's optimizer column: where the block's optimizer steps."""
+    return "host" if b.optimizer_on_host else "stream" if b.optimizer_streamed else "device"
 
 
 def _ranges(idx: tuple[int, ...]) -> str:

@@ -1,14 +1,19 @@
 """The search: the fastest plan the cost model predicts under a memory budget.
 
-:func:`plan_for` enumerates the global choices in an outer grid (weight layout, which blocks' and whether the
-other parameters' optimizer runs on the host, micro-batch and accumulation, fused loss, allocator setting, and a
+:func:`plan_for` enumerates the global choices in an outer grid (weight layout, which blocks' optimizer leaves the
+device and whether the other parameters' does, micro-batch and accumulation, fused loss, allocator setting, and a
 cap ``E`` on any block's backward extra, see :mod:`elbowroom.plan.cost`) and, inside, solves the per-block
 choices exactly: a multiple-choice knapsack over the blocks' :data:`~elbowroom.plan.cost.OPTIONS`, memory
 discretised in units that depend on the profile only (never on the budget), minimising the summed per-block
 seconds. One dynamic programme serves every memory capacity at once (its last row is the best time for each
 capacity), every micro-batch size whose copies see the same link (bytes and times scale alike, so the units do
-not change), and every optimizer placement (they only move the capacity), so a search runs a few dozen
-numpy-vectorised programmes however fine the outer grid is.
+not change), and every optimizer placement whose copies see the same link (they only move the capacity), so a
+search runs a few dozen numpy-vectorised programmes however fine the outer grid is.
+
+The blocks whose optimizer leaves the device are the last ``k`` (needed last by the next forward); of them the
+earliest may stream (:func:`_stream_counts`: none, all, and the two counts around the split where the link's work
+and the host's take as long) and the rest step on the host. Of the placements one count ``k`` gives, those that
+another beats at every budget are left out before the knapsack (:func:`_undominated`).
 
 Why a tighter budget never predicts a faster step: every term of the step time is either a global term fixed by
 the outer choice or a per-block sum the knapsack minimises exactly; feasibility of an outer choice and the
@@ -24,6 +29,7 @@ corner cases; the monotonicity tests sweep budgets over fixed and random models 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -34,6 +40,7 @@ import numpy as np
 
 from elbowroom.plan import cost
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
+from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM, STREAM_LINK_BYTES_PER_PARAM
 from elbowroom.plan.plan import BlockPlan, Plan, ProfileSummary
 from elbowroom.plan.types import Profile
 
@@ -91,13 +98,14 @@ def _gib(n: float) -> str:
 @dataclass(frozen=True)
 class _Outer:
     layout: str
-    k: int  # the last k blocks step on the host
+    k: int  # the last k blocks' optimizer leaves the device
     other: bool
     micro_batch: int
     accumulation: int
     fused: bool
     expandable: bool
     gradients_out: bool = False  # the offloaded parameters' gradients leave the device in the backward
+    streamed: int = 0  # of those k, the first (earliest) this many stream; the rest step on the host
 
 
 class _Knapsack:
@@ -117,6 +125,7 @@ class _Knapsack:
         # rounding each block up adds at most one unit per block: room for every block kept whole
         self.M = base + n + 1
         self.units = np.ceil(tables.kept / self.unit0 - 1e-9).astype(np.int64)
+        self._units = self.units.tolist()  # (the backtrack reads them one by one)
         self.offload_ok = offload_ok
         self.window = prefetch_window
         offloads = np.array([o.offload_ratio > 0 or o.offload_input for o in OPTIONS])[None, :]
@@ -148,20 +157,22 @@ class _Knapsack:
             self.keep_units if li == 0 else int(np.where(self.allowed[li], self.units, 1 << 40).min(axis=1).sum())
             for li in range(len(self.levels))
         ]
-        self._cache: dict[tuple[int, float], np.ndarray] = {}
-        self._choices: dict[tuple[int, float], list[np.ndarray]] = {}
+        self._cache: dict[tuple[int, tuple[float, float]], np.ndarray] = {}
+        self._choices: dict[tuple[int, tuple[float, float]], list[np.ndarray]] = {}
+        self._picked: dict[tuple[int, tuple[float, float], int], np.ndarray] = {}
 
-    def best(self, level: int, w: float) -> np.ndarray:
-        """Best summed block seconds (unscaled) for every capacity 0..M at cap level ``level``."""
+    def best(self, level: int, w: tuple[float, float]) -> np.ndarray:
+        """Best summed block seconds (unscaled) for every capacity 0..M at cap level ``level``, with the link shared
+        with the optimizer as ``w`` (:func:`cost.link_shares`) says."""
         key = (level, w)
         got = self._cache.get(key)
         if got is None:
             got = self._cache[key] = self._solve(level, w, record=False)[0]
         return got
 
-    def _solve(self, level: int, w: float, record: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+    def _solve(self, level: int, w: tuple[float, float], record: bool) -> tuple[np.ndarray, list[np.ndarray]]:
         M, n = self.M, self.n
-        c = self.t.cost(w)
+        c = self.t.cost(*w)
         if level == 0:  # every block kept whole: one configuration
             out = np.full(M + 1, np.inf)
             tot = 0.0
@@ -201,7 +212,18 @@ class _Knapsack:
             a_cost += float(c[i, _KEEP])
         return B, choices
 
-    def backtrack(self, level: int, w: float, capacity: int) -> tuple[int, ...]:
+    def picked(self, level: int, w: tuple[float, float], capacity: int) -> np.ndarray:
+        """:meth:`backtrack` as an array, cached: the refinement asks for the same few capacities of its fixed grid
+        under many outer choices."""
+        key = (level, w, capacity)
+        got = self._picked.get(key)
+        if got is None:
+            if len(self._picked) > 4096:
+                self._picked.clear()
+            got = self._picked[key] = np.asarray(self.backtrack(level, w, capacity), dtype=np.int64)
+        return got
+
+    def backtrack(self, level: int, w: tuple[float, float], capacity: int) -> tuple[int, ...]:
         """The option index per block of the best solution within ``capacity`` units."""
         if level == 0:
             return (_KEEP,) * self.n
@@ -211,17 +233,14 @@ class _Knapsack:
                 self._choices.clear()
             choices = self._choices[(level, w)] = self._solve(level, w, record=True)[1]
         out = [_KEEP] * self.n
-        m, from_a = capacity, False
+        m = capacity
         for i in range(self.n - 1, -1, -1):
-            if from_a:
-                out[i] = _KEEP
-                continue
-            tag = int(choices[i][m])
+            tag = choices[i].item(m)
             o = tag % 100
             out[i] = o
-            m -= int(self.units[i, o])
+            m -= self._units[i][o]
             if tag >= 100:
-                from_a = True
+                break  # the blocks before are all kept whole
         return tuple(out)
 
 
@@ -247,6 +266,61 @@ def _offload_counts(n: int) -> list[int]:
     return sorted({int(round(x)) for x in np.linspace(0, n, _MAX_OFFLOAD_STEPS)})
 
 
+@functools.lru_cache(maxsize=4096)
+def _placement(n: int, k: int, streamed: int) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """(``offload_blocks``, ``stream_blocks``) where the last ``k`` blocks' optimizer leaves the device and the first
+    ``streamed`` of them stream (``stream_blocks`` empty when none does)."""
+    host = tuple(i >= n - k + streamed for i in range(n))
+    stream = tuple(n - k <= i < n - k + streamed for i in range(n)) if streamed else ()
+    return host, stream
+
+
+def _stream_counts(profile: Profile, k: int, other: bool, host_ok: bool) -> list[int]:
+    """How many of the last ``k`` blocks the search tries to stream (the earliest of them; the later ones, needed last,
+    step on the host): none, all, and around the split where the link's work (12 B per streamed parameter and 4 per
+    host-stepped one, each way) takes as long as the host's (at the mean of its measured pace and the slow end of its
+    spread, as the cost model prices it). The pipeline decides between them; they depend on the profile alone, never
+    on the budget. Only all of them when the host cannot step (``host_ok`` False)."""
+    if not k:
+        return [0]
+    if not host_ok:
+        return [k]
+    m = profile.machine
+    params = np.array([b.num_params for b in profile.blocks[len(profile.blocks) - k:]], dtype=np.float64)
+    streamed = np.concatenate(([0.0], np.cumsum(params)))  # parameters of the first st of them, st = 0..k
+    host = streamed[-1] - streamed + (profile.head.num_params if other else 0)
+    link = (STREAM_LINK_BYTES_PER_PARAM * streamed + OPTIMIZER_LINK_BYTES_PER_PARAM * host) / m.duplex_bandwidth
+    pace = 0.5 * (1.0 + 1.0 / cost.HOST_STEP_SPREAD) / m.host_adam_params_per_s
+    split = int(np.argmin(np.maximum(link, host * pace)))
+    # the crossing lies between the best and its neighbour on the side where the other resource is the longer
+    other_side = split - 1 if link[split] > host[split] * pace else split + 1
+    return sorted({0, k, split, min(max(other_side, 0), k)})
+
+
+_MEMORY_TERMS = ("states", "transient_grads", "head_grads", "head", "cache", "backward_work", "largest", "host_bytes")
+"""The fields of :class:`cost.Globals` a plan's device and host memory depend on."""
+
+
+def _undominated(placed: list[tuple[int, Decisions, cost.Globals]], s: float, accumulation: int
+                 ) -> list[tuple[int, Decisions, cost.Globals]]:
+    """The optimizer placements of one outer choice (one count of blocks off the device, split between the host and
+    streaming) that another does not beat at every budget: no faster, no more memory in any term, and its activation
+    copies sharing the link no more. The same blocks leave the device in each, so their knapsacks and gradients are
+    alike; which are left out depends on the profile alone, so a tighter budget still never predicts a faster step."""
+    def key(c: tuple[int, Decisions, cost.Globals]) -> tuple[float, ...]:
+        _, d, g = c
+        return (cost.step_seconds(g, s, accumulation, 0.0), cost.stream_share(d),
+                *(getattr(g, f) for f in _MEMORY_TERMS))
+
+    keys = [key(c) for c in placed]
+    out = []
+    for i, (c, a) in enumerate(zip(placed, keys)):
+        # beaten by another that is no worse anywhere, and better somewhere or (a tie) earlier in the list
+        if not any(all(x <= y for x, y in zip(b, a)) and (b != a or j < i) for j, b in enumerate(keys) if j != i):
+            out.append(c)
+    return out
+
+
 def _bound_extra(g: cost.Globals, s: float, e: float, off: float, level0: bool, window: int) -> int:
     """The non-additive part of the peak bound (module docstring of :mod:`cost`), scaled."""
     ex, of = s * e, s * off
@@ -270,6 +344,7 @@ def plan_for(
     allocator_allowed: bool = True,
     prefetch_window_bytes: int | None = None,
     selective_allowed: bool = True,
+    stream_allowed: bool = True,
     offload_config: Any = None,
     bf16_bytes: Profile | None = None,
     weight_layouts: Sequence[str] | None = None,
@@ -305,6 +380,9 @@ def plan_for(
             precision allows (FSDP2 shards cannot hold bf16 device copies of fp32 weights: ``fp32`` and ``bf16``).
         selective_allowed: blocks may use selective recompute (:func:`~elbowroom.plan.fit` turns it off for
             blocks that are not elbowroom's reference blocks, see there).
+        stream_allowed: blocks' optimizer state may live on the host and step on the device, streamed through a
+            device ring (``CPUOffloadOptimizer(stream_params=...)``): only for Adam and AdamW, whose fused device
+            kernel steps them (:func:`~elbowroom.plan.fit` allows it for those classes alone).
 
     Returns:
         The :class:`~elbowroom.plan.plan.Plan`.
@@ -334,6 +412,7 @@ def plan_for(
     notes: list[str] = []
     link_ok = m.h2d_bandwidth > 0 and m.d2h_bandwidth > 0 and m.duplex_bandwidth > 0
     opt_ok = offload_allowed and link_ok and m.host_adam_params_per_s > 0
+    stream_ok = offload_allowed and link_ok and stream_allowed
     if offload_allowed and not link_ok:
         notes.append(f"{m.name} has no host link in the profile: nothing is offloaded")
     layouts, layout_notes = cost.layouts_for(profile, precision)
@@ -351,7 +430,7 @@ def plan_for(
                   grad_clipping=grad_clipping, persistent_gradients=persistent_gradients,
                   allocator_allowed=allocator_allowed,
                   prefetch_window_bytes=prefetch_window_bytes, selective_allowed=selective_allowed,
-                  offload_config=offload_config)
+                  stream_allowed=stream_allowed, offload_config=offload_config)
         found: list[Plan] = []
         errors: list[BudgetError] = []
         bf16 = (with_bf16_measurements(profile, bf16_bytes) if bf16_bytes.source == "measured"
@@ -397,84 +476,92 @@ def plan_for(
     # expandable segments first: where both fit at the same speed, the one that fragments less (a plan that frees
     # gradients one by one in the backward ran out of memory under a capped allocator with the defaults, W1 8 GiB)
     alloc_opts = [True, False] if cuda_like else [False]
-    k_opts = _offload_counts(n) if opt_ok else [0]
+    k_opts = _offload_counts(n) if opt_ok or stream_ok else [0]
     other_opts = [False, True] if opt_ok else [False]
     # a pipeline stage holds the kept bytes (and its head's or output's) of ``k`` micro-batches: k x sum_j k_j
     k_in = profile.inflight_microbatches
     slack = (n + 16) * k_in  # bytes lost to rounding each block's bytes up separately
 
-    best: tuple[float, _Outer, int, int, float, _Knapsack] | None = None  # (seconds, outer, level, capacity, w, ks)
+    # (seconds, outer, level, capacity, w, ks)
+    best: tuple[float, _Outer, int, int, tuple[float, float], _Knapsack] | None = None
     minimum: tuple[int, _Outer, dict[str, int]] | None = None
     # the same without the host's memory as a limit: (minimum budget, host bytes its plan needs), for the hint
     unhosted: tuple[int, int] | None = None
     # every choice the bound admits, with the fastest its programme could be at any capacity (refined below)
-    admitted: list[tuple[float, _Outer, int, int, float, _Knapsack, cost.Globals]] = []
+    admitted: list[tuple[float, _Outer, int, int, tuple[float, float], _Knapsack, cost.Globals]] = []
     for layout, k, other, og in itertools.product(layouts, k_opts, other_opts, [False, True]):
-        offload_blocks = tuple(i >= n - k for i in range(n))
         if layout != "fp32" and not (k or other) and layout == "fp32-offload-bf16":
             continue  # nothing offloaded: the same as fp32
         if og and not (gradient_offload_allowed and (k or other)):
             continue
+        # how many of the k blocks stream (their gradients stay on the device: offloaded gradients need a host one)
+        splits = [st for st in (_stream_counts(profile, k, other, opt_ok) if stream_ok else [0])
+                  if not og or k > st or other]
         for mb in mbs:
             s = mb / profile.micro_batch
             acc = gb // mb
             if og and acc > 1:
                 continue  # (accumulating on the host copies every micro-batch's gradients: not priced)
             for fused in fused_opts:
-                d = Decisions(
-                    offload_config=offload_config, options=(Option(),) * n, offload_blocks=offload_blocks,
-                    offload_other=other,
-                    layout=layout, micro_batch=mb, accumulation=acc, fused_loss=fused,
-                    grad_clipping=grad_clipping, offload_gradients=og, persistent_gradients=persistent_gradients,
-                )
-                g = cost.globals_for(profile, d)
-                if math.isinf(g.host_exposed_s):
-                    continue
-                w = cost.duplex_share(d)
-                floor_s = cost.step_seconds(g, s, acc, 0.0)
-                for expandable, ks in ((a, k) for a in alloc_opts for k in programmes):
-                    for li, e in enumerate(ks.levels):
-                        host_need = int(g.host_bytes + s * ks.level_pool[li])
-                        fixed = g.states + _bound_extra(g, s, e, ks.level_off[li], li == 0,
-                                                        prefetch_window_bytes) + slack
-                        fixed += (k_in - 1) * math.ceil(s * profile.head.saved_bytes)
-                        outer = _Outer(layout, k, other, mb, acc, fused, expandable, og)
-                        need = fixed + k_in * ks.min_units[li] * ks.unit0 * s
-                        need_budget = _min_budget(profile, need, expandable)
-                        if unhosted is None or need_budget < unhosted[0]:
-                            unhosted = (need_budget, host_need)
-                        if host_need > host_mem:
-                            continue
-                        if minimum is None or need_budget < minimum[0]:
-                            minimum = (need_budget, outer, _minimum_parts(profile, d, g, s, e, ks.level_off[li],
-                                                                          li == 0, prefetch_window_bytes,
-                                                                          fixed, need))
-                        margin = cost.margin_bytes(profile, budget, expandable)
-                        cap = int(math.floor((budget - margin - fixed) / (k_in * ks.unit0 * s)))
-                        if cap < ks.min_units[li]:
-                            continue
-                        if best is not None and floor_s >= best[0]:
-                            continue
-                        cap = min(cap, ks.M)
-                        times = ks.best(li, w)
-                        t_blocks = times[cap]
-                        if not math.isfinite(t_blocks):
-                            continue
-                        t = cost.step_seconds(g, s, acc, float(t_blocks))
-                        t_any = cost.step_seconds(g, s, acc, float(times[ks.M]))
-                        if t_any < t:
-                            admitted.append((t_any, outer, li, cap, w, ks, g))
-                        if best is None or t < best[0]:
-                            best = (t, outer, li, cap, w, ks)
+                placed = []
+                for st in splits:
+                    offload_blocks, stream_blocks = _placement(n, k, st)
+                    d = Decisions(
+                        offload_config=offload_config, options=(Option(),) * n, offload_blocks=offload_blocks,
+                        stream_blocks=stream_blocks, offload_other=other,
+                        layout=layout, micro_batch=mb, accumulation=acc, fused_loss=fused,
+                        grad_clipping=grad_clipping, offload_gradients=og, persistent_gradients=persistent_gradients,
+                    )
+                    g = cost.globals_for(profile, d)
+                    if not math.isinf(g.host_exposed_s):
+                        placed.append((st, d, g))
+                for st, d, g in _undominated(placed, s, acc):
+                    w = cost.link_shares(d, profile)
+                    floor_s = cost.step_seconds(g, s, acc, 0.0)
+                    for expandable, ks in ((a, k) for a in alloc_opts for k in programmes):
+                        for li, e in enumerate(ks.levels):
+                            host_need = int(g.host_bytes + s * ks.level_pool[li])
+                            fixed = g.states + _bound_extra(g, s, e, ks.level_off[li], li == 0,
+                                                            prefetch_window_bytes) + slack
+                            fixed += (k_in - 1) * math.ceil(s * profile.head.saved_bytes)
+                            outer = _Outer(layout, k, other, mb, acc, fused, expandable, og, st)
+                            need = fixed + k_in * ks.min_units[li] * ks.unit0 * s
+                            need_budget = _min_budget(profile, need, expandable)
+                            if unhosted is None or need_budget < unhosted[0]:
+                                unhosted = (need_budget, host_need)
+                            if host_need > host_mem:
+                                continue
+                            if minimum is None or need_budget < minimum[0]:
+                                minimum = (need_budget, outer, _minimum_parts(profile, d, g, s, e, ks.level_off[li],
+                                                                              li == 0, prefetch_window_bytes,
+                                                                              fixed, need))
+                            margin = cost.margin_bytes(profile, budget, expandable)
+                            cap = int(math.floor((budget - margin - fixed) / (k_in * ks.unit0 * s)))
+                            if cap < ks.min_units[li]:
+                                continue
+                            if best is not None and floor_s >= best[0]:
+                                continue
+                            cap = min(cap, ks.M)
+                            times = ks.best(li, w)
+                            t_blocks = times[cap]
+                            if not math.isfinite(t_blocks):
+                                continue
+                            t = cost.step_seconds(g, s, acc, float(t_blocks))
+                            t_any = cost.step_seconds(g, s, acc, float(times[ks.M]))
+                            if t_any < t:
+                                admitted.append((t_any, outer, li, cap, w, ks, g))
+                            if best is None or t < best[0]:
+                                best = (t, outer, li, cap, w, ks)
     if best is None:
         raise _budget_error(
             profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed,
             offload_config, unhosted=unhosted, usable=budget,
         )
     def decisions(outer: _Outer, opts: tuple[int, ...]) -> Decisions:
+        host, stream = _placement(n, outer.k, outer.streamed)
         return Decisions(
             offload_config=offload_config, options=tuple(OPTIONS[o] for o in opts),
-            offload_blocks=tuple(i >= n - outer.k for i in range(n)),
+            offload_blocks=host, stream_blocks=stream,
             offload_other=outer.other,
             layout=outer.layout,
             micro_batch=outer.micro_batch,
@@ -519,11 +606,10 @@ def _refine(profile: Profile, best: tuple, admitted: list, budget: int, decision
         grid = [c for c in (ks.M * j // _REFINE_GRID for j in range(1, _REFINE_GRID + 1)) if c > cap
                 and cost.step_seconds(g, s, outer.accumulation, float(times[c])) < best[0]]
         lo, hi = 0, len(grid)  # grid[:lo] fit (or are untried below the first fit), grid[hi:] do not
+        d = decisions(outer, (_KEEP,) * len(profile.blocks))  # (the peak reads the options from ``opts``)
         while lo < hi:
             mid = (lo + hi) // 2
-            opts = ks.backtrack(li, w, grid[mid])
-            d = decisions(outer, opts)
-            if cost.peak_bytes(profile, d, np.asarray(opts), budget, window, g) <= budget:
+            if cost.peak_bytes(profile, d, ks.picked(li, w, grid[mid]), budget, window, g) <= budget:
                 lo = mid + 1
             else:
                 hi = mid
@@ -695,6 +781,7 @@ def plan_from_decisions(
             offload_ratio=o.offload_ratio,
             offload_input=o.offload_input,
             optimizer_on_host=d.offload_blocks[i],
+            optimizer_streamed=d.streamed[i],
             kept_bytes=bc.kept_bytes,
             offloaded_bytes=bc.offloaded_bytes,
             recomputed_bytes=bc.recomputed_bytes,

@@ -182,6 +182,7 @@ def plan_for_budget(
             offload_config=cfg.offload,
             param_groups=_groups(cfg),
             reentrant=_reentrant(cfg),
+            stream=not cfg.parallel.enabled,  # one process: DDP's reduced gradients are not measured with it
             **_adamw_kwargs(cfg),
         )
     except BudgetError as e:
@@ -219,7 +220,8 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
         plan = plan_for(rank, parse_budget(cfg.budget), fused_loss_allowed=False,
                         precision="bf16" if cfg.optimizer.param_dtype == "bfloat16" else "fp32",
                         weight_layouts=("fp32", "bf16"), grad_clipping=bool(cfg.train.max_grad_norm),
-                        gradient_offload_allowed=True, offload_config=cfg.offload)
+                        gradient_offload_allowed=True, offload_config=cfg.offload,
+                        stream_allowed=False)  # (the optimizer streams whole parameters, not FSDP2's shards)
         plan = replace(plan, notes=(*plan.notes, _FSDP_TIME_NOTE))
     except BudgetError as e:
         raise _budget_error(e, cfg) from None

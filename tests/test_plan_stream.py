@@ -1,0 +1,421 @@
+"""Streamed optimizer placement: a block's AdamW state lives on the host and steps on the device, streamed through a
+device ring (``CPUOffloadOptimizer(stream_params=...)``). The cost model's bytes and seconds for it, the search's
+choice between the host and streaming, the plan's file formats and table, and what apply hands the optimizer."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_plan_support import GiB, make_profile
+
+from elbowroom.plan import BudgetError, Plan, apply, cost, plan_for
+from elbowroom.plan.cli import cmd_plan
+from elbowroom.plan.cost import Decisions, Option
+from elbowroom.plan.host_pipeline import fill_after, host_exposed_seconds
+from elbowroom.plan.plan import BlockPlan
+
+
+def decisions(n: int, **kw) -> Decisions:
+    """All blocks kept, the profile's micro-batch of 4 (make_profile's default), nothing off the device."""
+    kw.setdefault("micro_batch", 4)
+    kw.setdefault("options", (Option(),) * n)
+    kw.setdefault("offload_blocks", (False,) * n)
+    return Decisions(**kw)
+
+
+def one(n: int, i: int) -> tuple[bool, ...]:
+    return tuple(j == i for j in range(n))
+
+
+def with_machine(p, **kw):
+    return dataclasses.replace(p, machine=dataclasses.replace(p.machine, **kw))
+
+
+# ---------------------------------------------------------------------------------------------- cost model
+@pytest.mark.parametrize("layout, per", [("fp32", 8), ("bf16", 4), ("fp32-offload-bf16", 4)])
+def test_a_streamed_block_s_device_and_host_bytes(layout: str, per: int) -> None:
+    """Its weight and gradient in the offloaded weights' dtype on the device, offloaded gradients or not (it steps
+    where its gradient is); 12 B of state on the host and no host gradient; one ring of ``stream_slots`` slots of
+    min(stream_slot_numel, its parameters rounded up to 64) x 16 B for all streamed blocks."""
+    from elbowroom.optim.config import CPUOffloadConfig
+
+    p = make_profile(n_layers=4, dim=256, ffn=512, vocab=1000, seq_len=128)
+    n, P = len(p.blocks), p.blocks[2].num_params
+    base = decisions(n, layout=layout)
+    streamed = dataclasses.replace(base, stream_blocks=one(n, 2))
+    cfg = CPUOffloadConfig()
+    ring = cfg.stream_slots * min(cfg.stream_slot_numel, -(-P // 64) * 64) * 16
+    assert cost.stream_ring_bytes(p, streamed) == ring == 2 * (-(-P // 64) * 64) * 16  # a small block: its own size
+    resident = 16  # weight, gradient and AdamW's moments (bf16 weights: their fp32 masters besides)
+    chunk = 4 * (min(cfg.device_chunk_numel, p.num_params - P) - min(cfg.device_chunk_numel, p.num_params)) \
+        if layout == "bf16" else 0  # (the device masters' fp32 chunk is sized by the resident parameters)
+    assert cost.state_bytes(p, streamed) - cost.state_bytes(p, base) == (per - resident) * P + ring + chunk
+    # no staging slots (no gradient of it goes to the host), and offloaded gradients leave its bytes as they are
+    og = dataclasses.replace(streamed, offload_gradients=True)
+    assert cost.state_bytes(p, og) == cost.state_bytes(p, streamed)
+    for d in (streamed, og):
+        assert cost.globals_for(p, d).host_bytes == 12 * P
+    # not a resident gradient: not among those that come and go with the backward
+    assert cost.gradient_bytes(p, streamed)[1][2] == 0 < cost.gradient_bytes(p, base)[1][2]
+    # a bigger block than a slot: the slots hold stream_slot_numel elements each
+    small = CPUOffloadConfig(stream_slot_numel=1024, stream_slots=3)
+    assert cost.stream_ring_bytes(p, dataclasses.replace(streamed, offload_config=small)) == 3 * 1024 * 16
+    assert cost.stream_ring_bytes(p, base) == 0
+
+
+def test_a_streamed_block_is_a_job_of_the_link_alone() -> None:
+    """Block 0 (needed first) after a clipped backward: streamed, the next forward waits for its 12 B per parameter
+    to come up at the duplex rate, whatever the host's pace; stepped on the host, for 4 B down, its host step and
+    4 B up. Its device step is 32 B of memory traffic per parameter, priced in the device's step."""
+    p = make_profile(n_layers=4)
+    n, P = len(p.blocks), p.blocks[0].num_params
+    bw = p.machine.duplex_bandwidth
+    streamed = decisions(n, stream_blocks=one(n, 0))
+    host = decisions(n, offload_blocks=one(n, 0))
+    for rate in (4e9, 1e7):
+        q = with_machine(p, host_adam_params_per_s=rate)
+        assert host_exposed_seconds(q, streamed, 0.0) == (0.0, pytest.approx(12 * P / bw))
+        assert host_exposed_seconds(q, host, 0.0) == (pytest.approx(P / rate),
+                                                      pytest.approx(8 * P / bw + P / rate))
+    # no host at all: streaming still works, host stepping cannot
+    none = with_machine(p, host_adam_params_per_s=0.0)
+    assert host_exposed_seconds(none, streamed, 0.0)[1] == pytest.approx(12 * P / bw)
+    assert math.isinf(host_exposed_seconds(none, host, 0.0)[1])
+    g_s, g_h = cost.globals_for(p, streamed), cost.globals_for(p, host)
+    assert g_s.device_step_s - g_h.device_step_s == pytest.approx(32 * P / p.machine.memory_bandwidth)
+
+
+def test_streamed_and_host_jobs_share_the_link() -> None:
+    """Block 0 streams and block 1 steps on the host. After a clipped backward both are ready at once: block 1's
+    gradients go down first (they start the host's step), then the streamed job holds both directions, and block 1's
+    weights come back after it. Without clipping, in the order their gradients become final."""
+    rate = 1e12  # a host step shorter than the stream
+    p = with_machine(make_profile(n_layers=2), host_adam_params_per_s=rate)
+    P0, P1 = p.blocks[0].num_params, p.blocks[1].num_params
+    bw = p.machine.duplex_bandwidth
+    need_1 = p.blocks[0].forward_s  # the next forward reaches block 1 (at the profile's micro-batch)
+    d = decisions(2, offload_blocks=(False, True), stream_blocks=(True, False))
+    down = 4 * P1 / bw
+    stream = (down, down + 12 * P0 / bw)
+    assert stream[0] < down + P1 / rate < stream[1]  # (its weights are ready to go up while the stream runs)
+    want = max(stream[1], stream[1] + 4 * P1 / bw - need_1)
+    assert host_exposed_seconds(p, d, 0.0) == (pytest.approx(P1 / rate), pytest.approx(want))
+    # without clipping: block 1's gradients are final first, block 0's at the backward's end
+    b0, b1, head = p.blocks[0].backward_s, p.blocks[1].backward_s, p.head.backward_s
+    t_end = head + b1 + b0
+    down = head + b1 + 4 * P1 / bw
+    start = max(down, t_end)
+    stream = (start, start + 12 * P0 / bw)
+    back = fill_after([stream], 0, down + P1 / rate, 4 * P1 / bw)[0]
+    want = max(stream[1] - t_end, back - (t_end + need_1))
+    eager = dataclasses.replace(d, grad_clipping=False)
+    assert host_exposed_seconds(p, eager, 0.0) == (pytest.approx(P1 / rate), pytest.approx(want))
+    # the copies placed around busy time: 3 s before an interval from 3 to 5, the rest after it
+    assert fill_after([(3.0, 5.0), (9.0, 10.0)], 0, 0.0, 4.0) == (6.0, 1)
+    assert fill_after([(3.0, 5.0)], 0, 4.0, 1.0) == (6.0, 1)
+    assert fill_after([(3.0, 5.0)], 0, 6.0, 1.0) == (7.0, 1)
+
+
+def test_half_streamed_matches_the_optimizer_s_benchmark() -> None:
+    """``benchmarks/stream_step.py`` on the H100 (2026-11-24, call 3): 53 matrices of 4096x11008 after a clipped
+    backward, the late ones streamed; priced at 38 GB/s each way and 2.85 G params/s on the host, with nothing to
+    hide behind (no forward): measured 0.84 s none streamed, 0.59 half, 0.75 all."""
+    p = make_profile(n_layers=53)
+    blocks = tuple(dataclasses.replace(b, num_params=4096 * 11008, forward_s=0.0, backward_s=0.0) for b in p.blocks)
+    p = with_machine(dataclasses.replace(p, blocks=blocks), duplex_bandwidth=38e9, host_adam_params_per_s=2.85e9)
+    n = len(blocks)
+    got = {}
+    for k in (0, 26, 53):
+        streamed = tuple(i >= n - k for i in range(n))
+        d = decisions(n, offload_blocks=tuple(not x for x in streamed), stream_blocks=streamed if k else ())
+        got[k] = host_exposed_seconds(p, d, 0.0)[1]
+    assert got[0] == pytest.approx(0.84, rel=0.05)
+    assert got[26] == pytest.approx(0.59, rel=0.1)
+    assert got[53] == pytest.approx(0.75, rel=0.05)
+
+
+def test_streamed_states_slow_the_activation_copies_beside_them() -> None:
+    """Streamed states take both directions of the link, so the activation copies of the micro-batch beside the
+    optimizer's get half the duplex rate instead of all of it; host-stepped jobs leave them the other direction."""
+    p = with_machine(make_profile(n_layers=4), h2d_bandwidth=2e9, d2h_bandwidth=2e9, duplex_bandwidth=1.5e9)
+    n = len(p.blocks)
+    opts = (Option("none", 1.0),) * 3 + (Option(),)
+    host = decisions(n, options=opts, offload_blocks=one(n, 3))
+    streamed = decisions(n, options=opts, stream_blocks=one(n, 3))
+    x_host = cost.predict(p, host, 80 * GiB).time["exposed activation copies"]
+    x_stream = cost.predict(p, streamed, 80 * GiB).time["exposed activation copies"]
+    b = p.blocks[0]
+    copy = b.total_saved_bytes
+    assert x_host == pytest.approx(3 * (2 * copy / 1.5e9 - b.forward_s - b.backward_s))
+    assert x_stream == pytest.approx(3 * (2 * copy / 0.75e9 - b.forward_s - b.backward_s))
+
+
+def test_decisions_refuse_a_block_both_on_the_host_and_streamed() -> None:
+    with pytest.raises(ValueError, match="both steps on the host and streams"):
+        decisions(2, offload_blocks=(True, False), stream_blocks=(True, False))
+    with pytest.raises(ValueError, match="one per block"):
+        decisions(2, stream_blocks=(True,))
+
+
+def test_peak_bytes_is_predicts_peak_with_streamed_blocks() -> None:
+    p = make_profile(n_layers=6, vary=True)
+    n = len(p.blocks)
+    rng = random.Random(0)
+    for _ in range(20):
+        where = [rng.choice("dhs") for _ in range(n)]
+        idx = [rng.randrange(len(cost.OPTIONS)) for _ in range(n)]
+        d = decisions(n, options=tuple(cost.OPTIONS[i] for i in idx), layout=rng.choice(list(cost.LAYOUTS)),
+                      offload_blocks=tuple(w == "h" for w in where), stream_blocks=tuple(w == "s" for w in where),
+                      grad_clipping=rng.random() < 0.5, offload_gradients=rng.random() < 0.5)
+        assert cost.peak_bytes(p, d, np.asarray(idx), 30 * GiB, 1 << 28) == cost.predict(
+            p, d, 30 * GiB, prefetch_window_bytes=1 << 28).peak_bytes
+
+
+# ---------------------------------------------------------------------------------------------- search
+SLOW_HOST = dict(host_adam_params_per_s=5e8)
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_a_slow_host_and_a_free_link_stream(clip: bool) -> None:
+    """W1 with a host stepping 0.5 G params/s: where the optimizer must leave the device, streaming it is faster
+    than stepping it on the host, and the search takes it."""
+    p = with_machine(make_profile(), **SLOW_HOST)
+    kw = dict(precision="bf16", fused_loss_allowed=True, grad_clipping=clip)
+    for budget in (14 * GiB, 20 * GiB):
+        streams = plan_for(p, budget, **kw)
+        host = plan_for(p, budget, stream_allowed=False, **kw)
+        assert host.optimizer_offload_blocks and not host.optimizer_stream_blocks
+        assert streams.optimizer_stream_blocks
+        assert streams.predicted_step_seconds < 0.9 * host.predicted_step_seconds
+        assert streams.predicted_peak_bytes <= budget
+        # its prediction is the cost model's for its decisions (one expression)
+        again = cost.predict(p, streams.decisions(), budget).step_seconds
+        assert math.isclose(again, streams.predicted_step_seconds, rel_tol=1e-9)
+        # late blocks leave the device first: the streamed ones, then the host-stepped ones needed last
+        off = streams.optimizer_stream_blocks + streams.optimizer_offload_blocks
+        assert off == tuple(range(len(p.blocks) - len(off), len(p.blocks)))
+
+
+def test_a_fast_host_and_a_busy_link_step_on_the_host() -> None:
+    """A host stepping 40 G params/s, where the link carries activations: the host's 8 B per parameter on the link
+    beat streaming's 24 and leave the activations' direction free; the search keeps the host."""
+    p = with_machine(make_profile(), host_adam_params_per_s=4e10)
+    for budget in (12 * GiB, 16 * GiB, 24 * GiB):
+        plan = plan_for(p, budget, precision="bf16", fused_loss_allowed=True)
+        assert plan.optimizer_offload_blocks and not plan.optimizer_stream_blocks
+        assert sum(b.offloaded_bytes for b in plan.blocks) > GiB  # (the link carries activations)
+    plan = plan_for(p, 12 * GiB, precision="bf16", fused_loss_allowed=True)
+    # the same decisions with the host's blocks streamed: slower, the activation copies most of all
+    d = plan.decisions()
+    streamed = dataclasses.replace(d, offload_blocks=(False,) * len(d.offload_blocks), stream_blocks=d.offload_blocks)
+    a, b = cost.predict(p, d, 12 * GiB), cost.predict(p, streamed, 12 * GiB)
+    assert b.step_seconds > a.step_seconds
+    assert b.time["exposed activation copies"] > a.time["exposed activation copies"]
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_tighter_budgets_never_predict_faster_steps_when_blocks_stream(clip: bool) -> None:
+    p = with_machine(make_profile(vary=True, n_layers=16), host_adam_params_per_s=1e9)
+    kw = dict(precision="bf16", fused_loss_allowed=True, grad_clipping=clip, global_batch=8)
+    with pytest.raises(BudgetError) as e:
+        plan_for(p, 1 << 20, **kw)
+    low = e.value.minimum_bytes
+    rng = random.Random(int(clip))
+    prev, streamed = None, 0
+    for b in sorted({low, 60 * GiB, *(rng.randint(low, 60 * GiB) for _ in range(16))}):
+        plan = plan_for(p, b, **kw)
+        assert plan.predicted_peak_bytes <= b
+        streamed += bool(plan.optimizer_stream_blocks)
+        if prev is not None:
+            assert plan.predicted_step_seconds <= prev
+        prev = plan.predicted_step_seconds
+    assert streamed  # (the sweep exercised streamed plans)
+
+
+def test_streaming_can_be_ruled_out_and_never_loses() -> None:
+    """``stream_allowed=False`` plans as before streaming existed; allowed, a plan is never predicted slower."""
+    p = with_machine(make_profile(n_layers=8), host_adam_params_per_s=1e9)
+    for budget in (10 * GiB, 14 * GiB, 40 * GiB):
+        off = plan_for(p, budget, precision="bf16", stream_allowed=False)
+        on = plan_for(p, budget, precision="bf16")
+        assert not off.optimizer_stream_blocks
+        assert on.predicted_step_seconds <= off.predicted_step_seconds
+
+
+def test_a_hundred_blocks_with_a_slow_host_plan_in_seconds() -> None:
+    p = with_machine(make_profile(n_layers=100, dim=1024, ffn=2816, vary=True), **SLOW_HOST)
+    kw = dict(precision="bf16", fused_loss_allowed=True, global_batch=16)
+    t0 = time.perf_counter()
+    plan = plan_for(p, 16 * GiB, **kw)
+    took = time.perf_counter() - t0
+    assert plan.optimizer_stream_blocks and plan.predicted_peak_bytes <= 16 * GiB
+    assert took < 10.0, f"search took {took:.1f} s"
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@pytest.fixture(scope="module")
+def streaming() -> Plan:
+    p = with_machine(make_profile(n_layers=8), **SLOW_HOST)
+    plan = plan_for(p, 8 * GiB, precision="bf16", fused_loss_allowed=True)
+    assert plan.optimizer_stream_blocks
+    return plan
+
+
+def test_a_streaming_plan_round_trips_toml_and_json(streaming: Plan, tmp_path: Path) -> None:
+    assert Plan.from_toml(streaming.to_toml()) == streaming
+    assert Plan.from_json(streaming.to_json()) == streaming
+    for name in ("p.toml", "p.json"):
+        assert Plan.load(streaming.save(tmp_path / name)) == streaming
+    rows = json.loads(streaming.to_json())["blocks"]
+    assert [r["optimizer_streamed"] for r in rows] == [b.optimizer_streamed for b in streaming.blocks]
+    # a plan file from before the field: no block streams
+    old = streaming.to_dict()
+    for r in old["blocks"]:
+        del r["optimizer_streamed"]
+    assert not Plan.from_dict(old).optimizer_stream_blocks
+    # the decisions read back as they were made
+    assert streaming.decisions().stream_blocks == tuple(b.optimizer_streamed for b in streaming.blocks)
+
+
+def test_the_table_shows_streamed_blocks(streaming: Plan) -> None:
+    text = streaming.table()
+    rows = {int(line[:5]): line for line in text.splitlines() if line[:5].strip().isdigit()}
+    for b in streaming.blocks:
+        want = "host" if b.optimizer_on_host else "stream" if b.optimizer_streamed else "device"
+        assert rows[b.index].split()[-5] == want  # (then kept, offloaded, recomputed, ms)
+    s = streaming.optimizer_stream_blocks
+    assert f"streamed to step on the device: blocks {s[0]}-{s[-1]} ({len(s)})" in text
+    assert "host and streamed optimizer steps (exposed)" in text
+
+
+def test_a_block_row_cannot_be_both_on_the_host_and_streamed() -> None:
+    with pytest.raises(ValueError, match=r"blocks\[3\] sets both optimizer_on_host and optimizer_streamed"):
+        BlockPlan(index=3, optimizer_on_host=True, optimizer_streamed=True)
+
+
+def test_the_cli_plans_without_streaming_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(with_machine(make_profile(), **SLOW_HOST).to_dict()))
+    args = ["--profile", str(path), "--budget", "16GiB", "--precision", "bf16", "--json"]
+    assert cmd_plan(args) == 0
+    assert any(b["optimizer_streamed"] for b in json.loads(capsys.readouterr().out)["blocks"])
+    assert cmd_plan([*args, "--no-stream"]) == 0
+    assert not any(b["optimizer_streamed"] for b in json.loads(capsys.readouterr().out)["blocks"])
+
+
+# ---------------------------------------------------------------------------------------------- apply
+def _tiny():
+    import torch
+
+    from elbowroom.models import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    return build_model(ModelConfig.from_preset("tiny")).train()
+
+
+def _stream_plan(n: int = 4) -> Plan:
+    rows = [BlockPlan(index=0), BlockPlan(index=1, checkpoint="full"), BlockPlan(index=2, optimizer_streamed=True),
+            BlockPlan(index=3, optimizer_on_host=True)][:n]
+    return Plan(blocks=tuple(rows), budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=1.0,
+                predicted_tokens_per_s=1.0)
+
+
+def test_apply_hands_the_streamed_parameters_to_the_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streamed blocks' parameters are offloaded parameters that the optimizer streams: ``offload_params`` holds
+    them and the host-stepped ones, ``stream_params`` them alone (the optimizer's keyword, captured here)."""
+    import torch
+
+    import elbowroom.optim
+
+    got: dict = {}
+
+    class Recorder:
+        def __init__(self, params, optimizer_class, **kw) -> None:
+            got.update(kw, optimizer_class=optimizer_class)
+
+        def overlap_with_forward(self, model) -> None:
+            pass
+
+    monkeypatch.setattr(elbowroom.optim, "CPUOffloadOptimizer", Recorder)
+    model = _tiny()
+    apply(model, _stream_plan(), torch.optim.AdamW, lr=1e-3)
+    ids = lambda ps: {id(p) for p in ps}  # noqa: E731
+    assert ids(got["stream_params"]) == ids(model.blocks[2].parameters())
+    assert ids(got["offload_params"]) == ids(model.blocks[2].parameters()) | ids(model.blocks[3].parameters())
+    # a plan that streams nothing builds the optimizer as before: no such keyword
+    got.clear()
+    rows = tuple(dataclasses.replace(b, optimizer_streamed=False) for b in _stream_plan().blocks)
+    apply(_tiny(), dataclasses.replace(_stream_plan(), blocks=rows), torch.optim.AdamW, lr=1e-3)
+    assert "stream_params" not in got and got["offload_params"]
+
+
+def test_only_adam_and_adamw_stream() -> None:
+    import torch
+
+    with pytest.raises(ValueError, match="only Adam and AdamW without amsgrad can .* not SGD with .*: plan again"):
+        apply(_tiny(), _stream_plan(), torch.optim.SGD, lr=1e-3)
+    with pytest.raises(ValueError, match="not AdamW with {'amsgrad': True}"):
+        apply(_tiny(), _stream_plan(), torch.optim.AdamW, amsgrad=True)
+
+
+def _streams() -> bool:
+    from elbowroom.optim import CPUOffloadOptimizer
+
+    return "stream_params" in inspect.signature(CPUOffloadOptimizer.__init__).parameters
+
+
+@pytest.mark.skipif(not _streams(), reason="CPUOffloadOptimizer has no stream_params yet")
+def test_a_streaming_plan_trains_like_plain() -> None:
+    """Streamed, host-stepped and device blocks together take the steps torch's AdamW takes (fp32, CPU)."""
+    import torch
+    import torch.nn.functional as F
+
+    from elbowroom.optim import CPUOffloadConfig
+
+    ref = _tiny()
+    model = copy.deepcopy(ref)
+    knobs = CPUOffloadConfig(bucket_bytes=1 << 16, num_staging_slots=2, cpu_threads=1, stream_slot_numel=1 << 12)
+    model, opt = apply(model, _stream_plan(), torch.optim.AdamW, offload_config=knobs, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(3):
+            F.cross_entropy(m(idx).flatten(0, 1).float(), idx.flatten()).backward()
+            o.step()
+            o.zero_grad()
+    opt.wait_for_weights()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):  # (as tests/test_plan_apply.py: 1e-5)
+        err = ((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30)).item()
+        assert err <= 1e-5, f"{name}: relative error {err:.3e}"
+
+
+def test_fit_streams_only_for_adam_and_adamw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fit knows the optimizer: it lets the search stream blocks for Adam and AdamW (without AMSGrad) alone."""
+    import torch
+
+    from elbowroom.plan import fit, search
+
+    asked: list[bool] = []
+
+    class Planned(Exception):
+        pass
+
+    def plan_for_spy(*args, **kw):
+        asked.append(kw["stream_allowed"])
+        raise Planned
+
+    monkeypatch.setattr(search, "plan_for", plan_for_spy)
+    for opt, kw in ((torch.optim.AdamW, {}), (torch.optim.Adam, {}), (torch.optim.SGD, {"lr": 0.1}),
+                    (torch.optim.AdamW, {"amsgrad": True})):
+        with pytest.raises(Planned):
+            fit(_tiny(), torch.randint(0, 256, (1, 16)), "1GiB", opt, source="analytic", machine="h100-80gb", **kw)
+    assert asked == [True, True, False, False]
