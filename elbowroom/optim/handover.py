@@ -402,6 +402,7 @@ class Handover:
                 b.d2h_event.synchronize()  # host wait: the state read next is the one the device step wrote back
         if self.streams.cuda:
             self.streams.after_updates()  # stream wait
+            self.release_grads(self.placement.buckets)
             if self.sharded:  # FSDP2's all-gather stream reads the shards, and waits for no stream of ours
                 self.streams.sync_updates()  # host wait for the copies
 
@@ -425,9 +426,20 @@ class Handover:
             for b in buckets:
                 if b.h2d_event is not None:  # written by the step thread before the jobs finished (waited above)
                     cur.wait_event(b.h2d_event)  # stream wait: the forward reads the weights after their copy
+                    self.release_grads([b])
                     if self.sharded:
                         # FSDP2 reads shards on its own all-gather stream, which waits for no stream of ours
                         b.h2d_event.synchronize()  # host wait for this bucket's copy
+
+
+    @staticmethod
+    def release_grads(buckets: list[Bucket]) -> None:
+        """Free the streamed gradients these buckets' steps read, once the current stream waits for those steps (a
+        stream wait on ``Bucket.h2d_event``, after ``wait_jobs``/``wait_idle``): the allocator may then hand their
+        memory to the current stream's next work, which runs after the reads."""
+        for b in buckets:
+            if b.held_grads:
+                b.held_grads = []
 
 
 def _is_fsdp(module: torch.nn.Module) -> bool:

@@ -427,6 +427,7 @@ class CPUOffloadOptimizer(Optimizer):
             if self._streams.cuda:
                 # stream wait: later work on the compute stream (the next forward) reads the new weights
                 self._streams.after_updates()
+                self._handover.release_grads(self._placement.buckets)
 
         self._end_step()
         if wait_s is None:  # lazy: what forward pre-hooks waited since the last step (one step behind)

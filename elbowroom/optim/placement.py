@@ -134,6 +134,10 @@ class Bucket:
         # streamed: its parameters step on the device from host state (all or none of a bucket's)
         self.streamed = bool(params) and params[0].streamed
         self.d2h_event: Any = None  # streamed: the last copy of its state back to the host (step thread writes)
+        # streamed, on CUDA: the gradients its last steps read on the state stream, kept referenced until the compute
+        # stream is ordered after those reads (Handover.release_grads); the step thread adds, the training thread
+        # clears once the bucket's jobs are done
+        self.held_grads: list[torch.Tensor] = []
         off = eoff = 0
         for hp in params:
             hp.bucket = self

@@ -17,7 +17,8 @@ Orderings (all on the device):
 - a slot is refilled only after its previous contents went back (the H2D stream waits for the slot's D2H event);
 - a bucket's state comes up only after its previous step's state went back (``Bucket.d2h_event``);
 - the gradient is read only after backward produced it (``Job.ready``, or the step's ``ready`` for a re-read
-  gradient edited after its hand-over), and kept alive by ``record_stream`` until its chunks are read;
+  gradient edited after its hand-over), and kept referenced (``Bucket.held_grads``) until the compute stream waits
+  for the weights the step wrote, after which it is freed there;
 - the next forward reads the weights after ``Bucket.h2d_event`` (as for host-stepped buckets);
 - a host reader of the state (``state_dict``, ``load_state_dict``, ``reload_weights``) waits for
   ``Bucket.d2h_event`` first (``Handover.settle``).
@@ -99,7 +100,10 @@ class DeviceStep:
                 for a in range(0, param.numel(), self.stream_ring[0].numel() // 4):
                     moved += self._step_chunk(flat, g, param, a, ready, step, mults, fused, kw)
                 if s.cuda:
-                    grad.record_stream(s.state_h2d)  # the chunks read it on this stream, whoever frees it
+                    # the chunks read it on this stream: kept until the compute stream waits for these reads, then
+                    # freed there (Handover.release_grads). record_stream instead left the memory unusable to the
+                    # compute stream until the link had caught up: 0.9-1.1 GiB reserved beyond the allocated
+                    bucket.held_grads.append(grad)
             job.grads[i] = None
         bucket.h2d_event = s.record(s.state_h2d)  # the next forward reads the weights after this
         bucket.d2h_event = s.record(s.state_d2h)

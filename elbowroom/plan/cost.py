@@ -182,6 +182,7 @@ __all__ = [
     "LAYOUTS",
     "OPTIONS",
     "STREAM_ADAM_BYTES_PER_PARAM",
+    "STREAM_LAUNCH_SECONDS_PER_CHUNK",
     "Decisions",
     "Option",
     "Prediction",
@@ -609,6 +610,48 @@ def _param_split(profile: Profile, d: Decisions) -> tuple[int, int, int]:
     return sums.num_params - p_off - p_str, p_off, p_str
 
 
+STREAM_LAUNCH_SECONDS_PER_CHUNK = 0.4e-3
+"""Host time the optimizer's step thread takes to enqueue one streamed chunk (its copies up and back, the upcast,
+the fused step, the weight's cast, the events: about a dozen calls into torch), taken from the threads that launch
+the model's kernels (they share the interpreter). Measured on GPT-2-XL at 24 GiB (H100, one call, ``BENCHMARKS.md``):
+one plan with 13 blocks of 12 tensors streamed, and the same plan with those blocks stepped on the host instead, ran
+57-71 ms apart per step capped, and 74 ms apart with no activation offloaded (so not the link): 0.37-0.47 ms per
+chunk, on a backward bound by the host. Priced as exposed on every model: on the 7B shape, whose backward is bound by
+the GPU, it errs on the slow side (about 35 ms for 5 blocks); on W1 at 24 GiB streaming and host stepping ran alike
+(95.6-102.6% of plain against 99.7-100.9%)."""
+
+
+def stream_chunks(profile: Profile, d: Decisions) -> int:
+    """The chunks the streamed blocks step in: each parameter's elements over ``stream_slot_numel``, rounded up, the
+    parameters' shapes read from the block signatures (one chunk per block where a signature names none)."""
+    if not d.streams:
+        return 0
+    slot = max(1, int(d.optimizer_config.stream_slot_numel))
+    total = 0
+    for b, st in zip(profile.blocks, d.stream_blocks):
+        if st:
+            sizes = _signature_sizes(b.signature) or [b.num_params]
+            total += sum(-(-n // slot) for n in sizes)
+    return total
+
+
+def _signature_sizes(signature: str) -> list[int]:
+    """Parameter sizes from a block signature such as ``GPT2Block(1600,4800x1600,...)`` (empty if it lists none)."""
+    inside = signature[signature.find("(") + 1 : signature.rfind(")")] if "(" in signature else ""
+    sizes = []
+    for shape in filter(None, inside.split(",")):
+        try:
+            sizes.append(math.prod(int(x) for x in shape.strip().split("x")))
+        except ValueError:
+            return []
+    return sizes
+
+
+def stream_launch_seconds(profile: Profile, d: Decisions) -> float:
+    """Host seconds the streamed chunks' launches cost the step (:data:`STREAM_LAUNCH_SECONDS_PER_CHUNK` each)."""
+    return STREAM_LAUNCH_SECONDS_PER_CHUNK * stream_chunks(profile, d)
+
+
 def stream_ring_bytes(profile: Profile, d: Decisions) -> int:
     """The device ring the streamed states step through, 0 when no block streams: ``stream_slots`` slots of
     ``min(stream_slot_numel, largest streamed parameter)`` elements of master, two moments and the upcast gradient
@@ -653,10 +696,13 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
 
 
 def streamed_gradients_persist(d: Decisions) -> bool:
-    """Whether streamed blocks' gradients stay to the end of the step: with clipping (their steps wait for the global
-    norm), accumulation (they add up over the micro-batches) or DDP's buckets; else they are stepped, and freed, in
-    the backward."""
-    return d.grad_clipping or d.accumulation > 1 or d.persistent_gradients
+    """Whether streamed blocks' gradients are priced as held to the end of the step: always. With clipping their steps
+    wait for the global norm, with accumulation they add up over the micro-batches; and stepped in the backward, each
+    is read by the link's stream at 12 B per parameter of state, which runs past the backward (the 7B shape: 14.5 GB
+    each way for 6 streamed blocks against a 0.2 s backward), and the allocator reuses its memory only once that
+    stream has read it. Priced as freed in the backward, plans at 72 and 76 GiB ran out of memory with 0.9-1.1 GiB
+    reserved beyond the allocated (H100, ``BENCHMARKS.md``)."""
+    return True
 
 
 def gradient_bytes(profile: Profile, d: Decisions) -> tuple[int, tuple[int, ...]]:
@@ -692,7 +738,7 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     base = sums.base_s
     compute_s = s * max(0.0, base - cast0) + cast_s
     per = DEVICE_MASTER_ADAM_BYTES_PER_PARAM if weight == "bfloat16" else DEVICE_ADAM_BYTES_PER_PARAM
-    device_step_s = (p_res * per + p_str * STREAM_ADAM_BYTES_PER_PARAM) / bwm
+    device_step_s = (p_res * per + p_str * STREAM_ADAM_BYTES_PER_PARAM) / bwm + stream_launch_seconds(profile, d)
     host_step_s, host_exposed_s = _host_step(profile, d, device_step_s)
 
     in_last = blocks[-1].input_bytes if blocks else 0

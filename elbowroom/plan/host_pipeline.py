@@ -44,15 +44,28 @@ STREAM_LINK_BYTES_PER_PARAM = 12
 device and go back; no gradient crosses (it steps where it is)."""
 
 
+SHARED_COPY_RATE = 0.5
+"""The share of a link direction a copy gets while the streamed states' copies also run on it: the two streams'
+copies interleave (the streamed states run on streams of their own), rather than one waiting for the other. Pricing
+the host-stepped weights' way back as waiting for every streamed copy first predicted the 7B shape's 76 GiB plan's
+forward waiting 0.17 s, where it waited 0.4 ms (H100, ``BENCHMARKS.md``)."""
+
+
 def fill_after(busy: Sequence[tuple[float, float]], k: int, t: float, seconds: float) -> tuple[float, int]:
-    """When a copy of ``seconds`` that may start at ``t`` ends on a link direction that ``busy`` holds first (sorted,
-    disjoint intervals): it runs in the time between them. ``k``: the first interval that may still end after ``t``
-    (the copies on one direction are placed in order, so the next search starts there). Returns (end, next k)."""
+    """When a copy of ``seconds`` that may start at ``t`` ends on a link direction whose streamed copies hold
+    ``busy`` (sorted, disjoint intervals): at full rate between them, at :data:`SHARED_COPY_RATE` during them.
+    ``k``: the first interval that may still end after ``t`` (the copies on one direction are placed in order, so the
+    next search starts there). Returns (end, next k)."""
     while k < len(busy) and busy[k][1] <= t:
         k += 1
     while k < len(busy) and busy[k][0] < t + seconds:
-        seconds -= max(0.0, busy[k][0] - t)  # runs until the interval starts, waits for its end
-        t = busy[k][1]
+        a, e = busy[k]
+        seconds -= max(0.0, a - t)  # full rate until the interval starts
+        t = max(t, a)
+        if t + seconds / SHARED_COPY_RATE <= e:
+            return t + seconds / SHARED_COPY_RATE, k
+        seconds -= (e - t) * SHARED_COPY_RATE  # the shared rate until it ends
+        t = e
         k += 1
     return t + seconds, k
 
