@@ -91,7 +91,23 @@ def test_a_streamed_block_is_a_job_of_the_link_alone() -> None:
     assert host_exposed_seconds(none, streamed, 0.0)[1] == pytest.approx(12 * P / bw)
     assert math.isinf(host_exposed_seconds(none, host, 0.0)[1])
     g_s, g_h = cost.globals_for(p, streamed), cost.globals_for(p, host)
-    assert g_s.device_step_s - g_h.device_step_s == pytest.approx(32 * P / p.machine.memory_bandwidth)
+    # the fused step's device traffic, and the launches of its chunks on the host
+    launches = cost.STREAM_LAUNCH_SECONDS_PER_CHUNK * cost.stream_chunks(p, streamed)
+    assert launches > 0
+    assert g_s.device_step_s - g_h.device_step_s == pytest.approx(32 * P / p.machine.memory_bandwidth + launches)
+
+
+def test_streamed_chunks_follow_the_parameter_shapes() -> None:
+    """Each streamed parameter steps in chunks of ``stream_slot_numel`` elements, read from the block signature."""
+    p = make_profile(n_layers=2)
+    blocks = (dataclasses.replace(p.blocks[0], signature="GPT2Block(1600,4800x1600,6400x1600)"), p.blocks[1])
+    p = dataclasses.replace(p, blocks=blocks)
+    from elbowroom.optim import CPUOffloadConfig
+
+    d = decisions(2, stream_blocks=(True, False), offload_config=CPUOffloadConfig(stream_slot_numel=4096 * 1024))
+    # 1600: 1 chunk; 7.68M: 2 chunks of 4.19M; 10.24M: 3
+    assert cost.stream_chunks(p, d) == 6
+    assert cost.stream_chunks(p, decisions(2)) == 0
 
 
 def test_streamed_and_host_jobs_share_the_link() -> None:
