@@ -74,6 +74,11 @@ def test_streamed_steps_exactly_as_torch_adamw(slot: int, offload_gradients: boo
     # 12 B up and back per streamed element and step (fp32 master and both moments); nothing for the host to step
     streamed = 96 * 64 + 64
     assert stats["h2d_bytes"] >= 12 * streamed
+    # host memory: 12 B per offloaded element (master and moments, the streamed ones' counted once), and the staging
+    offloaded = streamed + 64 * 8 + 8
+    extra = 4 * (64 * 8 + 8) if offload_gradients else 0  # the host-stepped ones' host gradients
+    steps = 4 * 4  # each offloaded parameter's step count (a float32 scalar)
+    assert stats["host_bytes"] - stats["staging_bytes"] - stats["scratch_bytes"] == 12 * offloaded + extra + steps
     opt.close()
 
 

@@ -200,7 +200,10 @@ class Engine(HostStep, DeviceStep):
     def note_state(self, bucket: Bucket) -> None:
         """Record the bytes of a bucket's inner optimizer state (by its owner: the step thread after a step,
         the training thread when idle)."""
-        n = sum(nbytes(v) for st in bucket.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        # (a streamed bucket's moments are the pinned buffers the host memory counts already: not twice)
+        pinned = {id(t) for hp in bucket.params if hp.stream_state is not None for t in hp.stream_state}
+        n = sum(nbytes(v) for st in bucket.optimizer.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor) and id(v) not in pinned)
         with self._stats_lock:
             self._state_bytes[id(bucket)] = n
 
