@@ -1136,12 +1136,14 @@ def predict(
         )
         for i in range(n)
     )
+    launches = stream_launch_seconds(profile, d)  # (in the device step's term, shown apart)
     time = {
         "compute": d.accumulation * (g.compute_s - g.cast_s),
         "autocast casts": d.accumulation * g.cast_s,
         "recompute": d.accumulation * s * float(rec.sum()),
         "exposed activation copies": d.accumulation * s * float(x.sum()),
-        "device optimizer step": g.device_step_s,
+        "device optimizer step": g.device_step_s - launches,
+        **({"streamed chunks' launches": launches} if launches else {}),
         "host optimizer step (whole)": g.host_step_s,
         # (the part the device does not hide: of the host's step, and of the streamed states' trips over the link)
         ("host and streamed optimizer steps (exposed)" if d.streams else "host optimizer step (exposed)"):
