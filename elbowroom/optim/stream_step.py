@@ -1,12 +1,13 @@
 """The device step of streamed parameters: host state, stepped on the device (``stream_params``).
 
 A streamed parameter keeps its fp32 master and Adam moments in pinned host memory, like any offloaded parameter,
-but its step runs where its gradient already is. For each chunk of at most ``stream_slot_numel`` elements, on the
-H2D stream: the master and both moments come up into a slot of a small device ring, the gradient (still on the
-device) is upcast into the same slot and scaled, torch's fused Adam(W) kernel steps the slot, and the new master is
-cast into the device parameter; then, on the D2H stream, the master and moments go back to the host (two streams
-of their own, beside the host-stepped buckets' copies). Every wait is
-a stream wait: the step thread only enqueues, the link does the work.
+but its step runs where its gradient already is. For each slot of at most ``stream_slot_numel`` elements (a chunk of
+a bigger parameter, or several smaller ones packed together and stepped by one fused call), on the H2D stream: the
+master and both moments come up into a slot of a small device ring, the gradient (still on the device) is upcast
+into the same slot and scaled, torch's fused Adam(W) kernel steps the slot, and the new master is cast into the
+device parameter; then, on the D2H stream, the master and moments go back to the host (two streams of their own,
+beside the host-stepped buckets' copies). Every wait is a stream wait: the step thread only enqueues, the link does
+the work.
 
 Per parameter and step that is 12 bytes up and 12 down (fp32 master, exp_avg, exp_avg_sq), no gradient on the
 link and no host CPU work, where a host-stepped parameter moves 4 bytes each way and costs the host's AdamW
@@ -29,6 +30,7 @@ fused AdamW on the same device would.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -78,73 +80,97 @@ class DeviceStep:
             inner.update(plan.hyper[gi])
         t0 = time.perf_counter()
         mults = [float(m) for m in plan.mults]  # CPU scalars: no sync
+        slot = self.stream_ring[0].numel() // 4
         moved = 0
-        for i, hp in enumerate(job.params):
-            if hp.index in plan.recopy:
-                grad, ready = plan.recopy[hp.index], plan.ready  # edited after its hand-over: the edited one
-            else:
-                grad, ready = job.grads[i], job.ready
-            if grad is None:
-                continue  # no gradient this step: no update, as torch
-            group = opt.param_groups[bucket.inner_of[hp.group]]
-            st = stream_state(opt, hp)
-            st["step"] += 1
-            fused, kw = _host_adam.fused_kernel(opt, group)
-            flat = [t.view(-1) for t in (hp.master, st["exp_avg"], st["exp_avg_sq"])]
-            param = hp.param.detach().view(-1)
-            with s.on(s.state_h2d):
-                step = torch.full((), float(st["step"]), dtype=torch.float32, device=param.device)
-                s.stream_wait(s.state_h2d, bucket.d2h_event)  # its state went back after the last step
-                s.stream_wait(s.state_h2d, job.copied)  # a stale master re-read from the device (copy thread)
-                g = grad.detach().reshape(-1)
-                for a in range(0, param.numel(), self.stream_ring[0].numel() // 4):
-                    moved += self._step_chunk(flat, g, param, a, ready, step, mults, fused, kw)
+        with s.on(s.state_h2d):
+            s.stream_wait(s.state_h2d, bucket.d2h_event)  # its state went back after the last step
+            s.stream_wait(s.state_h2d, job.copied)  # a stale master re-read from the device (copy thread)
+            pack: list[_Span] = []  # small parameters of one inner group, packed into one slot and one fused call
+            for i, hp in enumerate(job.params):
+                if hp.index in plan.recopy:
+                    grad, ready = plan.recopy[hp.index], plan.ready  # edited after its hand-over: the edited one
+                else:
+                    grad, ready = job.grads[i], job.ready
+                job.grads[i] = None
+                if grad is None:
+                    continue  # no gradient this step: no update, as torch
+                st = stream_state(opt, hp)
+                st["step"] += 1
+                flat = [t.view(-1) for t in (hp.master, st["exp_avg"], st["exp_avg_sq"])]
+                g, param = grad.detach().reshape(-1), hp.param.detach().view(-1)
+                n = param.numel()
+                if pack and (sum(x.numel for x in pack) + n > slot or pack[0].group != hp.group):
+                    moved += self._step_pack(pack, opt, bucket.inner_of, mults)
+                    pack = []
+                if n > slot:  # alone, chunk by chunk
+                    for a in range(0, n, slot):
+                        e = min(n, a + slot)
+                        span = _Span(hp.group, [t[a:e] for t in flat], g[a:e], param[a:e], ready, float(st["step"]))
+                        moved += self._step_pack([span], opt, bucket.inner_of, mults)
+                else:
+                    pack.append(_Span(hp.group, flat, g, param, ready, float(st["step"])))
                 if s.cuda:
-                    # the chunks read it on this stream: kept until the compute stream waits for these reads, then
-                    # freed there (Handover.release_grads). record_stream instead left the memory unusable to the
-                    # compute stream until the link had caught up: 0.9-1.1 GiB reserved beyond the allocated
+                    # read on this stream: kept until the compute stream waits for these reads, then freed there
+                    # (Handover.release_grads). record_stream instead left the memory unusable to the compute stream
+                    # until the link had caught up: 0.9-1.1 GiB reserved beyond the allocated
                     bucket.held_grads.append(grad)
-            job.grads[i] = None
+            if pack:
+                moved += self._step_pack(pack, opt, bucket.inner_of, mults)
         bucket.h2d_event = s.record(s.state_h2d)  # the next forward reads the weights after this
         bucket.d2h_event = s.record(s.state_d2h)
         t1 = time.perf_counter()
         self.count(h2d_bytes=moved, d2h_bytes=moved)
         self.note("stream", job.params[0].index, t0, t1)
 
-    def _step_chunk(
-        self,
-        flat: list[torch.Tensor],
-        g: torch.Tensor,
-        param: torch.Tensor,
-        a: int,
-        ready: Any,
-        step: torch.Tensor,
-        mults: list[float],
-        fused: Any,
-        kw: dict[str, Any],
-    ) -> int:
-        """Step elements ``[a, a + slot)`` of one parameter through the next ring slot (see the module docstring);
-        the bytes that went up (as many come back)."""
+    def _step_pack(self, pack: list[_Span], opt: torch.optim.Optimizer, inner_of: dict[int, int],
+                   mults: list[float]) -> int:
+        """Step spans of one inner group (whole small parameters, or one chunk of a big one) through the next ring
+        slot, one fused call for all (see the module docstring); the bytes that went up (as many come back). A
+        dozen calls into torch per slot, whatever the number of parameters in it: GPT-2-XL's 12 tensors a block had
+        cost 0.4 ms of the launching threads each, one slot apiece."""
         s = self.streams
         k = self.stream_next
         self.stream_next = (k + 1) % len(self.stream_ring)
-        slot = self.stream_ring[k]
-        n = slot.numel() // 4
-        e = min(param.numel(), a + n)
-        p, m, v, up = (slot[j * n : j * n + e - a] for j in range(4))
+        ring = self.stream_ring[k]
+        n = ring.numel() // 4
+        views: list[list[torch.Tensor]] = [[], [], [], []]  # master, exp_avg, exp_avg_sq, upcast gradient
+        at = 0
+        for sp in pack:
+            for j in range(4):
+                views[j].append(ring[j * n + at : j * n + at + sp.numel])
+            at += sp.numel
+        p, m, v, up = views
         s.stream_wait(s.state_h2d, self.stream_events[k])  # the slot's last contents went back
-        for dst, src in zip((p, m, v), flat):
-            dst.copy_(src[a:e], non_blocking=True)
-        s.stream_wait(s.state_h2d, ready)  # backward produced the gradient
-        up.copy_(g[a:e])
+        srcs = [sp.state[j] for j in range(3) for sp in pack]
+        torch._foreach_copy_(p + m + v, srcs, non_blocking=True)
+        for ready in {id(sp.ready): sp.ready for sp in pack}.values():
+            s.stream_wait(s.state_h2d, ready)  # backward produced the gradients
+        torch._foreach_copy_(up, [sp.grad for sp in pack])
         for mult in mults:
-            up.mul_(mult)
-        fused([p], [up], [m], [v], [], [step], **kw)
-        param[a:e].copy_(p)  # cast into the device weight
+            torch._foreach_mul_(up, mult)
+        steps = {c: torch.full((), c, dtype=torch.float32, device=ring.device) for c in {sp.step for sp in pack}}
+        fused, kw = _host_adam.fused_kernel(opt, opt.param_groups[inner_of[pack[0].group]])
+        fused(p, up, m, v, [], [steps[sp.step] for sp in pack], **kw)
+        torch._foreach_copy_([sp.param for sp in pack], p)  # cast into the device weights
         stepped = s.record(s.state_h2d)
         with s.on(s.state_d2h):
             s.stream_wait(s.state_d2h, stepped)
-            for dst, src in zip(flat, (p, m, v)):
-                dst[a:e].copy_(src, non_blocking=True)
+            torch._foreach_copy_(srcs, p + m + v, non_blocking=True)
             self.stream_events[k] = s.record(s.state_d2h)
-        return 12 * (e - a)
+        return 12 * at
+
+
+@dataclasses.dataclass
+class _Span:
+    """Elements of one streamed parameter that step together (the whole parameter, or a chunk of a big one)."""
+
+    group: int  # the user group (one fused call per inner group)
+    state: list[torch.Tensor]  # flat host master, exp_avg, exp_avg_sq (pinned)
+    grad: torch.Tensor  # flat device gradient
+    param: torch.Tensor  # flat device weight
+    ready: Any  # event after which the gradient may be read
+    step: float  # the step count after this step
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()

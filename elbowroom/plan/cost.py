@@ -611,19 +611,20 @@ def _param_split(profile: Profile, d: Decisions) -> tuple[int, int, int]:
 
 
 STREAM_LAUNCH_SECONDS_PER_CHUNK = 0.4e-3
-"""Host time the optimizer's step thread takes to enqueue one streamed chunk (its copies up and back, the upcast,
-the fused step, the weight's cast, the events: about a dozen calls into torch), taken from the threads that launch
-the model's kernels (they share the interpreter). Measured on GPT-2-XL at 24 GiB (H100, one call, ``BENCHMARKS.md``):
-one plan with 13 blocks of 12 tensors streamed, and the same plan with those blocks stepped on the host instead, ran
-57-71 ms apart per step capped, and 74 ms apart with no activation offloaded (so not the link): 0.37-0.47 ms per
-chunk, on a backward bound by the host. Priced as exposed on every model: on the 7B shape, whose backward is bound by
-the GPU, it errs on the slow side (about 35 ms for 5 blocks); on W1 at 24 GiB streaming and host stepping ran alike
-(95.6-102.6% of plain against 99.7-100.9%)."""
+"""Host time the optimizer's step thread takes to enqueue one ring slot of streamed state (its copies up and back,
+the upcast, the fused step, the weights' cast, the events: about a dozen calls into torch, for however many small
+parameters share the slot), taken from the threads that launch the model's kernels (they share the interpreter).
+Measured on GPT-2-XL at 24 GiB (H100, one call, ``BENCHMARKS.md``), when each parameter took a slot of its own: one
+plan with 13 blocks of 12 tensors streamed, and the same plan with those blocks stepped on the host instead, ran 57-71
+ms apart per step capped, and 74 ms apart with no activation offloaded (so not the link): 0.37-0.47 ms per slot, on
+a backward bound by the host. Priced as exposed on every model: on the 7B shape, whose backward is bound by the GPU,
+it errs on the slow side."""
 
 
 def stream_chunks(profile: Profile, d: Decisions) -> int:
-    """The chunks the streamed blocks step in: each parameter's elements over ``stream_slot_numel``, rounded up, the
-    parameters' shapes read from the block signatures (one chunk per block where a signature names none)."""
+    """The ring slots the streamed blocks step through: a parameter bigger than ``stream_slot_numel`` elements in
+    chunks of that size, the smaller ones packed into slots together (one fused call per slot), the parameters'
+    shapes read from the block signatures (the whole block as one parameter where a signature names none)."""
     if not d.streams:
         return 0
     slot = max(1, int(d.optimizer_config.stream_slot_numel))
@@ -631,7 +632,8 @@ def stream_chunks(profile: Profile, d: Decisions) -> int:
     for b, st in zip(profile.blocks, d.stream_blocks):
         if st:
             sizes = _signature_sizes(b.signature) or [b.num_params]
-            total += sum(-(-n // slot) for n in sizes)
+            big = [n for n in sizes if n > slot]
+            total += sum(-(-n // slot) for n in big) + -(-(sum(sizes) - sum(big)) // slot)
     return total
 
 
