@@ -105,11 +105,8 @@ def test_streamed_chunks_follow_the_parameter_shapes() -> None:
     from elbowroom.optim import CPUOffloadConfig
 
     d = decisions(2, stream_blocks=(True, False), offload_config=CPUOffloadConfig(stream_slot_numel=4096 * 1024))
-    # 7.68M: 2 chunks of 4.19M; 10.24M: 3; 1600 in a slot of its own
+    # 1600: 1 chunk; 7.68M: 2 chunks of 4.19M; 10.24M: 3
     assert cost.stream_chunks(p, d) == 6
-    # with slots of 16M, all three share one
-    d16 = decisions(2, stream_blocks=(True, False), offload_config=CPUOffloadConfig(stream_slot_numel=1 << 24))
-    assert cost.stream_chunks(p, d16) == 2  # (and the second block, whose signature names no shapes, one)
     assert cost.stream_chunks(p, decisions(2)) == 0
 
 

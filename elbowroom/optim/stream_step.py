@@ -126,8 +126,8 @@ class DeviceStep:
                    mults: list[float]) -> int:
         """Step spans of one inner group (whole small parameters, or one chunk of a big one) through the next ring
         slot, one fused call for all (see the module docstring); the bytes that went up (as many come back). A
-        dozen calls into torch per slot, whatever the number of parameters in it: GPT-2-XL's 12 tensors a block had
-        cost 0.4 ms of the launching threads each, one slot apiece."""
+        dozen calls into torch per slot, whatever the number of parameters in it (GPT-2-XL's blocks: 2 slots, where
+        a slot per tensor took 12; its streamed steps ran as slow either way, so those calls were not their cost)."""
         s = self.streams
         k = self.stream_next
         self.stream_next = (k + 1) % len(self.stream_ring)

@@ -611,19 +611,18 @@ def _param_split(profile: Profile, d: Decisions) -> tuple[int, int, int]:
 
 
 STREAM_LAUNCH_SECONDS_PER_CHUNK = 0.4e-3
-"""Host time the optimizer's step thread takes to enqueue one ring slot of streamed state (its copies up and back,
-the upcast, the fused step, the weights' cast, the events: about a dozen calls into torch, for however many small
-parameters share the slot), taken from the threads that launch the model's kernels (they share the interpreter).
-Measured on GPT-2-XL at 24 GiB (H100, one call, ``BENCHMARKS.md``), when each parameter took a slot of its own: one
-plan with 13 blocks of 12 tensors streamed, and the same plan with those blocks stepped on the host instead, ran 57-71
-ms apart per step capped, and 74 ms apart with no activation offloaded (so not the link): 0.37-0.47 ms per slot, on
-a backward bound by the host. Priced as exposed on every model: on the 7B shape, whose backward is bound by the GPU,
-it errs on the slow side."""
+"""What each streamed tensor chunk (a parameter, or a ``stream_slot_numel`` piece of a bigger one) costs a step beyond
+its link and device time, measured on GPT-2-XL at 24 GiB (H100, ``BENCHMARKS.md``): one plan with 13 blocks of 12
+tensors streamed, and the same plan with those blocks stepped on the host instead, ran 57-71 ms apart per step
+capped, and 74 ms apart with no activation offloaded (so not the activations' link): 0.37-0.47 ms per chunk, on a
+backward bound by the host. The cause is not isolated: it is not the step thread's calls into torch, since packing the
+small tensors into one slot and one fused call (a sixth of the calls) left it unchanged (call 10). Priced as exposed
+on every model: on the 7B shape, whose backward is bound by the GPU, it errs on the slow side (about 35 ms for 5
+blocks)."""
 
 
 def stream_chunks(profile: Profile, d: Decisions) -> int:
-    """The ring slots the streamed blocks step through: a parameter bigger than ``stream_slot_numel`` elements in
-    chunks of that size, the smaller ones packed into slots together (one fused call per slot), the parameters'
+    """The streamed tensor chunks: each parameter's elements over ``stream_slot_numel``, rounded up, the parameters'
     shapes read from the block signatures (the whole block as one parameter where a signature names none)."""
     if not d.streams:
         return 0
@@ -632,8 +631,7 @@ def stream_chunks(profile: Profile, d: Decisions) -> int:
     for b, st in zip(profile.blocks, d.stream_blocks):
         if st:
             sizes = _signature_sizes(b.signature) or [b.num_params]
-            big = [n for n in sizes if n > slot]
-            total += sum(-(-n // slot) for n in big) + -(-(sum(sizes) - sum(big)) // slot)
+            total += sum(-(-n // slot) for n in sizes)
     return total
 
 
@@ -650,7 +648,8 @@ def _signature_sizes(signature: str) -> list[int]:
 
 
 def stream_launch_seconds(profile: Profile, d: Decisions) -> float:
-    """Host seconds the streamed chunks' launches cost the step (:data:`STREAM_LAUNCH_SECONDS_PER_CHUNK` each)."""
+    """What the streamed chunks cost the step beyond their link and device time (:data:`STREAM_LAUNCH_SECONDS_PER_CHUNK`
+    each)."""
     return STREAM_LAUNCH_SECONDS_PER_CHUNK * stream_chunks(profile, d)
 
 
@@ -1145,7 +1144,7 @@ def predict(
         "recompute": d.accumulation * s * float(rec.sum()),
         "exposed activation copies": d.accumulation * s * float(x.sum()),
         "device optimizer step": g.device_step_s - launches,
-        **({"streamed chunks' launches": launches} if launches else {}),
+        **({"streamed chunks (measured overhead)": launches} if launches else {}),
         "host optimizer step (whole)": g.host_step_s,
         # (the part the device does not hide: of the host's step, and of the streamed states' trips over the link)
         ("host and streamed optimizer steps (exposed)" if d.streams else "host optimizer step (exposed)"):
