@@ -687,6 +687,11 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     # a streamed gradient lives from its block's backward to its step: in the backward when nothing needs every
     # gradient first (priced with the resident ones that come and go, gradient_bytes), else to the end of the step
     total += (str_per // (1 if streamed_gradients_persist(d) else 2)) * p_str + stream_ring_bytes(profile, d)
+    # and their bytes once more: freed only when the next forward reaches their block (after the stream wait on its
+    # step), their memory comes back to the allocator late, and under a cap it then retries, synchronizing with the
+    # states still queued on the link (the 7B shape at 76 GiB: 3.9-4.2 GiB reserved beyond the allocated against
+    # 1.9-2.5 without streaming, and a step of 0.64-0.85 s where its others took 0.45, 320 ms of it in one retry)
+    total += (str_per // 2) * p_str
     bucket, slots, chunk = _optimizer_config(d)
     if p_off:
         # each staging slot holds one bucket of gradients (at most bucket_bytes; the whole offloaded set when smaller)
