@@ -85,7 +85,20 @@ def test_bad_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     bad = tmp_path / "p.json"
     bad.write_text("{}")
     assert cmd_plan(["--profile", str(bad), "--budget", "1GiB"]) == 2
-    assert "cannot read profile" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is not a profile: it has no 'machine' entry" in err and "Traceback" not in err
+
+
+def test_a_plan_given_as_the_profile(profile_file: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan file where the profile goes is named as a plan, with the command that takes it; nothing written."""
+    plan = tmp_path / "plan.toml"
+    assert cmd_plan(["--profile", profile_file, "--budget", "24GiB", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "again.toml"
+    assert cmd_plan(["--profile", str(plan), "--budget", "24GiB", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is a plan file, not a profile" in err and f"elbowroom train --plan {plan}" in err
+    assert not out.exists()
 
 
 def test_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:

@@ -204,9 +204,22 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"elbowroom plan: --dp-replicate must be a positive number of ranks, got "
                               f"{args.dp_replicate}")
         if args.profile is not None:
+            from elbowroom.config import file_kind
+
+            kind = file_kind(args.profile)
+            if kind in ("plan", "config"):  # a plan or a run config given as the profile
+                use = "elbowroom train --plan" if kind == "plan" else "elbowroom train --config"
+                what = "a plan file" if kind == "plan" else "a run config"
+                raise _UsageError(f"elbowroom plan: --profile {args.profile} is {what}, not a profile: it is used as "
+                                  f"`{use} {args.profile}`; --profile takes the JSON of a profile "
+                                  "(elbowroom.profile(...).to_dict())")
             try:
                 prof = profile_from_dict(json.loads(Path(args.profile).read_text()))
-            except (OSError, ValueError, TypeError, KeyError) as e:
+            except KeyError as e:
+                raise _UsageError(f"elbowroom plan: {args.profile} is not a profile: it has no {e} entry; give the "
+                                  "JSON of elbowroom.profile(...).to_dict() (the bench keeps them with "
+                                  "ELBOWROOM_BENCH_PROFILES=DIR)") from None
+            except (OSError, ValueError, TypeError) as e:
                 raise _UsageError(f"elbowroom plan: cannot read profile {args.profile!r}: {e}") from None
         else:
             prof = _profile_from_args(args)
