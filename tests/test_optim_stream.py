@@ -174,3 +174,7 @@ def test_stream_params_errors() -> None:
         CPUOffloadOptimizer(ps[:2], torch.optim.AdamW, offload_fraction=1.0, stream_params=ps[2:4])
     with pytest.raises(ValueError, match="stream_slot_numel"):
         CPUOffloadConfig(stream_slot_numel=100)
+    opt = _offload(_model())
+    with pytest.raises(ValueError, match="not supported under DDP"):
+        opt.after_reduction()
+    opt.close()

@@ -493,8 +493,12 @@ class CPUOffloadOptimizer(Optimizer):
 
         Raises:
             ValueError: with ``offload_gradients`` (DDP keeps every gradient in its own device buckets, so freeing
-                them there frees nothing).
+                them there frees nothing), or with ``stream_params`` (not measured under DDP: a streamed step reads the
+                gradient on a stream of its own, which nothing here orders after the collectives' callbacks).
         """
+        if any(hp.streamed for hp in self._placement.hps):
+            raise ValueError("stream_params is not supported under DDP (after_reduction) yet; leave it out there "
+                             "(elbowroom.fit does when torch.distributed is initialized)")
         if self.config.offload_gradients and self._placement.hps:
             raise ValueError(
                 "offload_gradients frees device gradients, but DDP keeps them in its own buckets; use it with FSDP2 "

@@ -251,7 +251,8 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                 # (refused under data parallel)
                 fused_loss_allowed=not args.no_fused_loss and args.dp_shard == args.dp_replicate == 1,
                 grad_clipping=not args.no_clip,
-                stream_allowed=not args.no_stream,
+                # (in one process only: the optimizer does not stream under DDP, nor FSDP2's shards)
+                stream_allowed=not args.no_stream and args.dp_shard == args.dp_replicate == 1,
                 # as the trainer plans: it clips through the optimizer, which sees the gradients already on the host
                 gradient_offload_allowed=True,
                 **sharded,
