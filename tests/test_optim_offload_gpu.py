@@ -436,6 +436,19 @@ def test_overlap_with_forward_race_detector(clip: float | None, offload_gradient
     lazy_steps_against_torch(net, opt, ref_net, clip)
 
 
+def bf16_steps(net: nn.Module, opt: CPUOffloadOptimizer, inputs: list[torch.Tensor], sync: bool = False) -> None:
+    """One step per input under bf16 autocast (a device sync after each with ``sync``), then wait for the weights."""
+    for x in inputs:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = net(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if sync:
+            torch.cuda.synchronize()
+    opt.wait_for_weights()
+
+
 @pytest.mark.parametrize("offload_gradients", [False, True])
 @pytest.mark.parametrize("cast_on_device", [True, False])
 def test_bf16_overlap_with_forward_race_detector(cast_on_device: bool, offload_gradients: bool) -> None:
@@ -457,15 +470,7 @@ def test_bf16_overlap_with_forward_race_detector(cast_on_device: bool, offload_g
         )
         if lazy:
             opt.overlap_with_forward(net)
-        for x in inputs:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = net(x).float().pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if not lazy:
-                torch.cuda.synchronize()
-        opt.wait_for_weights()
+        bf16_steps(net, opt, inputs, sync=not lazy)
         nets.append(net)
     for a, b in zip(*(n.parameters() for n in nets)):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
@@ -512,13 +517,7 @@ def test_streamed_bf16_matches_device_masters() -> None:
         late = last_fraction(net.parameters(), 0.6) if stream else []
         opt = make_opt(net.parameters(), offload_params=late, stream_params=late, master_weights=True, lr=1e-3)
         opt.overlap_with_forward(net)
-        for x in inputs:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = net(x).float().pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        opt.wait_for_weights()
+        bf16_steps(net, opt, inputs)
         assert (opt.stats()["h2d_bytes"] > 0) == stream
         nets.append(net)
         opt.close()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_plan_support import GiB, make_profile
 
-from elbowroom.plan import BudgetError, Plan, apply, cost, plan_for
+from elbowroom.plan import BudgetError, Plan, apply, cost, plan_for, streaming
 from elbowroom.plan.cli import cmd_plan
 from elbowroom.plan.cost import Decisions, Option
 from elbowroom.plan.host_pipeline import fill_after, host_exposed_seconds
@@ -55,7 +55,7 @@ def test_a_streamed_block_s_device_and_host_bytes(layout: str, per: int) -> None
     streamed = dataclasses.replace(base, stream_blocks=one(n, 2))
     cfg = CPUOffloadConfig()
     ring = cfg.stream_slots * min(cfg.stream_slot_numel, -(-P // 64) * 64) * 16
-    assert cost.stream_ring_bytes(p, streamed) == ring == 2 * (-(-P // 64) * 64) * 16  # a small block: its own size
+    assert streaming.ring_bytes(p, streamed) == ring == 2 * (-(-P // 64) * 64) * 16  # a small block: its own size
     resident = 16  # weight, gradient and AdamW's moments (bf16 weights: their fp32 masters besides)
     chunk = 4 * (min(cfg.device_chunk_numel, p.num_params - P) - min(cfg.device_chunk_numel, p.num_params)) \
         if layout == "bf16" else 0  # (the device masters' fp32 chunk is sized by the resident parameters)
@@ -70,8 +70,8 @@ def test_a_streamed_block_s_device_and_host_bytes(layout: str, per: int) -> None
     assert cost.gradient_bytes(p, streamed)[1][2] == 0 < cost.gradient_bytes(p, base)[1][2]
     # a bigger block than a slot: the slots hold stream_slot_numel elements each
     small = CPUOffloadConfig(stream_slot_numel=1024, stream_slots=3)
-    assert cost.stream_ring_bytes(p, dataclasses.replace(streamed, offload_config=small)) == 3 * 1024 * 16
-    assert cost.stream_ring_bytes(p, base) == 0
+    assert streaming.ring_bytes(p, dataclasses.replace(streamed, offload_config=small)) == 3 * 1024 * 16
+    assert streaming.ring_bytes(p, base) == 0
 
 
 def test_a_streamed_block_is_a_job_of_the_link_alone() -> None:
@@ -94,7 +94,7 @@ def test_a_streamed_block_is_a_job_of_the_link_alone() -> None:
     assert math.isinf(host_exposed_seconds(none, host, 0.0)[1])
     g_s, g_h = cost.globals_for(p, streamed), cost.globals_for(p, host)
     # the fused step's device traffic, and the launches of its chunks on the host
-    launches = cost.STREAM_LAUNCH_SECONDS_PER_CHUNK * cost.stream_chunks(p, streamed)
+    launches = streaming.LAUNCH_SECONDS_PER_CHUNK * streaming.chunks(p, streamed)
     assert launches > 0
     assert g_s.device_step_s - g_h.device_step_s == pytest.approx(32 * P / p.machine.memory_bandwidth + launches)
 
@@ -108,8 +108,8 @@ def test_streamed_chunks_follow_the_parameter_shapes() -> None:
 
     d = decisions(2, stream_blocks=(True, False), offload_config=CPUOffloadConfig(stream_slot_numel=4096 * 1024))
     # 1600: 1 chunk; 7.68M: 2 chunks of 4.19M; 10.24M: 3
-    assert cost.stream_chunks(p, d) == 6
-    assert cost.stream_chunks(p, decisions(2)) == 0
+    assert streaming.chunks(p, d) == 6
+    assert streaming.chunks(p, decisions(2)) == 0
 
 
 def test_streamed_and_host_jobs_share_the_link() -> None:
@@ -288,36 +288,36 @@ def test_a_hundred_blocks_with_a_slow_host_plan_in_seconds() -> None:
 
 # ---------------------------------------------------------------------------------------------- the plan
 @pytest.fixture(scope="module")
-def streaming() -> Plan:
+def streaming_plan() -> Plan:
     p = with_machine(make_profile(n_layers=8), **SLOW_HOST)
     plan = plan_for(p, 8 * GiB, precision="bf16", fused_loss_allowed=True)
     assert plan.optimizer_stream_blocks
     return plan
 
 
-def test_a_streaming_plan_round_trips_toml_and_json(streaming: Plan, tmp_path: Path) -> None:
-    assert Plan.from_toml(streaming.to_toml()) == streaming
-    assert Plan.from_json(streaming.to_json()) == streaming
+def test_a_streaming_plan_round_trips_toml_and_json(streaming_plan: Plan, tmp_path: Path) -> None:
+    assert Plan.from_toml(streaming_plan.to_toml()) == streaming_plan
+    assert Plan.from_json(streaming_plan.to_json()) == streaming_plan
     for name in ("p.toml", "p.json"):
-        assert Plan.load(streaming.save(tmp_path / name)) == streaming
-    rows = json.loads(streaming.to_json())["blocks"]
-    assert [r["optimizer_streamed"] for r in rows] == [b.optimizer_streamed for b in streaming.blocks]
+        assert Plan.load(streaming_plan.save(tmp_path / name)) == streaming_plan
+    rows = json.loads(streaming_plan.to_json())["blocks"]
+    assert [r["optimizer_streamed"] for r in rows] == [b.optimizer_streamed for b in streaming_plan.blocks]
     # a plan file from before the field: no block streams
-    old = streaming.to_dict()
+    old = streaming_plan.to_dict()
     for r in old["blocks"]:
         del r["optimizer_streamed"]
     assert not Plan.from_dict(old).optimizer_stream_blocks
     # the decisions read back as they were made
-    assert streaming.decisions().stream_blocks == tuple(b.optimizer_streamed for b in streaming.blocks)
+    assert streaming_plan.decisions().stream_blocks == tuple(b.optimizer_streamed for b in streaming_plan.blocks)
 
 
-def test_the_table_shows_streamed_blocks(streaming: Plan) -> None:
-    text = streaming.table()
+def test_the_table_shows_streamed_blocks(streaming_plan: Plan) -> None:
+    text = streaming_plan.table()
     rows = {int(line[:5]): line for line in text.splitlines() if line[:5].strip().isdigit()}
-    for b in streaming.blocks:
+    for b in streaming_plan.blocks:
         want = "host" if b.optimizer_on_host else "stream" if b.optimizer_streamed else "device"
         assert rows[b.index].split()[-5] == want  # (then kept, offloaded, recomputed, ms)
-    s = streaming.optimizer_stream_blocks
+    s = streaming_plan.optimizer_stream_blocks
     assert f"streamed to step on the device: blocks {s[0]}-{s[-1]} ({len(s)})" in text
     assert "host and streamed optimizer steps (exposed)" in text
 

@@ -28,10 +28,12 @@ Model states, per parameter on the device (``P_res`` resident, ``P_off`` offload
 
 plus, when anything is offloaded, ``num_staging_slots * bucket_bytes`` of device staging (the optimizer's config),
 and with bf16 weights the fp32 chunk the device masters step through (``device_chunk_numel * 4``). A streamed
-parameter (``P_str``) holds its weight and its gradient in the offloaded weights' dtype (8 B, or 4 with bf16 device
-weights) with or without ``offload_gradients`` (its gradient never leaves: it steps where it is), its state 12 B on
-the host and no host gradient; when any block streams the device holds the ring it steps through,
-``stream_slots * min(stream_slot_numel, largest streamed block's parameters) * 16`` (:func:`stream_ring_bytes`).
+parameter (``P_str``) holds its weight and its gradient in the offloaded weights' dtype, the gradient counted twice
+(12 B, or 6 with bf16 device weights: :func:`~elbowroom.plan.streaming.device_bytes_per_param` says why), with or
+without ``offload_gradients`` (its gradient never leaves: it steps where it is), its state 12 B on the host and no
+host gradient; when any block streams the device holds the ring it steps through,
+``stream_slots * min(stream_slot_numel, largest streamed block's parameters) * 16``
+(:func:`~elbowroom.plan.streaming.ring_bytes`).
 
 Gradients of resident parameters (``g`` = 4 B fp32, 2 B bf16 per parameter; ``G_i`` of block ``i``, ``G_h`` of the
 parameters outside the blocks) are part of those 16 B, but with one micro-batch per step (and the loop's
@@ -117,8 +119,9 @@ profile's own layout (all parameters when it ran fp32 weights under autocast), w
 
 ``T_dev``: the device optimizer step, memory-bound: ``(P_res * b + P_str * 32) / memory_bandwidth`` with ``b`` =
 :data:`DEVICE_ADAM_BYTES_PER_PARAM` (fp32) or :data:`DEVICE_MASTER_ADAM_BYTES_PER_PARAM` (bf16 weights, fp32
-device masters stepped chunk by chunk), 32 B (:data:`STREAM_ADAM_BYTES_PER_PARAM`) per streamed parameter: its
-fused step runs on a side stream, but it takes the device's memory bandwidth all the same.
+device masters stepped chunk by chunk), 32 B (:data:`elbowroom.plan.streaming.ADAM_BYTES_PER_PARAM`) per streamed
+parameter: its fused step runs on a side stream, but it takes the device's memory bandwidth all the same; plus the
+streamed chunks' measured overhead (:func:`~elbowroom.plan.streaming.launch_seconds`).
 
 ``T_host``: what the device cannot hide of the host AdamW step. Jobs ``j`` (an offloaded block, or the parameters
 outside the blocks) each copy ``4 P_j`` gradient bytes out, step for ``h_j = P_j / host_adam_params_per_s`` and
@@ -167,6 +170,7 @@ from typing import Any
 
 import numpy as np
 
+from elbowroom.plan import streaming
 from elbowroom.plan.host_pipeline import (
     OPTIMIZER_LINK_BYTES_PER_PARAM,
     STREAM_LINK_BYTES_PER_PARAM,
@@ -181,8 +185,6 @@ __all__ = [
     "DEVICE_MASTER_ADAM_BYTES_PER_PARAM",
     "LAYOUTS",
     "OPTIONS",
-    "STREAM_ADAM_BYTES_PER_PARAM",
-    "STREAM_LAUNCH_SECONDS_PER_CHUNK",
     "Decisions",
     "Option",
     "Prediction",
@@ -212,15 +214,6 @@ DEVICE_MASTER_ADAM_BYTES_PER_PARAM = 40
 """The same for bf16 weights with fp32 device masters, stepped chunk by chunk: the bf16 gradient upcast into fp32
 scratch (read 2, write 4), the fused step on the master (28), the master cast into the bf16 weight (read 4,
 write 2)."""
-
-STREAM_ADAM_BYTES_PER_PARAM = 32
-"""Fused AdamW on the device per streamed parameter, in its ring: reads master, gradient and two moments, writes
-master, moments and the device weight (fp32 states; the weight and the gradient in the offloaded weights' dtype:
-32 B with fp32 weights, 28 with bf16)."""
-
-STREAM_RING_BYTES_PER_ELEMENT = 16
-"""Bytes per element of a slot of the streamed states' device ring: fp32 master, two moments and the upcast
-gradient (``CPUOffloadConfig.stream_slot_numel``)."""
 
 SHARED_LINK_SHARE = 0.5
 """The share of a link direction's duplex rate that activation copies get while streamed optimizer states use the
@@ -610,62 +603,6 @@ def _param_split(profile: Profile, d: Decisions) -> tuple[int, int, int]:
     return sums.num_params - p_off - p_str, p_off, p_str
 
 
-STREAM_LAUNCH_SECONDS_PER_CHUNK = 0.4e-3
-"""What each streamed tensor chunk (a parameter, or a ``stream_slot_numel`` piece of a bigger one) costs a step beyond
-its link and device time, measured on GPT-2-XL at 24 GiB (H100, ``BENCHMARKS.md``): one plan with 13 blocks of 12
-tensors streamed, and the same plan with those blocks stepped on the host instead, ran 57-71 ms apart per step
-capped, and 74 ms apart with no activation offloaded (so not the activations' link): 0.37-0.47 ms per chunk, on a
-backward bound by the host. The cause is not isolated: it is not the step thread's calls into torch, since packing the
-small tensors into one slot and one fused call (a sixth of the calls) left it unchanged (call 10). Priced as exposed
-on every model: on the 7B shape, whose backward is bound by the GPU, it errs on the slow side (about 35 ms for 5
-blocks)."""
-
-
-def stream_chunks(profile: Profile, d: Decisions) -> int:
-    """The streamed tensor chunks: each parameter's elements over ``stream_slot_numel``, rounded up, the parameters'
-    shapes read from the block signatures (the whole block as one parameter where a signature names none)."""
-    if not d.streams:
-        return 0
-    slot = max(1, int(d.optimizer_config.stream_slot_numel))
-    total = 0
-    for b, st in zip(profile.blocks, d.stream_blocks):
-        if st:
-            sizes = _signature_sizes(b.signature) or [b.num_params]
-            total += sum(-(-n // slot) for n in sizes)
-    return total
-
-
-def _signature_sizes(signature: str) -> list[int]:
-    """Parameter sizes from a block signature such as ``GPT2Block(1600,4800x1600,...)`` (empty if it lists none)."""
-    inside = signature[signature.find("(") + 1 : signature.rfind(")")] if "(" in signature else ""
-    sizes = []
-    for shape in filter(None, inside.split(",")):
-        try:
-            sizes.append(math.prod(int(x) for x in shape.strip().split("x")))
-        except ValueError:
-            return []
-    return sizes
-
-
-def stream_launch_seconds(profile: Profile, d: Decisions) -> float:
-    """What the streamed chunks cost the step beyond their link and device time (:data:`STREAM_LAUNCH_SECONDS_PER_CHUNK`
-    each)."""
-    return STREAM_LAUNCH_SECONDS_PER_CHUNK * stream_chunks(profile, d)
-
-
-def stream_ring_bytes(profile: Profile, d: Decisions) -> int:
-    """The device ring the streamed states step through, 0 when no block streams: ``stream_slots`` slots of
-    ``min(stream_slot_numel, largest streamed parameter)`` elements of master, two moments and the upcast gradient
-    (:data:`STREAM_RING_BYTES_PER_ELEMENT`). The profile knows the blocks' parameter counts, not their tensors': the
-    largest streamed block's count (rounded up to 64) bounds its largest tensor."""
-    largest = max((n for n, st in zip(_sums(profile).block_params, d.stream_blocks) if st), default=0)
-    if not largest:
-        return 0
-    cfg = d.optimizer_config
-    numel = min(int(cfg.stream_slot_numel), -(-largest // 64) * 64)
-    return int(cfg.stream_slots) * numel * STREAM_RING_BYTES_PER_ELEMENT
-
-
 def fp32_offloaded_params(profile: Profile, d: Decisions) -> int:
     """Offloaded parameters that keep fp32 device copies in the ``fp32-offload-bf16`` layout: those before the
     blocks (the embedding tables, :func:`~elbowroom.plan.apply.build_optimizer`), whose output is the residual
@@ -681,17 +618,9 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     p_res, p_off, p_str = _param_split(profile, d)
     weight, off_dtype = LAYOUTS[d.layout]
     halve = 2 if d.offload_gradients else 1
-    str_per = 8 if off_dtype == "float32" else 4  # weight and gradient: a streamed one steps where it is
-    off_per = str_per // halve  # weight (+ gradient)
+    off_per = (8 if off_dtype == "float32" else 4) // halve  # weight (+ gradient)
     total = 16 * p_res + off_per * p_off + (8 // halve - off_per) * fp32_offloaded_params(profile, d)
-    # a streamed gradient lives from its block's backward to its step: in the backward when nothing needs every
-    # gradient first (priced with the resident ones that come and go, gradient_bytes), else to the end of the step
-    total += (str_per // (1 if streamed_gradients_persist(d) else 2)) * p_str + stream_ring_bytes(profile, d)
-    # and their bytes once more: freed only when the next forward reaches their block (after the stream wait on its
-    # step), their memory comes back to the allocator late, and under a cap it then retries, synchronizing with the
-    # states still queued on the link (the 7B shape at 76 GiB: 3.9-4.2 GiB reserved beyond the allocated against
-    # 1.9-2.5 without streaming, and a step of 0.64-0.85 s where its others took 0.45, 320 ms of it in one retry)
-    total += (str_per // 2) * p_str
+    total += streaming.device_bytes_per_param(off_dtype) * p_str + streaming.ring_bytes(profile, d)
     bucket, slots, chunk = _optimizer_config(d)
     if p_off:
         # each staging slot holds one bucket of gradients (at most bucket_bytes; the whole offloaded set when smaller)
@@ -701,22 +630,11 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     return total
 
 
-def streamed_gradients_persist(d: Decisions) -> bool:
-    """Whether streamed blocks' gradients are priced as held to the end of the step: always. With clipping their steps
-    wait for the global norm, with accumulation they add up over the micro-batches; and stepped in the backward, each
-    is read by the link's stream at 12 B per parameter of state, which runs past the backward (the 7B shape: 14.5 GB
-    each way for 6 streamed blocks against a 0.2 s backward), and the allocator reuses its memory only once that
-    stream has read it. Priced as freed in the backward, plans at 72 and 76 GiB ran out of memory with 0.9-1.1 GiB
-    reserved beyond the allocated (H100, ``BENCHMARKS.md``)."""
-    return True
-
-
 def gradient_bytes(profile: Profile, d: Decisions) -> tuple[int, tuple[int, ...]]:
-    """(``G_h``, ``G_i`` per block): gradient bytes of the device-resident parameters, outside and in the blocks, and
-    of the streamed ones stepped in the backward (:func:`streamed_gradients_persist`; in the offloaded dtype)."""
+    """(``G_h``, ``G_i`` per block): gradient bytes of the device-resident parameters, outside and in the blocks (a
+    streamed block's are model states: :func:`~elbowroom.plan.streaming.device_bytes_per_param`)."""
     per = 2 if LAYOUTS[d.layout][0] == "bfloat16" else 4
-    str_per = 0 if streamed_gradients_persist(d) else (2 if LAYOUTS[d.layout][1] == "bfloat16" else 4)
-    blocks = tuple(0 if o else (str_per if st else per) * n
+    blocks = tuple(0 if o or st else per * n
                    for n, o, st in zip(_sums(profile).block_params, d.offload_blocks, d.streamed))
     head = 0 if d.offload_other else per * profile.head.num_params
     return head, blocks
@@ -744,7 +662,7 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     base = sums.base_s
     compute_s = s * max(0.0, base - cast0) + cast_s
     per = DEVICE_MASTER_ADAM_BYTES_PER_PARAM if weight == "bfloat16" else DEVICE_ADAM_BYTES_PER_PARAM
-    device_step_s = (p_res * per + p_str * STREAM_ADAM_BYTES_PER_PARAM) / bwm + stream_launch_seconds(profile, d)
+    device_step_s = (p_res * per + p_str * streaming.ADAM_BYTES_PER_PARAM) / bwm + streaming.launch_seconds(profile, d)
     host_step_s, host_exposed_s = _host_step(profile, d, device_step_s)
 
     in_last = blocks[-1].input_bytes if blocks else 0
@@ -1142,7 +1060,7 @@ def predict(
         )
         for i in range(n)
     )
-    launches = stream_launch_seconds(profile, d)  # (in the device step's term, shown apart)
+    launches = streaming.launch_seconds(profile, d)  # (in the device step's term, shown apart)
     time = {
         "compute": d.accumulation * (g.compute_s - g.cast_s),
         "autocast casts": d.accumulation * g.cast_s,
