@@ -1,6 +1,7 @@
-"""Tensor parallel on torch's ``parallelize_module``: Megatron's column/row split with sequence parallel.
+"""Tensor parallel on DTensor: Megatron's column/row split with sequence parallel.
 
-The plan (both reference architectures, as torchtitan's ``parallelize_llama``):
+The plan (both reference architectures, as torchtitan's ``parallelize_llama``; the placements are those of
+torch's ColwiseParallel, RowwiseParallel and SequenceParallel):
 
 - q, k, v and the MLP's input projections are **colwise** (each rank computes its heads and its slice of the
   MLP width, no communication); attention's ``o`` and the MLP's output projection are **rowwise** (each rank's
@@ -14,9 +15,14 @@ The plan (both reference architectures, as torchtitan's ``parallelize_llama``):
   ``loss_parallel()`` computes cross-entropy on the shards, so no rank ever holds a whole logit row.
 
 Fused projections (``qkv``, Llama's gate|up ``w13``) are one weight holding several outputs side by side. A
-plain colwise split would give rank 0 all of q and half of k; :class:`FusedColwiseParallel` gives each rank its
-slice *of every part* (torch's strided placement), so the model's own ``view(b, s, 3, heads, hd)`` and
+plain colwise split would give rank 0 all of q and half of k; a strided placement (``_StridedShard``) gives each rank
+its slice *of every part*, so the model's own ``view(b, s, 3, heads, hd)`` and
 ``chunk(2)`` read the rank's heads and the rank's gate and up. Attention runs on ``n_heads / tp`` local heads.
+
+Where it runs: the embeddings, the final norm and the head go through ``parallelize_module`` (once per micro-batch).
+The blocks' parameters are DTensors too, but their forward runs on the local shards with the sequence-parallel
+all-gather and reduce-scatter called directly (:func:`_split_block`): DTensor's dispatch on every op of every block
+made the 7B shape's step three times its GPU work at tp 2.
 
 Fused kernels: RoPE and SwiGLU run on the local shards unchanged (a rank's heads, a rank's gate|up slice).
 The chunked ``linear_cross_entropy`` needs whole vocabulary rows, which tensor parallel never forms: under
@@ -38,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -52,7 +58,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "FusedColwiseParallel",
     "apply_tensor_parallel",
     "checkpoint_view",
     "fsdp_placement",
@@ -63,73 +68,130 @@ __all__ = [
 ]
 
 
-class FusedColwiseParallel(ParallelStyle):
-    """Colwise split of a Linear whose output is ``parts`` equal projections side by side.
-
-    Each rank holds rows ``[r/tp, (r+1)/tp)`` of every part (q|k|v, or gate|up), so its local output is
-    ``[q_r | k_r | v_r]``: the layout the module's own code splits. The output is the local tensor.
-
-    Args:
-        parts: how many projections the weight stacks (3 for qkv, 2 for gate|up).
-        input_layouts: the input's placement when it arrives as a local tensor (``Shard(1)`` under sequence
-            parallel); it is gathered to whole sequences before the matmul.
-    """
-
-    def __init__(self, parts: int, *, input_layouts: Any = None) -> None:
-        super().__init__()
-        self.parts = parts
-        self.input_layout = input_layouts or Replicate()
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        placement = [_StridedShard(0, split_factor=self.parts)]
-
-        def partition(_name: str, mod: nn.Module, mesh: Any) -> None:
-            for name, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, placement), p.requires_grad))
-
-        def gather_input(_mod: nn.Module, inputs: tuple, mesh: Any) -> tuple:
-            x = inputs[0]
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
-            if x.placements != (Replicate(),):
-                x = x.redistribute(placements=(Replicate(),), async_op=False)  # the sequence-parallel all-gather
-            # each rank's matmul gives its share of the input's gradient: summed over ranks on the way back
-            return (x.to_local(grad_placements=(Partial(),)), *inputs[1:])
-
-        module = distribute_module(module, device_mesh, partition, gather_input)
-        # The matmul runs on the local shards. DTensor's own linear on a _StridedShard weight is not the same
-        # across torch versions: 2.11 cannot redistribute the transposed weight's placement and raises.
-        module.forward = types.MethodType(_local_linear, module)
-        return module
-
-
 def _local_linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear``'s forward on this rank's shard of a :class:`FusedColwiseParallel` weight (and bias): the input
-    is whole, the output is this rank's ``[q_r | k_r | v_r]``; gradients reach the parameters as DTensors."""
+    """``nn.Linear``'s forward on this rank's shard of a colwise weight (and bias): the input is whole (gathered),
+    the output this rank's columns (``[q_r | k_r | v_r]`` for a fused one); gradients reach the parameters as
+    DTensors."""
     bias = mod.bias.to_local() if mod.bias is not None else None
     return F.linear(x, mod.weight.to_local(), bias)
 
 
-def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
-    attn = block.attn
-    plan: dict[str, ParallelStyle] = {
-        "attn_norm": SequenceParallel(),
-        # (x, rope): x is gathered to whole sequences once for q, k and v; rope is a module, left alone
-        "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attn.o": RowwiseParallel(output_layouts=Shard(1)),
-        "mlp_norm": SequenceParallel(),
-    }
-    if attn.fused_qkv:
-        plan["attn.qkv"] = FusedColwiseParallel(3)
+# ---------------------------------------------------------------- the blocks: local tensors, explicit collectives
+# Blocks run once per micro-batch per pass (forward, recompute, backward): DTensor's dispatch on every op of a
+# block (sharding propagation, redistribute, the subclass's Python) cost the 7B shape 17 ms of host time per block
+# per micro-batch with full recompute against 5 ms of GPU work at tp 2 (H100, ``benchmarks/tp_host.py``), so the
+# blocks' parameters are DTensors (optimizer, FSDP2, checkpoints see torch's placements) while their forward runs on
+# the local shards, with the sequence-parallel all-gather and reduce-scatter called directly. The math and the
+# collectives are Megatron's; the placements are those of torch's ColwiseParallel, RowwiseParallel and
+# SequenceParallel.
+
+def _group_name(mesh: Any) -> str:
+    group = mesh.get_group()
+    return group.group_name
+
+
+def _gather(x: torch.Tensor, group: str, n: int) -> torch.Tensor:
+    """All-gather along the sequence (dimension 1): ``(b, s/n, d)`` -> ``(b, s, d)``."""
+    out = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), n, group)
+    out = torch.ops._c10d_functional.wait_tensor(out)  # (n*b, s/n, d), rank-major
+    b = x.shape[0]
+    return out.view(n, b, *x.shape[1:]).movedim(0, 1).reshape(b, n * x.shape[1], *x.shape[2:])
+
+
+def _scatter(x: torch.Tensor, group: str, n: int) -> torch.Tensor:
+    """Reduce-scatter (sum) along the sequence (dimension 1): ``(b, s, d)`` -> ``(b, s/n, d)``."""
+    b, s = x.shape[:2]
+    ranks = x.reshape(b, n, s // n, *x.shape[2:]).movedim(1, 0).contiguous().flatten(0, 1)
+    out = torch.ops._c10d_functional.reduce_scatter_tensor(ranks, "sum", n, group)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallel into a colwise layer: gather in forward, reduce-scatter the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str, n: int) -> torch.Tensor:
+        ctx.group, ctx.n = group, n
+        return _gather(x, group, n)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _scatter(grad, ctx.group, ctx.n), None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """A rowwise layer's partial sums out to sequence parallel: reduce-scatter in forward, gather in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str, n: int) -> torch.Tensor:
+        ctx.group, ctx.n = group, n
+        return _scatter(x, group, n)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _gather(grad, ctx.group, ctx.n), None, None
+
+
+def _replicated(p: torch.Tensor | None) -> torch.Tensor | None:
+    """A replicated parameter used on this rank's share of the sequence: its gradient is this rank's part of the sum
+    (``Partial``), as torch's SequenceParallel leaves it."""
+    return p.to_local(grad_placements=(Partial(),)) if p is not None else None
+
+
+def _norm_then_gather(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A block's norm on this rank's positions, then the all-gather its colwise consumer needs."""
+    if isinstance(mod, nn.RMSNorm):
+        y = F.rms_norm(x, mod.normalized_shape, _replicated(mod.weight), mod.eps)
     else:
-        plan.update({f"attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
+        y = F.layer_norm(x, mod.normalized_shape, _replicated(mod.weight), _replicated(mod.bias), mod.eps)
+    return _GatherSequence.apply(y, mod._tp_group, mod._tp_size)
+
+
+def _rowwise_then_scatter(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A rowwise layer on this rank's input columns, its partial sums reduce-scattered over the sequence, then the
+    (replicated) bias."""
+    y = _ScatterSequence.apply(F.linear(x, mod.weight.to_local()), mod._tp_group, mod._tp_size)
+    return y + _replicated(mod.bias) if mod.bias is not None else y
+
+
+_SPLITS = {
+    # kind: (placement of the weight, placement of the bias)
+    "norm": (Replicate(), Replicate()),
+    "colwise": (Shard(0), Shard(0)),
+    "qkv": (_StridedShard(0, split_factor=3), _StridedShard(0, split_factor=3)),
+    "gate_up": (_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=2)),
+    "rowwise": (Shard(1), Replicate()),
+}
+_FORWARDS = {"norm": _norm_then_gather, "colwise": _local_linear, "qkv": _local_linear, "gate_up": _local_linear,
+             "rowwise": _rowwise_then_scatter}
+
+
+def _block_layout(block: nn.Module) -> dict[str, str]:
+    """How each of a block's submodules is split (a kind of :data:`_SPLITS`)."""
+    layout = {"attn_norm": "norm", "mlp_norm": "norm", "attn.o": "rowwise"}
+    if block.attn.fused_qkv:
+        layout["attn.qkv"] = "qkv"
+    else:
+        layout.update({f"attn.{name}": "colwise" for name in ("q", "k", "v")})
     if hasattr(block, "w13"):  # llama: gate|up fused, SwiGLU, down
-        plan["w13"] = FusedColwiseParallel(2, input_layouts=Shard(1))
-        plan["w2"] = RowwiseParallel(output_layouts=Shard(1))
+        layout.update({"w13": "gate_up", "w2": "rowwise"})
     else:  # gpt2: fc, GELU, proj
-        plan["fc"] = ColwiseParallel(input_layouts=Shard(1))
-        plan["proj"] = RowwiseParallel(output_layouts=Shard(1))
-    return plan
+        layout.update({"fc": "colwise", "proj": "rowwise"})
+    return layout
+
+
+def _split_block(block: nn.Module, mesh: Any) -> None:
+    """Place a block's parameters over ``mesh`` and switch its submodules to their local forwards."""
+    group, n = _group_name(mesh), mesh.size()
+    for name, kind in _block_layout(block).items():
+        mod = block.get_submodule(name)
+        weight, bias = _SPLITS[kind]
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            placement = weight if pname == "weight" else bias
+            mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [placement]), p.requires_grad))
+        mod._tp_group, mod._tp_size = group, n
+        mod.forward = types.MethodType(_FORWARDS[kind], mod)
+    block.attn.n_heads //= n  # local heads
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> nn.Module:
@@ -147,15 +209,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool
     Returns:
         ``model`` itself.
     """
-    tp = tp_mesh.size()
     plan: dict[str, ParallelStyle] = {}
     for name in ("tok_emb", "pos_emb"):
         if getattr(model, name, None) is not None:
             # rows split (vocabulary, positions), partial lookups summed: every rank has the whole embedding
             plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    for name, block in model.blocks.named_children():
-        plan.update({f"blocks.{name}.{k}": v for k, v in _block_plan(block).items()})
-        block.attn.n_heads //= tp  # local heads
+    for block in model.blocks.children():
+        _split_block(block, tp_mesh)
     if "0" in model.blocks._modules:
         # the residual stream enters sequence parallel: each rank keeps its seq/tp positions (no communication)
         plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
@@ -305,13 +365,16 @@ def tp_local_numel(model: nn.Module, tp: int) -> tuple[list[int], int, int]:
         for name, p in (module.named_parameters() if module is not None else ()):
             owner, _, leaf = name.rpartition(".")
             style = plan.get(owner)
-            split = isinstance(style, (ColwiseParallel, FusedColwiseParallel)) or (
+            split = isinstance(style, ColwiseParallel) or (
                 isinstance(style, RowwiseParallel) and leaf == "weight")
             n += p.numel() // tp if split else p.numel()
         return n
 
     whole = {"": ColwiseParallel()}  # the embeddings' rows and the head's outputs: every parameter split
-    blocks = [count(b, _block_plan(b)) for b in model.blocks]
+    blocks = [sum(p.numel() // (1 if _SPLITS[kind][leaf == "bias"] == Replicate() else tp)
+                  for name, kind in _block_layout(b).items()
+                  for leaf, p in b.get_submodule(name).named_parameters(recurse=False))
+              for b in model.blocks]
     embeddings = sum(count(getattr(model, k, None), whole) for k in ("tok_emb", "pos_emb"))
     head = count(getattr(model, "norm", None), {}) + count(getattr(model, "output", None), whole)
     return blocks, embeddings, head
