@@ -129,8 +129,26 @@ def test_bf16_plan_casts_weights_and_keeps_fp32_masters() -> None:
     assert model.rope.cos.dtype == torch.float32  # buffers keep their precision
     assert isinstance(opt, CPUOffloadOptimizer) and opt.config.master_weights
     losses = run(model, opt, 3)
-    want = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3)
-    assert losses == pytest.approx(want, rel=2e-2)  # bf16 arithmetic against fp32
+    # the same arithmetic in plain torch: bf16 weights (fp32 buffers), AdamW on fp32 copies of them, cast back
+    bf16 = copy.deepcopy(ref)
+    for q in bf16.parameters():
+        q.data = q.data.to(torch.bfloat16)
+    masters = [q.detach().float() for q in bf16.parameters()]
+    want, inner = [], torch.optim.AdamW(masters, lr=1e-2)
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        loss = F.cross_entropy(bf16(IDX).flatten(0, 1).float(), IDX.flatten())
+        loss.backward()
+        for m, q in zip(masters, bf16.parameters()):
+            m.grad, q.grad = q.grad.float(), None
+        inner.step()
+        with torch.no_grad():
+            for m, q in zip(masters, bf16.parameters()):
+                q.copy_(m)
+        want.append(loss.item())
+    assert losses == pytest.approx(want, rel=1e-3)
+    # and near fp32's (bf16 rounding apart; the margin depends on the CPU's bf16 kernels)
+    assert losses == pytest.approx(run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3), rel=5e-2)
 
 
 def test_bf16_offloaded_copies_leave_the_embedding_and_the_residual_stream_in_fp32() -> None:

@@ -10,15 +10,19 @@ that block.
 A streamed block (``Decisions.stream_blocks``, ``CPUOffloadOptimizer(stream_params=...)``) is a job of the link
 alone: its fp32 master and moments come up into the device's ring, step there and go back, chunk by chunk, so it
 holds both directions at once for ``12 P / bw`` and its weights are ready when the last chunk has come up. The
-optimizer runs streamed jobs on copy streams of their own, beside the host-stepped jobs' copies; the model takes
-turns instead of sharing: the device-to-host direction takes the gradients' copies and the streamed jobs one after
-another in the order they are ready (the gradients first on a tie: they start the host's step, the longer wait),
-and the weights coming back from the host take the time the streamed jobs leave free on the other direction.
-Against ``benchmarks/stream_step.py`` (53 matrices of 4096x11008, bf16 device weights, after a clipped backward,
-the late ones streamed; H100, ``benchmarks/results/2026-11-24-s9/call3-stream-step.jsonl``), at 38 GB/s each way and
-2.85 G params/s on the host this gives 0.85 / 0.59 / 0.63 / 0.76 s for none / half / 60% / all streamed, measured
-0.84 / 0.59 / 0.57 / 0.75. Giving the streamed jobs the link first, the gradients only the time they leave, would
-hold the host's step back behind the whole stream (about the host alone's time at half streamed).
+optimizer runs streamed jobs on copy streams of their own, beside the host-stepped jobs' copies: the streamed jobs take
+the link one after another as their gradients become final, and the host-stepped jobs' copies (gradients down,
+weights back up) run beside them at :data:`SHARED_COPY_RATE` of a direction, at the full rate between them.
+
+Measured against this (H100, ``BENCHMARKS.md``):
+
+- ``benchmarks/stream_step.py`` (53 matrices of 4096x11008, after a clipped backward, the late ones streamed; at
+  38 GB/s each way): 0.84 / 0.59 / 0.57 / 0.75 s for none / half / 60% / all streamed, priced 0.85 / 0.62 / 0.49 /
+  0.76 with the host at the 2.0 G params/s it kept beside that benchmark's DMA (2.85 alone).
+- The 7B shape at 76 GiB (no clipping, 7 blocks streamed and 6 on the host): the streamed jobs hid behind the next
+  forward (the forward waited 0.3-0.7 ms for the host). The earlier model queued the streamed jobs behind every
+  host-stepped gradient's copy on the device-to-host direction, although their first copies go the other way, and
+  priced 69-104 ms of them exposed.
 """
 
 from __future__ import annotations
@@ -112,22 +116,25 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
         # (never earlier than the job before: sums in two orders may differ in their last bit)
         starts = np.maximum.accumulate([final[j] if j >= 0 else t_backward for j, _, _ in order]).tolist()
         t0 = t_backward
-    # the device-to-host direction takes the gradients' copies and the streamed jobs one after another, in the order
-    # they are ready, the gradients first on a tie; a streamed job holds the other direction as long
+    # the streamed jobs take the link one after another as their gradients become final, both directions at once
+    # (state up, then back); the gradients' copies run on the device-to-host direction beside them, sharing it
     queue = sorted(range(len(order)), key=lambda q: (starts[q], order[q][2]))
-    copied: list[tuple[float, int, int]] = []  # (copy done, block index or -1, parameters)
     streams: list[tuple[float, float, int]] = []  # (start, weights on the device, block index) of streamed jobs
-    dn = -math.inf
+    up = -math.inf
     for q in queue:
         j, p, st = order[q]
         if st:
-            start = max(dn, starts[q])
-            dn = start + STREAM_LINK_BYTES_PER_PARAM * p / bw
-            streams.append((start, dn, j))
-        else:
-            dn = max(dn, starts[q]) + OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
+            start = max(up, starts[q])
+            up = start + STREAM_LINK_BYTES_PER_PARAM * p / bw
+            streams.append((start, up, j))
+    busy = [(a, b) for a, b, _ in streams]  # both directions, held by the streamed jobs
+    copied: list[tuple[float, int, int]] = []  # (copy done, block index or -1, parameters)
+    dn, kd = -math.inf, 0
+    for q in queue:
+        j, p, st = order[q]
+        if not st:
+            dn, kd = fill_after(busy, kd, max(dn, starts[q]), OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
             copied.append((dn, j, p))
-    busy = [(a, b) for a, b, _ in streams]  # the host-to-device direction, held by the streamed jobs
     if d.offload_gradients and not d.grad_clipping and d.optimizer_config.step_order == "needed_first":
         # the host has several jobs at once (gradients land at link speed): it steps the one needed first
         # (CPUOffloadOptimizer's step thread, earliest deadline first)

@@ -9,6 +9,7 @@ mechanism is :mod:`elbowroom.optim.stream_step`.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -74,12 +75,13 @@ def chunks(profile: Profile, d: Decisions) -> int:
     if not d.streams:
         return 0
     slot = max(1, int(d.optimizer_config.stream_slot_numel))
-    total = 0
-    for b, st in zip(profile.blocks, d.stream_blocks):
-        if st:
-            sizes = _signature_sizes(b.signature) or [b.num_params]
-            total += sum(-(-n // slot) for n in sizes)
-    return total
+    return sum(_block_chunks(b.signature, b.num_params, slot) for b, st in zip(profile.blocks, d.stream_blocks) if st)
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_chunks(signature: str, num_params: int, slot: int) -> int:
+    """One block's streamed chunks (the search asks for every placement it weighs: parsed once per signature)."""
+    return sum(-(-n // slot) for n in (_signature_sizes(signature) or [num_params]))
 
 
 def launch_seconds(profile: Profile, d: Decisions) -> float:
