@@ -350,3 +350,32 @@ def test_hf_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture, mon
     assert "fewer than --data.seq_len 100" in fails(hf_dir(tmp_path, "gpt2", False), "--data.seq_len", "100")
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
     assert "pip install transformers" in fails(small)
+
+
+@pytest.mark.parametrize("extra,one", [((), True), (("--parallel.data_parallel", "ddp"), False),
+                                       (("--parallel.data_parallel", "fsdp"), False)])
+def test_a_data_parallel_wrapper_at_world_size_one_plans_as_data_parallel(
+        monkeypatch: pytest.MonkeyPatch, extra: tuple[str, ...], one: bool) -> None:
+    """``--parallel.data_parallel ddp`` wraps the model in DDP at world size 1 too, which refuses streamed optimizer
+    state: the plan must not stream there, and recompute keeps the non-reentrant checkpoint (a DDP run at world size 1
+    on the H100 planned 6 streamed blocks and failed as the optimizer was wrapped)."""
+    import elbowroom.plan as plan_api
+    from elbowroom.train import planning
+
+    cfg = resolve(None, [*SMALL, "--budget", "1GiB", *extra])
+    assert not cfg.parallel.enabled  # world size 1 in every case
+    seen: dict = {}
+
+    def fake_fit(model, sample, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(plan_api, "fit", fake_fit)
+    if cfg.parallel.mode in ("fsdp", "hsdp"):
+        assert planning.sharded(cfg)  # FSDP2 plans per rank, never through fit(), with stream_allowed=False
+        return
+    model = build_model(resolve_model_config(cfg, BYTES))
+    ids = torch.randint(0, BYTES, (cfg.data.batch_size, cfg.data.seq_len))
+    with pytest.raises(Exception, match="stop here"):
+        planning.plan_for_budget(model, {"input_ids": ids, "targets": ids}, cfg, False, torch.float32)
+    assert seen["stream"] is one and seen["reentrant"] is one

@@ -182,7 +182,7 @@ def plan_for_budget(
             offload_config=cfg.offload,
             param_groups=_groups(cfg),
             reentrant=_reentrant(cfg),
-            stream=not cfg.parallel.enabled,  # one process: DDP's reduced gradients are not measured with it
+            stream=_one_process(cfg),  # DDP's reduced gradients are not measured with it
             **_adamw_kwargs(cfg),
         )
     except BudgetError as e:
@@ -197,7 +197,13 @@ def _reentrant(cfg: Config) -> bool:
     """Whether this run recomputes whole blocks with torch's reentrant checkpoint (less host work per block,
     ``elbowroom.activations.recompute.reentrant_default``): one process, not compiled (DDP, FSDP2 and the
     parallel layouts keep the non-reentrant one, and torch.compile traces only that one)."""
-    return not cfg.parallel.enabled and not cfg.train.compile
+    return _one_process(cfg) and not cfg.train.compile
+
+
+def _one_process(cfg: Config) -> bool:
+    """A plain process: no other rank and no data-parallel wrapper (``--parallel.data_parallel ddp`` or ``fsdp``
+    wrap a model at world size 1 too, and DDP refuses what one process may do: streamed optimizer state)."""
+    return not cfg.parallel.enabled and cfg.parallel.mode == "single"
 
 
 def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
