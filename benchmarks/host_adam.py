@@ -7,7 +7,9 @@ Rows (G params/s and the host memory traffic that implies):
 - ``torch_bf16_3pass``: bf16 gradients upcast into fp32 scratch, torch's fused AdamW, the master cast to a
   bf16 copy for the way back (the fallback path for bf16 device weights): 40 B/param;
 - ``chunked_bf16_<K>``: the same three steps chunk by chunk (K elements), each chunk still in cache for
-  the next op (``elbowroom.optim._host_adam.step_chunked``): ~30 B/param of memory traffic.
+  the next op (``elbowroom.optim._host_adam.step_chunked``): ~30 B/param of memory traffic;
+- ``torch_fp32_scaled``: a clipped fp32 gradient, scaled over the whole tensor and then stepped: 36 B/param;
+- ``chunked_fp32_scaled_<K>``: the same chunk by chunk, the scaled chunk still in cache for the step: 28 B/param.
 """
 
 from __future__ import annotations
@@ -58,11 +60,23 @@ def main() -> None:
         opt.step()
         out.copy_(p)
 
-    cases = {"torch_fp32": (torch_fp32, 28), "torch_bf16_3pass": (torch_bf16_3pass, 40)}
+    coef = torch.tensor(0.999)  # a clipping coefficient (the gradient shrinks a little per call: harmless here)
+
+    def torch_fp32_scaled() -> None:
+        g32.mul_(coef)
+        p.grad = g32
+        opt.step()
+
+    cases = {"torch_fp32": (torch_fp32, 28), "torch_bf16_3pass": (torch_bf16_3pass, 40),
+             "torch_fp32_scaled": (torch_fp32_scaled, 36)}
     for c in chunks:
         cases[f"chunked_bf16_{c}"] = (
             lambda c=c: _host_adam.step_chunked(opt, opt.param_groups[0], p, g16, out, scratch, [], chunk=c),
             30,
+        )
+        cases[f"chunked_fp32_scaled_{c}"] = (
+            lambda c=c: _host_adam.step_chunked(opt, opt.param_groups[0], p, g32, None, None, [coef], chunk=c),
+            28,
         )
     for t in (int(x) for x in args.threads.split(",")):
         torch.set_num_threads(t)

@@ -129,7 +129,6 @@ class Engine(HostStep, DeviceStep):
         # autograd's device thread and the copy thread need cores of their own)
         self.cpu_threads = config.cpu_threads or default_step_threads()
         self.chunked = staging.chunked
-        self.scale_chunked = config.chunked_host_step  # scaled fp32 gradients: scaled chunk by chunk (host_step)
         self.host_chunk_numel = config.host_chunk_numel
         self.pool = SlotPool(staging.slots)
         # two pinned buffers of the step thread's own for parameters stepped piece by piece whose pieces it

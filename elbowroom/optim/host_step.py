@@ -39,7 +39,6 @@ class HostStep:
     streams: Streams
     pool: SlotPool
     chunked: bool
-    scale_chunked: bool
     host_chunk_numel: int | None
     piece_slots: list[torch.Tensor]
     h2d_buffers: list[torch.Tensor]
@@ -77,10 +76,6 @@ class HostStep:
             s.host_wait(ev)  # host wait (this thread) for the re-copy
         t0 = time.perf_counter()
         chunked = self.chunked and bucket.chunked
-        # a scaled fp32 gradient (clipping, GradScaler) is scaled chunk by chunk in cache: scaled over the whole
-        # gradient first, that pass cost the host step a third of its rate (W1, H100: 2.6-2.8 G params/s clipped
-        # against 4.0 measured; 1.13 against 1.56 on a 2-core CPU)
-        scale_in_chunks = self.scale_chunked and bucket.adam and bool(plan.mults)
         stepped: list[HostParam] = []
         in_chunks: list[tuple[HostParam, torch.Tensor]] = []
         for i, hp in enumerate(job.params):
@@ -92,8 +87,8 @@ class HostStep:
                 hp.master.grad = None
                 continue
             stepped.append(hp)
-            if (chunked and g.dtype != hp.master.dtype) or (scale_in_chunks and g.dtype == hp.master.dtype):
-                in_chunks.append((hp, g))  # (upcast,) scale, step (and cast back) chunk by chunk below
+            if chunked and g.dtype != hp.master.dtype:
+                in_chunks.append((hp, g))  # upcast, scale, step and cast back chunk by chunk below
                 continue
             if g.dtype != hp.master.dtype:
                 assert self.scratch is not None
@@ -114,12 +109,13 @@ class HostStep:
             buf_i = self.h2d_next
             self.h2d_next = (self.h2d_next + 1) % len(self.h2d_buffers)
             s.host_wait(self.h2d_events[buf_i])  # host wait (this thread): the buffer's last H2D is done
-        if in_chunks:  # (the fp32 scratch is read only by gradients of another dtype: step_chunked checks)
+        if in_chunks:
+            assert self.scratch is not None
             opt = bucket.optimizer
             for hp, g in in_chunks:
                 group = opt.param_groups[bucket.inner_of[hp.group]]
                 # the device-dtype copy for the way back, unless the cast runs on the device
-                out = None if hp.device_cast or hp.same_dtype else hp.staging(self.h2d_buffers[buf_i], hp.param.dtype)
+                out = None if hp.device_cast else hp.staging(self.h2d_buffers[buf_i], hp.param.dtype)
                 _host_adam.step_chunked(opt, group, hp.master, g, out, self.scratch, plan.mults, self.host_chunk_numel)
         if len(in_chunks) < len(stepped):
             bucket.optimizer.step()  # torch's kernel for the rest (only masters with a .grad step)

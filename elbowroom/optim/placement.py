@@ -126,10 +126,8 @@ class Bucket:
         self.optimizer = optimizer
         self.group_map = group_map  # inner param group i -> user param group index
         self.inner_of = {gi: i for i, gi in enumerate(group_map)}
-        # Adam/AdamW: a clipped or unscaled gradient is scaled chunk by chunk in cache before the step (_host_adam)
-        self.adam = _host_adam.supports(optimizer)
-        # with low-precision device weights: upcast, step and cast back chunk by chunk too
-        self.chunked = self.adam and any(not hp.same_dtype for hp in params)
+        # Adam/AdamW with low-precision device weights: upcast, step and cast back chunk by chunk (_host_adam)
+        self.chunked = _host_adam.supports(optimizer) and any(not hp.same_dtype for hp in params)
         self.arrived: list[tuple[HostParam, torch.Tensor | None]] = []
         self.arrived_kind = "final"
         self.h2d_event: Any = None
