@@ -20,7 +20,7 @@ from test_plan_support import GiB, make_profile
 from elbowroom.plan import BudgetError, Plan, apply, cost, plan_for, streaming
 from elbowroom.plan.cli import cmd_plan
 from elbowroom.plan.cost import Decisions, Option
-from elbowroom.plan.host_pipeline import fill_after, host_exposed_seconds
+from elbowroom.plan.host_pipeline import fill_after, host_exposed_seconds, host_rate
 from elbowroom.plan.plan import BlockPlan
 
 
@@ -85,9 +85,12 @@ def test_a_streamed_block_is_a_job_of_the_link_alone() -> None:
     host = decisions(n, offload_blocks=one(n, 0))
     for rate in (4e9, 1e7):
         q = with_machine(p, host_adam_params_per_s=rate)
+        h = host_rate(rate, True)  # clipped: the gradient's scaling pass beside the fused step
+        assert h == pytest.approx(rate * 28 / 36)
         assert host_exposed_seconds(q, streamed, 0.0) == (0.0, pytest.approx(12 * P / bw))
-        assert host_exposed_seconds(q, host, 0.0) == (pytest.approx(P / rate),
-                                                      pytest.approx(8 * P / bw + P / rate))
+        assert host_exposed_seconds(q, host, 0.0) == (pytest.approx(P / h), pytest.approx(8 * P / bw + P / h))
+        unclipped = dataclasses.replace(host, grad_clipping=False)
+        assert host_exposed_seconds(q, unclipped, 0.0)[0] == pytest.approx(P / rate)
     # no host at all: streaming still works, host stepping cannot
     none = with_machine(p, host_adam_params_per_s=0.0)
     assert host_exposed_seconds(none, streamed, 0.0)[1] == pytest.approx(12 * P / bw)
@@ -117,8 +120,8 @@ def test_streamed_and_host_jobs_share_the_link() -> None:
     job holds both directions from then on, block 1's gradients go down beside it at half the rate, and its weights
     come back beside it too. Without clipping, in the order their gradients become final: block 1's go down alone,
     before the stream starts at the backward's end."""
-    rate = 1e12  # a host step shorter than the stream
-    p = with_machine(make_profile(n_layers=2), host_adam_params_per_s=rate)
+    p = with_machine(make_profile(n_layers=2), host_adam_params_per_s=1e12)
+    rate = host_rate(1e12, True)  # a host step shorter than the stream (clipped: with the scaling pass)
     P0, P1 = p.blocks[0].num_params, p.blocks[1].num_params
     bw = p.machine.duplex_bandwidth
     need_1 = p.blocks[0].forward_s  # the next forward reaches block 1 (at the profile's micro-batch)
@@ -138,6 +141,10 @@ def test_streamed_and_host_jobs_share_the_link() -> None:
     back = fill_after([stream], 0, down + P1 / rate, 4 * P1 / bw)[0]
     want = max(stream[1] - t_end, back - (t_end + need_1))
     eager = dataclasses.replace(d, grad_clipping=False)
+    rate = 1e12  # (no clipping: no scaling pass)
+    down = fill_after([stream], 0, head + b1, 4 * P1 / bw)[0]
+    back = fill_after([stream], 0, down + P1 / rate, 4 * P1 / bw)[0]
+    want = max(stream[1] - t_end, back - (t_end + need_1))
     assert host_exposed_seconds(p, eager, 0.0) == (pytest.approx(P1 / rate), pytest.approx(want))
     # the copies beside busy time: 3 s before an interval from 3 to 5, then 1 s of copy in its 2 s at half the rate
     assert fill_after([(3.0, 5.0), (9.0, 10.0)], 0, 0.0, 4.0) == (5.0, 0)
@@ -158,8 +165,10 @@ def test_half_streamed_matches_the_optimizer_s_benchmark() -> None:
     p = dataclasses.replace(p, blocks=blocks)
     n = len(blocks)
     got = {}
-    for k, host_rate in ((0, 2.85e9), (26, 2.0e9), (32, 2.0e9), (53, 2.0e9)):
-        q = with_machine(p, duplex_bandwidth=38e9, host_adam_params_per_s=host_rate)
+    for k, seen in ((0, 2.85e9), (26, 2.0e9), (32, 2.0e9), (53, 2.0e9)):
+        # the rates the clipped benchmark's host stepped at (its scaling pass included): the machine's fused AdamW
+        # rate is 36 / 28 of them
+        q = with_machine(p, duplex_bandwidth=38e9, host_adam_params_per_s=seen * 36 / 28)
         streamed = tuple(i >= n - k for i in range(n))
         d = decisions(n, offload_blocks=tuple(not x for x in streamed), stream_blocks=streamed if k else ())
         got[k] = host_exposed_seconds(q, d, 0.0)[1]

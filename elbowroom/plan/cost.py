@@ -124,7 +124,8 @@ parameter: its fused step runs on a side stream, but it takes the device's memor
 streamed chunks' measured overhead (:func:`~elbowroom.plan.streaming.launch_seconds`).
 
 ``T_host``: what the device cannot hide of the host AdamW step. Jobs ``j`` (an offloaded block, or the parameters
-outside the blocks) each copy ``4 P_j`` gradient bytes out, step for ``h_j = P_j / host_adam_params_per_s`` and
+outside the blocks) each copy ``4 P_j`` gradient bytes out, step for ``h_j = P_j / host_adam_params_per_s`` (with
+clipping 36 / 28 of that: the gradient's scaling pass, :func:`~elbowroom.plan.host_pipeline.host_rate`) and
 copy ``4 P_j`` weight bytes back (fp32 gradients and masters travel either way: the casts of bf16 device weights
 run on the device), over the duplex link. Copies, steps and uploads each run one job after another::
 
