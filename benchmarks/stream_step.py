@@ -31,6 +31,12 @@ def main() -> None:
     ap.add_argument("--no-clip", action="store_true",
                     help="skip clip_grad_norm_: the jobs then go in the order step() hands them over (the host's "
                          "first), where a backward hands the late (streamed) ones over first")
+    ap.add_argument("--bucket-mb", type=int, default=CPUOffloadConfig().bucket_bytes >> 20,
+                    help="gradient bytes of one bucket (one staging slot, one CPU optimizer call)")
+    ap.add_argument("--staging-slots", type=int, default=CPUOffloadConfig().num_staging_slots)
+    ap.add_argument("--trace", action="store_true",
+                    help="add the last step's timeline per kind of event (copies waited for, CPU steps, streams): "
+                         "count, busy seconds, first start and last end, from CPUOffloadConfig.trace_steps")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows, cols = (int(x) for x in args.shapes.split("x"))
@@ -43,7 +49,9 @@ def main() -> None:
         streamed = params[count - k :] if k else []
         opt = CPUOffloadOptimizer(
             params, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, param_dtype=torch.bfloat16, stream_params=streamed,
-            config=CPUOffloadConfig(stream_slot_numel=args.slot_numel, stream_slots=args.slots),
+            config=CPUOffloadConfig(stream_slot_numel=args.slot_numel, stream_slots=args.slots,
+                                    bucket_bytes=args.bucket_mb << 20, num_staging_slots=args.staging_slots,
+                                    trace_steps=args.trace),
         )
         times = []
         for i in range(args.reps + 1):
@@ -63,11 +71,21 @@ def main() -> None:
         st = opt.stats()
         opt.close()
         s = statistics.median(times)
+        kinds: dict[str, list[float]] = {}
+        for kind, _, a, b in st.get("trace", []):
+            k_ = kinds.setdefault(kind, [0, 0.0, float("inf"), 0.0])
+            k_[0] += 1
+            k_[1] += b - a
+            k_[2], k_[3] = min(k_[2], a), max(k_[3], b)
+        trace = {k: {"count": v[0], "busy_s": round(v[1], 4), "first_s": round(v[2], 4), "last_s": round(v[3], 4)}
+                 for k, v in kinds.items()}
         print(json.dumps({
             "share_streamed": share, "tensors_streamed": k, "params": numel, "step_s": round(s, 4),
             "g_params_per_s": round(numel / s / 1e9, 2), "steps_s": [round(t, 4) for t in times],
             "h2d_gb": round(st["h2d_bytes"] / 1e9, 2), "d2h_gb": round(st["d2h_bytes"] / 1e9, 2),
             "cpu_step_s": round(st.get("cpu_step_s", 0.0), 4), "device": str(dev),
+            "bucket_mb": args.bucket_mb, "staging_slots": args.staging_slots, "clip": not args.no_clip,
+            **({"trace": trace} if args.trace else {}),
         }), flush=True)
 
 
