@@ -178,10 +178,17 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
     for _, ready, j in streams:
         late = max(late, ready - (t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)))
     un, k = -math.inf, 0  # the weights come back in the time the streamed jobs leave free
+    # after a clipped backward the optimizer enqueues every streamed job at once, when step() opens the gate, before
+    # any host-stepped weight is ready: those weights then come back behind the streamed states (the copies of one
+    # direction run in the order they were enqueued)
+    queued = max((b for _, b, _ in streams), default=-math.inf) if d.grad_clipping else -math.inf
     total = 0.0
     for h, j, p in steps:
         total += p / rate
-        un, k = fill_after(busy, k, max(un, h), OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
+        if queued > -math.inf:
+            un = max(un, h, queued) + OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
+        else:
+            un, k = fill_after(busy, k, max(un, h), OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
         need = t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)
         late = max(late, un - need)
     return total, max(0.0, late)
