@@ -106,30 +106,19 @@ def _scatter(x: torch.Tensor, group: str, n: int) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Sequence parallel into a colwise layer: gather in forward, reduce-scatter the gradient in backward."""
+class _SequenceParallel(torch.autograd.Function):
+    """Into a colwise layer (``gather``): all-gather in forward, reduce-scatter the gradient in backward. Out of a
+    rowwise layer: reduce-scatter its partial sums in forward, all-gather the gradient in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: str, n: int) -> torch.Tensor:
-        ctx.group, ctx.n = group, n
-        return _gather(x, group, n)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _scatter(grad, ctx.group, ctx.n), None, None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """A rowwise layer's partial sums out to sequence parallel: reduce-scatter in forward, gather in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: str, n: int) -> torch.Tensor:
-        ctx.group, ctx.n = group, n
-        return _scatter(x, group, n)
+    def forward(ctx: Any, x: torch.Tensor, group: str, n: int, gather: bool) -> torch.Tensor:
+        ctx.args = (group, n, gather)
+        return (_gather if gather else _scatter)(x, group, n)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _gather(grad, ctx.group, ctx.n), None, None
+        group, n, gather = ctx.args
+        return (_scatter if gather else _gather)(grad, group, n), None, None, None
 
 
 def _replicated(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -144,13 +133,13 @@ def _norm_then_gather(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = F.rms_norm(x, mod.normalized_shape, _replicated(mod.weight), mod.eps)
     else:
         y = F.layer_norm(x, mod.normalized_shape, _replicated(mod.weight), _replicated(mod.bias), mod.eps)
-    return _GatherSequence.apply(y, mod._tp_group, mod._tp_size)
+    return _SequenceParallel.apply(y, mod._tp_group, mod._tp_size, True)
 
 
 def _rowwise_then_scatter(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A rowwise layer on this rank's input columns, its partial sums reduce-scattered over the sequence, then the
     (replicated) bias."""
-    y = _ScatterSequence.apply(F.linear(x, mod.weight.to_local()), mod._tp_group, mod._tp_size)
+    y = _SequenceParallel.apply(F.linear(x, mod.weight.to_local()), mod._tp_group, mod._tp_size, False)
     return y + _replicated(mod.bias) if mod.bias is not None else y
 
 
