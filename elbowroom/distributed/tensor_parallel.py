@@ -349,23 +349,18 @@ def tp_local_numel(model: nn.Module, tp: int) -> tuple[list[int], int, int]:
     Returns:
         ``(per block, embeddings, final norm and output head)``: parameter counts of one rank.
     """
-    def count(module: nn.Module | None, plan: dict[str, Any]) -> int:
-        n = 0
-        for name, p in (module.named_parameters() if module is not None else ()):
-            owner, _, leaf = name.rpartition(".")
-            style = plan.get(owner)
-            split = isinstance(style, ColwiseParallel) or (
-                isinstance(style, RowwiseParallel) and leaf == "weight")
-            n += p.numel() // tp if split else p.numel()
-        return n
+    def count(module: nn.Module | None, split: bool) -> int:
+        return sum(p.numel() // tp if split else p.numel() for p in module.parameters()) if module is not None else 0
 
-    whole = {"": ColwiseParallel()}  # the embeddings' rows and the head's outputs: every parameter split
-    blocks = [sum(p.numel() // (1 if _SPLITS[kind][leaf == "bias"] == Replicate() else tp)
-                  for name, kind in _block_layout(b).items()
-                  for leaf, p in b.get_submodule(name).named_parameters(recurse=False))
-              for b in model.blocks]
-    embeddings = sum(count(getattr(model, k, None), whole) for k in ("tok_emb", "pos_emb"))
-    head = count(getattr(model, "norm", None), {}) + count(getattr(model, "output", None), whole)
+    def block(b: nn.Module) -> int:
+        return sum(p.numel() // (1 if _SPLITS[kind][leaf == "bias"] == Replicate() else tp)
+                   for name, kind in _block_layout(b).items()
+                   for leaf, p in b.get_submodule(name).named_parameters(recurse=False))
+
+    # the embeddings' rows and the head's outputs are split, the final norm is whole
+    blocks = [block(b) for b in model.blocks]
+    embeddings = sum(count(getattr(model, k, None), True) for k in ("tok_emb", "pos_emb"))
+    head = count(getattr(model, "norm", None), False) + count(getattr(model, "output", None), True)
     return blocks, embeddings, head
 
 

@@ -12,7 +12,11 @@ alone: its fp32 master and moments come up into the device's ring, step there an
 holds both directions at once for ``12 P / bw`` and its weights are ready when the last chunk has come up. The
 optimizer runs streamed jobs on copy streams of their own, beside the host-stepped jobs' copies: the streamed jobs take
 the link one after another as their gradients become final, and the host-stepped jobs' copies (gradients down,
-weights back up) run beside them at :data:`SHARED_COPY_RATE` of a direction, at the full rate between them.
+weights back up) run beside them at :data:`SHARED_COPY_RATE` of a direction, at the full rate between them. After a
+clipped backward the weights come back behind every streamed state instead: ``step()`` opens the gate and the
+optimizer enqueues every streamed job at once, before any host-stepped weight is ready, and the copies of one
+direction run in the order they were enqueued (a profiled trainer step at 12 GiB, W1: the compute stream idle for
+~245 ms behind them, the embeddings stepped on the host).
 
 Measured against this (H100, ``BENCHMARKS.md``):
 
@@ -68,8 +72,9 @@ def host_rate(machine_rate: float, grad_clipping: bool) -> float:
 
 
 SHARED_COPY_RATE = 0.5
-"""The share of a link direction a copy gets while the streamed states' copies also run on it: the two streams'
-copies interleave (the streamed states run on streams of their own), rather than one waiting for the other. Pricing
+"""The share of a link direction a copy gets while the streamed states' copies also run on it, where both are
+enqueued as gradients become final (no clipping): the two streams' copies interleave (the streamed states run on
+streams of their own), rather than one waiting for the other. Pricing
 the host-stepped weights' way back as waiting for every streamed copy first predicted the 7B shape's 76 GiB plan's
 forward waiting 0.17 s, where it waited 0.4 ms (H100, ``BENCHMARKS.md``)."""
 
@@ -177,18 +182,15 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
     late = -math.inf
     for _, ready, j in streams:
         late = max(late, ready - (t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)))
-    un, k = -math.inf, 0  # the weights come back in the time the streamed jobs leave free
-    # after a clipped backward the optimizer enqueues every streamed job at once, when step() opens the gate, before
-    # any host-stepped weight is ready: those weights then come back behind the streamed states (the copies of one
-    # direction run in the order they were enqueued)
-    queued = max((b for _, b, _ in streams), default=-math.inf) if d.grad_clipping else -math.inf
+    # the weights come back in the time the streamed jobs leave free; after a clipped backward, behind all of them:
+    # the optimizer enqueues every streamed job at once when step() opens the gate, before any host-stepped weight is
+    # ready, and the copies of one direction run in the order they were enqueued
+    un, k = (max((b for _, b, _ in streams), default=-math.inf), 0) if d.grad_clipping else (-math.inf, 0)
+    back_busy = [] if d.grad_clipping else busy
     total = 0.0
     for h, j, p in steps:
         total += p / rate
-        if queued > -math.inf:
-            un = max(un, h, queued) + OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw
-        else:
-            un, k = fill_after(busy, k, max(un, h), OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
+        un, k = fill_after(back_busy, k, max(un, h), OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
         need = t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)
         late = max(late, un - need)
     return total, max(0.0, late)
