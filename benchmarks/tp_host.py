@@ -103,7 +103,10 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize()
         events = prof.key_averages()
-        kernels = sum(e.self_device_time_total for e in events) / 1e3 if cuda else 0.0
+        # the device's own events only (as the table's "Self CUDA time total"): an op's row also carries the time of
+        # the kernels it launched, so summing every row counts each kernel twice
+        kernels = sum(e.self_device_time_total for e in events
+                      if e.device_type != torch.autograd.DeviceType.CPU) / 1e3 if cuda else 0.0
         ops = sum(e.count for e in events if e.key.startswith("aten::"))
         say(f"\n== recompute {mode}: {wall * 1e3:.1f} ms per micro-batch (host issued it in {host * 1e3:.1f} ms), "
             f"GPU kernels {kernels:.1f} ms under the profiler, {ops} aten calls")
