@@ -132,6 +132,7 @@ class Recorder:
         self._t0 = 0.0
         self._phase = "step"
         self._baseline_other = 0
+        self._static: dict[str, Any] = {}  # categorise's cache of what changes only when the optimizer steps
         self._file: Any = None
         self._profiler: Any = None
         self._step_range: Any = None
@@ -163,6 +164,7 @@ class Recorder:
         self._current = step
         self._phase = "step"
         self._step_peak = 0
+        self._static.clear()  # the optimizer stepped since the last sample
         if self._saved is not None:
             self._saved.__enter__()
         if self._profiler is not None:
@@ -371,6 +373,7 @@ class Recorder:
             if self._current is None:
                 return
             self._phase = "optimizer"
+            self._static.clear()  # its step may create state (the first step) and change what it holds
             self._sample(event, None)
             if event == "end":
                 self._phase = "step"
@@ -387,6 +390,7 @@ class Recorder:
             self._engine,
             self._saved,
             None if baseline else self._baseline_other,
+            static=self._static,
         )
         dev = self.device.type
         self._step_peak = max(self._step_peak, total)
