@@ -224,9 +224,11 @@ class DecoderLM(nn.Module):
             self.rope.sin.copy_(fresh.sin)
             self.rope._cast.clear()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits ``(b, s, vocab)`` for token ids ``(b, s)``."""
-        return self.output(self.hidden_states(idx))
+    def forward(self, idx: torch.Tensor, head: bool = True) -> torch.Tensor:
+        """Logits ``(b, s, vocab)`` for token ids ``(b, s)``; with ``head=False`` the hidden states the head would
+        read (:meth:`hidden_states`), through ``forward`` so that a wrapper such as DDP sees the call."""
+        h = self.hidden_states(idx)
+        return self.output(h) if head else h
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """The normalised last hidden states ``(b, s, dim)``, the output head's input (for a fused head and

@@ -112,11 +112,14 @@ def check_setup(cfg: Config, launch: Launch | None) -> None:
     mode = p.mode
     if mode == "single":
         return
-    for flag, on in (("--train.fused_loss", cfg.train.fused_loss), ("--distill.teacher", cfg.distill.teacher)):
+    # the fused loss reads the head weight after DDP's forward, whose reducer then takes its gradient as any other;
+    # FSDP2 frees the head's unsharded weight when the head's own forward ends
+    for flag, on in (("--train.fused_loss", cfg.train.fused_loss and mode != "ddp"),
+                     ("--distill.teacher", cfg.distill.teacher)):
         if on:
             raise ConfigError(
                 f"{flag} reads the output head outside the model's forward, which {mode.upper()} does not see (no "
-                f"gradient sync); drop {flag} under data parallel"
+                f"gradient sync); drop {flag} under {mode.upper()}"
             )
     if mode == "ddp" and cfg.optimizer.offload_gradients:
         raise ConfigError(

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elbowroom.config import ConfigError, DistillSection
+from elbowroom.distributed.data_parallel import unwrap
 from elbowroom.ops.linear_cross_entropy import linear_cross_entropy
 
 if TYPE_CHECKING:
@@ -60,7 +61,8 @@ def micro_batch_loss(model: nn.Module, batch: dict[str, Any], optimizer: Any = N
     """The student's loss summed over the target tokens of one micro-batch (call it under the run's autocast).
 
     Args:
-        model: the student; the fused head and distillation need its ``hidden_states`` and ``output`` head.
+        model: the student, or the DDP wrapper around it; the fused head and distillation need its
+            ``hidden_states`` (``forward(ids, head=False)`` under DDP) and ``output`` head.
         batch: ``{"input_ids", "targets", ...}`` on the model's device.
         optimizer: an optimizer with ``wait_for`` (the CPU-offloaded one) is asked for the head weight before it
             is read outside the head's forward.
@@ -70,16 +72,20 @@ def micro_batch_loss(model: nn.Module, batch: dict[str, Any], optimizer: Any = N
     ids, targets = batch["input_ids"], batch["targets"]
     if distill is None and not fused_loss:
         return token_loss_sum(model(ids), targets)
-    h = model.hidden_states(ids)
-    if hasattr(optimizer, "wait_for"):  # the head weight is read outside the head's forward
-        optimizer.wait_for(model.output.weight)
+    inner = unwrap(model)
+    # under DDP through its forward (its reducer then expects this step's gradients, the head's included, which
+    # the loss's backward gives it); the head weight is read outside the head's forward
+    h = model(ids, head=False) if inner is not model else model.hidden_states(ids)
+    head = inner.output.weight
+    if hasattr(optimizer, "wait_for"):
+        optimizer.wait_for(head)
     if distill is None:
-        return linear_cross_entropy(h, model.output.weight, targets, reduction="sum")
+        return linear_cross_entropy(h, head, targets, reduction="sum")
     from elbowroom.export.distill import distillation_loss
 
     # the teacher's body runs once here (no grad); its head per chunk, inside the loss, twice (forward, recompute)
     teacher_logits = distill.teacher.logits_fn(ids)
-    return distillation_loss(h, model.output.weight, teacher_logits, targets, distill.ratio, distill.temperature,
+    return distillation_loss(h, head, teacher_logits, targets, distill.ratio, distill.temperature,
                              reduction="sum")
 
 
