@@ -25,6 +25,8 @@
   them; ``+fl`` may stand anywhere among the flags);
   ``+gb`` gives the planner the workload's batch as the global batch, so that it may choose a smaller
   micro-batch with accumulation (the loop then runs the plan's micro-batches);
+  ``+host=32GiB`` gives the planner that much host memory (``fit(host_memory=...)``; the row's
+  ``host_B_per_offloaded_param`` is the optimizer's own count);
   ``+cap`` caps the process's CUDA allocator at the budget once the plan is applied
   (``torch.cuda.set_per_process_memory_fraction``), as on a device of the budget's size: the allocator then frees
   its cache and retries (``alloc_retries``) or runs out of memory, where an uncapped row only reports what it
@@ -70,7 +72,8 @@ def resolve(name: str) -> Callable[..., Setup] | None:
             return lambda model, args: _setup(model, args, budget=flags[0],
                                              precision="bf16" if "bf16" in prefix else "fp32",
                                              fused=getattr(args, "fused_loss", False), clip="clip" in flags,
-                                             split="gb" in flags, cap="cap" in flags, og="nog" not in flags)
+                                             split="gb" in flags, cap="cap" in flags, og="nog" not in flags,
+                                             host=next((f[5:] for f in flags if f.startswith("host=")), None))
     return None
 
 
@@ -88,7 +91,8 @@ def _cap_at(budget_bytes: int) -> float | None:
 
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
            plan_file: str | None = None, fused: bool = False, clip: bool = False,
-           split: bool = False, uniform: str | None = None, cap: bool = False, og: bool = True) -> Setup:
+           split: bool = False, uniform: str | None = None, cap: bool = False, og: bool = True,
+           host: str | None = None) -> Setup:
     import os
 
     from elbowroom.plan import Plan, apply, fit
@@ -116,6 +120,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
                                    # ELBOWROOM_BENCH_NO_STREAM=1: no block streams its optimizer state (the host or
                                    # the device only, as before streaming existed)
                                    stream=False if os.environ.get("ELBOWROOM_BENCH_NO_STREAM") else None,
+                                   host_memory=host,  # +host=32GiB: the host memory the plan may use
                                    **_threads())
         if clip:
             def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
@@ -148,6 +153,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
         if hasattr(opt, "stats"):
             s = opt.stats()
             out["host_GiB"] = round(s.get("host_bytes", 0) / 2**30, 2)
+            out["host_B_per_offloaded_param"] = round(float(s.get("host_bytes_per_offloaded_param", 0.0)), 2)
             if s.get("offloaded_params"):  # the last step's host work and how long the step waited for it
                 out["host_step_s"] = round(float(s["cpu_step_s"]), 4)
                 out["host_wait_s"] = round(float(s["cpu_wait_s"]), 4)

@@ -456,3 +456,30 @@ def test_fit_streams_only_for_adam_and_adamw(monkeypatch: pytest.MonkeyPatch) ->
         with pytest.raises(Planned):
             fit(_tiny(), torch.randint(0, 256, (1, 16)), "1GiB", opt, source="analytic", machine="h100-80gb", **kw)
     assert asked == [True, True, False, False]
+
+
+def test_a_host_memory_limit_keeps_offloaded_parameters_near_their_12_bytes() -> None:
+    """The 7B shape at one sequence per step on an 80 GB card: unbounded, the fastest plan sends host-stepped
+    gradients to the host (16 B per offloaded parameter); on a host of ~12 B per offloaded parameter the planner keeps
+    them on the device (staged at the step) and streams state instead, within the host's memory, at a step no
+    faster than the unbounded one's."""
+    p = make_profile(dim=4096, n_layers=32, ffn=11008, micro_batch=1, seq_len=4096)
+    budget = 76 * GiB
+
+    def per_param(plan: Plan) -> tuple[int, float]:
+        off = sum(b.num_params for b, bp in zip(p.blocks, plan.blocks) if bp.optimizer_on_host or bp.optimizer_streamed)
+        other = p.head.num_params if plan.offload_other_params else 0
+        n = off + other
+        return n, plan.host_bytes / n
+
+    free = plan_for(p, budget, precision="bf16", fused_loss_allowed=True, grad_clipping=False,
+                    gradient_offload_allowed=True)
+    n_free, b_free = per_param(free)
+    assert free.offload_gradients and b_free > 13.5
+    limit = int(12.3 * n_free)  # the same parameters at 12.3 B each: no room for their host gradients
+    tight = plan_for(with_machine(p, host_memory_bytes=limit), budget, precision="bf16", fused_loss_allowed=True,
+                     grad_clipping=False, gradient_offload_allowed=True)
+    n_tight, b_tight = per_param(tight)
+    assert tight.host_bytes <= limit and b_tight <= 12.3
+    assert not tight.offload_gradients
+    assert tight.predicted_step_seconds >= free.predicted_step_seconds

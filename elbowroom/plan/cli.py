@@ -221,6 +221,10 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                                   "ELBOWROOM_BENCH_PROFILES=DIR)") from None
             except (OSError, ValueError, TypeError) as e:
                 raise _UsageError(f"elbowroom plan: cannot read profile {args.profile!r}: {e}") from None
+            if args.host_bytes is not None:  # a measured profile planned for another host's memory
+                from dataclasses import replace
+
+                prof = replace(prof, machine=replace(prof.machine, host_memory_bytes=args.host_bytes))
         else:
             prof = _profile_from_args(args)
         device = prof.machine.device_memory_bytes
@@ -248,8 +252,8 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                 budget,
                 global_batch=args.global_batch,
                 precision=args.precision,
-                # (refused under data parallel)
-                fused_loss_allowed=not args.no_fused_loss and args.dp_shard == args.dp_replicate == 1,
+                # (refused under FSDP2, which frees the head's unsharded weight after the head's forward)
+                fused_loss_allowed=not args.no_fused_loss and args.dp_shard == 1,
                 grad_clipping=not args.no_clip,
                 # (in one process only: the optimizer does not stream under DDP, nor FSDP2's shards)
                 stream_allowed=not args.no_stream and args.dp_shard == args.dp_replicate == 1,

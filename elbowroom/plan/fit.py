@@ -96,6 +96,7 @@ def fit(
     ranks_per_host: int = 1,
     reentrant: bool | None = None,
     stream: bool | None = None,
+    host_memory: str | int | None = None,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -161,6 +162,11 @@ def fit(
             paced by the link instead of the host's memory. None (default): where the optimizer can (Adam and AdamW
             without amsgrad) and torch.distributed is not initialized; False: never; True: where the plan gains by
             it, and an optimizer that cannot is refused.
+        host_memory: host memory this process's plan may use (``"32GiB"`` or bytes): the host optimizer's state,
+            its pinned buffers and offloaded activations must fit it. None: this machine's physical memory (shared
+            by ``ranks_per_host``). Where it binds, the planner keeps gradients off the host and streams state through
+            the device, so that each offloaded parameter costs the host little more than its 12 bytes of fp32
+            master and moments.
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
 
     Returns:
@@ -174,6 +180,7 @@ def fit(
     from elbowroom.plan.search import plan_for
 
     budget_bytes = parse_budget(budget)
+    host_bytes = None if host_memory is None else parse_budget(host_memory, name="host_memory")
     streamable = can_stream(optimizer, opt_kwargs)
     if stream and not streamable:
         raise ValueError(f"stream=True needs torch.optim.Adam or AdamW without amsgrad, not "
@@ -197,6 +204,8 @@ def fit(
         from elbowroom.plan.ranks import host_share
 
         prof = dataclasses.replace(prof, machine=host_share(prof.machine, ranks_per_host))
+    if host_bytes is not None:
+        prof = dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, host_memory_bytes=host_bytes))
     bf16_prof = None
     if precision == "bf16" and prof.param_dtype != "bfloat16" and prof.compute_dtype == "bfloat16":
         bf16_prof = _bf16_profile(model, sample_batch, prof, take_profile, loss_fn, reentrant)
