@@ -178,3 +178,44 @@ def test_stream_params_errors() -> None:
     with pytest.raises(ValueError, match="not supported under DDP"):
         opt.after_reduction()
     opt.close()
+
+
+def test_a_streamed_job_does_not_wait_behind_host_copies_that_wait_for_staging_slots(monkeypatch) -> None:
+    """Without offload_gradients a host-stepped bucket's copy waits for a staging slot, which only the host's step
+    of an earlier bucket frees. A streamed bucket has nothing to copy: its device step must start while the host
+    still steps, not after every host-stepped bucket whose gradients became final before its own (the backward's
+    late blocks first). Two slow host steps and one slot make the order observable."""
+    from elbowroom.optim.engine import Engine
+
+    order: list[str] = []
+    host_step, streamed_step = Engine._step_bucket, Engine._step_streamed
+
+    def slow_host(self, job, plan):
+        order.append(f"host {job.params[0].index}")
+        import time
+
+        time.sleep(0.15)
+        return host_step(self, job, plan)
+
+    def streamed(self, job, plan):
+        order.append(f"stream {job.params[0].index}")
+        return streamed_step(self, job, plan)
+
+    monkeypatch.setattr(Engine, "_step_bucket", slow_host)
+    monkeypatch.setattr(Engine, "_step_streamed", streamed)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(32, 32, bias=False) for _ in range(5)))
+    ps = list(model.parameters())
+    # the first two stream; the last three step on the host, one bucket each, through one staging slot
+    opt = CPUOffloadOptimizer(ps, torch.optim.AdamW, lr=LR, offload_params=ps, stream_params=ps[:2],
+                              config=CPUOffloadConfig(num_staging_slots=1, bucket_bytes=32 * 32 * 4))
+    x = torch.randn(4, 32)
+    for _ in range(2):  # the first step learns that the host steps may start during the backward
+        order.clear()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.step_in_backward is True
+    assert sorted(order) == ["host 2", "host 3", "host 4", "stream 0", "stream 1"]
+    # the backward hands over 4, 3, 2 (host) and then 1, 0 (streamed): the streamed ones go ahead of the host's last
+    assert order.index("stream 1") < order.index("host 2"), order

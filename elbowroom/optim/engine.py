@@ -224,6 +224,13 @@ class Engine(HostStep, DeviceStep):
                 raise RuntimeError("the CPUOffloadOptimizer was closed; build a new one to keep training")
             self._outstanding += 1
             self._pre_outstanding += 1
+        if job.bucket.streamed and not job.refresh and not job.bucket.piece_numel:
+            # nothing to copy (its gradients stay on the device, where it steps): straight to the step thread. In
+            # the copy queue it waited behind host-stepped jobs whose copies wait for staging slots, which only the
+            # host's steps free without offload_gradients: the 7B shape's streamed states then went up only after
+            # every host step, and its step took 2.2x its prediction (H100, BENCHMARKS.md)
+            self._step_q.put(job)
+            return
         self._copy_q.put(job)
 
     def open_gate(self, gate: Gate, plan: StepPlan) -> None:
