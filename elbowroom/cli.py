@@ -35,7 +35,7 @@ TRAIN_USAGE = """usage: elbowroom train [--config FILE.toml] [--section.key VALU
 
 Train a reference decoder LM (or a local Hugging Face causal LM: --model.hf DIR). Values come from the
 defaults, then the TOML file, then the command line.
-Shortcuts: --out DIR, --steps N, --resume, --log-every N, --seed N, --device DEV.
+Shortcuts: --out DIR, --steps N, --resume, --log-every N, --seed N, --device DEV, --host-budget SIZE.
 Memory: --budget 24GiB plans recompute, offload, optimizer placement and precision before step 1 (or --plan FILE
 applies a saved plan); --profile.steps 3-4 records those steps for `elbowroom report OUT`.
 Writes OUT/metrics.jsonl (one JSON object per logged step), OUT/checkpoints/, OUT/config.toml, and with a plan

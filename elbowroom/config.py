@@ -298,6 +298,10 @@ class Config:
     budget: str | None = None
     """Device memory for one training step ("24GiB", "512MiB"): the planner chooses recompute, offload, optimizer
     placement and precision with elbowroom.plan.fit before step 1 (writes OUT/plan.toml and OUT/plan.json)."""
+    host_budget: str | None = None
+    """Host memory one process's plan may use ("32GiB"), with --budget: the host optimizer's state, its pinned buffers
+    and offloaded activations must fit it (unset: this machine's memory, shared by the ranks on it). Where it binds
+    the planner keeps gradients on the device and streams optimizer state, near 12 bytes per offloaded parameter."""
     plan: str | None = None
     """A saved plan (.toml or .json, from `elbowroom plan --out` or a run's OUT/plan.toml) to apply instead of
     planning."""
@@ -323,11 +327,16 @@ class Config:
         _check_qat_and_distill(self)
         if self.budget is not None and self.plan is not None:
             raise ConfigError("--budget plans the run and --plan applies a saved plan: drop one of them")
+        if self.host_budget is not None and self.budget is None:
+            raise ConfigError("--host-budget bounds what --budget plans may put on the host; add --budget SIZE (or "
+                              "drop --host-budget)")
         if self.budget is not None:
             from elbowroom.plan.fit import parse_budget
 
             try:
                 parse_budget(self.budget)
+                if self.host_budget is not None:
+                    parse_budget(self.host_budget, name="host_budget")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if self.budget is not None or self.plan is not None:
@@ -402,6 +411,7 @@ ALIASES = {
     "log_every": "logging.log_every",
     "seed": "train.seed",
     "device": "train.device",
+    "host-budget": "host_budget",
 }
 
 

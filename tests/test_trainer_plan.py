@@ -169,6 +169,8 @@ def test_out_of_memory_in_the_first_step_replans_tighter(tmp_path: Path, budgets
         (["--budget", "lots"], "cannot read budget 'lots'; accepted: a number with GiB"),
         (["--budget", "24GiB", "--plan", "p.toml"], "drop one of them"),
         (["--plan", "p.toml", "--activations.checkpoint", "full"], "--plan plans these; drop --activations.checkpoint"),
+        (["--host-budget", "32GiB"], "--host-budget bounds what --budget plans may put on the host; add --budget"),
+        (["--budget", "24GiB", "--host-budget", "lots"], "cannot read host_budget 'lots'"),
     ],
 )
 def test_settings_a_plan_decides_are_refused(
@@ -379,3 +381,21 @@ def test_a_data_parallel_wrapper_at_world_size_one_plans_as_data_parallel(
     with pytest.raises(Exception, match="stop here"):
         planning.plan_for_budget(model, {"input_ids": ids, "targets": ids}, cfg, False, torch.float32)
     assert seen["stream"] is one and seen["reentrant"] is one
+
+
+def test_host_budget_reaches_the_planner(tmp_path: Path, budgets: tuple[int, int], monkeypatch) -> None:
+    """--host-budget is the host memory the plan may use: the trainer hands it to fit (which plans the profile's
+    machine with that much host memory, tests/test_plan_stream.py), and the run trains."""
+    import elbowroom.plan
+
+    seen = {}
+    real = elbowroom.plan.fit
+
+    def fit(*a, **k):
+        seen["host_memory"] = k.get("host_memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(elbowroom.plan, "fit", fit)
+    assert run(tmp_path / "run", "--steps", "2", "--budget", f"{between(budgets)}B", "--host-budget", "3GiB") == 0
+    assert seen["host_memory"] == "3GiB"
+    assert sorted(train_losses(tmp_path / "run")) == [1, 2]

@@ -183,6 +183,7 @@ def plan_for_budget(
             param_groups=_groups(cfg),
             reentrant=_reentrant(cfg),
             stream=_one_process(cfg),  # DDP's reduced gradients are not measured with it
+            host_memory=cfg.host_budget,
             **_adamw_kwargs(cfg),
         )
     except BudgetError as e:
@@ -220,6 +221,8 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
                         default_cache_dir()), dtype=amp_dtype, reentrant=False)
         rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
                                 ranks_per_host=_ranks_per_host(cfg))
+        if cfg.host_budget is not None:  # this rank's host memory
+            rank = replace(rank, machine=replace(rank.machine, host_memory_bytes=parse_budget(cfg.host_budget)))
         # FSDP2 shards fp32 weights (cast to --train.dtype by its MixedPrecisionPolicy) or, where
         # --optimizer.param_dtype bfloat16 allows, bf16 weights with fp32 masters; no bf16 device copies of fp32
         # shards, no fused loss (data parallel)
