@@ -12,8 +12,9 @@ alone: its fp32 master and moments come up into the device's ring, step there an
 holds both directions at once for ``12 P / bw`` and its weights are ready when the last chunk has come up. The
 optimizer runs streamed jobs on copy streams of their own, beside the host-stepped jobs' copies: the streamed jobs take
 the link one after another as their gradients become final, and the host-stepped jobs' copies (gradients down,
-weights back up) run beside them at :data:`SHARED_COPY_RATE` of a direction, at the full rate between them. After a
-clipped backward the weights come back behind every streamed state instead: ``step()`` opens the gate and the
+weights back up) run beside them at :data:`SHARED_COPY_RATE` of a direction, at the full rate between them; a streamed
+job loses what those copies take (it ends later by half the time they overlap it, and the jobs behind it start later).
+After a clipped backward the weights come back behind every streamed state instead: ``step()`` opens the gate and the
 optimizer enqueues every streamed job at once, before any host-stepped weight is ready, and the copies of one
 direction run in the order they were enqueued (a profiled trainer step at 12 GiB, W1: the compute stream idle for
 ~245 ms behind them, the embeddings stepped on the host).
@@ -23,10 +24,12 @@ Measured against this (H100, ``BENCHMARKS.md``):
 - ``benchmarks/stream_step.py`` (53 matrices of 4096x11008, after a clipped backward, the late ones streamed; at
   38 GB/s each way): 0.84 / 0.59 / 0.57 / 0.75 s for none / half / 60% / all streamed, priced 0.85 / 0.62 / 0.49 /
   0.76 with the host at the 2.0 G params/s it kept beside that benchmark's DMA (2.85 alone).
-- The 7B shape at 76 GiB (no clipping, 7 blocks streamed and 6 on the host): the streamed jobs hid behind the next
-  forward (the forward waited 0.3-0.7 ms for the host). The earlier model queued the streamed jobs behind every
-  host-stepped gradient's copy on the device-to-host direction, although their first copies go the other way, and
-  priced 69-104 ms of them exposed.
+- The 7B shape at 76 GiB (no clipping, 7 blocks streamed and 6 on the host): the earlier model queued the streamed
+  jobs behind every host-stepped gradient's copy on the device-to-host direction, although their first copies go the
+  other way, and priced 69-104 ms of them exposed. The model after it let the streamed jobs keep the whole link while
+  the host-stepped weights went up beside them (as if the link carried both at full speed): the trainer's steady state
+  ran at 0.75 s a step against 0.53 predicted, its up direction carrying 17 GB of streamed state and 4.8 GB of
+  weights at 40 GB/s (a profiled step, eleventh session). The benchmark's per-step windows had hidden it.
 """
 
 from __future__ import annotations
@@ -77,6 +80,52 @@ enqueued as gradients become final (no clipping): the two streams' copies interl
 streams of their own), rather than one waiting for the other. Pricing
 the host-stepped weights' way back as waiting for every streamed copy first predicted the 7B shape's 76 GiB plan's
 forward waiting 0.17 s, where it waited 0.4 ms (H100, ``BENCHMARKS.md``)."""
+
+
+_SHARING_ROUNDS = 4
+"""Rounds of the fixed point between the streamed jobs and the copies that share the link with them (the third
+changed no 7B or W1 plan's price by more than a millisecond)."""
+
+
+def _overlaps(spans: Sequence[tuple[float, float, int]], intervals: Sequence[tuple[float, float]]) -> list[float]:
+    """Seconds of each of ``spans`` (start, end, ...) covered by ``intervals``: both sorted and disjoint, one sweep."""
+    out, k = [], 0
+    for a, b, _ in spans:
+        while k < len(intervals) and intervals[k][1] <= a:
+            k += 1
+        covered, i = 0.0, k
+        while i < len(intervals) and intervals[i][0] < b:
+            covered += max(0.0, min(b, intervals[i][1]) - max(a, intervals[i][0]))
+            i += 1
+        out.append(covered)
+    return out
+
+
+def _host_steps(copied: Sequence[tuple[float, int, int]], rate: float,
+                needed_first: bool) -> list[tuple[float, int, int]]:
+    """(step done, block index or -1, parameters) of each host-stepped job, from (copy done, block, parameters) in
+    the copies' order: with ``needed_first`` (offloaded gradients, no clipping) the host has several jobs at once
+    (gradients land at link speed) and steps the one needed first (CPUOffloadOptimizer's step thread, earliest deadline
+    first); otherwise in arrival order."""
+    steps: list[tuple[float, int, int]] = []
+    if needed_first:
+        landed: list[tuple[int, int]] = []  # heap of (block index or -1, parameters) whose copies are done
+        now, i = -math.inf, 0
+        while i < len(copied) or landed:
+            if not landed:
+                now = max(now, copied[i][0])
+            while i < len(copied) and copied[i][0] <= now:  # the copies finish in order (one after another)
+                heapq.heappush(landed, (copied[i][1], copied[i][2]))
+                i += 1
+            j, p = heapq.heappop(landed)
+            now += p / rate
+            steps.append((now, j, p))
+        return steps
+    hn = -math.inf
+    for c, j, p in copied:  # in arrival order
+        hn = max(hn, c) + p / rate
+        steps.append((hn, j, p))
+    return steps
 
 
 def fill_after(busy: Sequence[tuple[float, float]], k: int, t: float, seconds: float) -> tuple[float, int]:
@@ -141,56 +190,55 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
         starts = np.maximum.accumulate([final[j] if j >= 0 else t_backward for j, _, _ in order]).tolist()
         t0 = t_backward
     # the streamed jobs take the link one after another as their gradients become final, both directions at once
-    # (state up, then back); the gradients' copies run on the device-to-host direction beside them, sharing it
+    # (state up, then back); the host-stepped jobs' copies run beside them, sharing each direction
     queue = sorted(range(len(order)), key=lambda q: (starts[q], order[q][2]))
-    streams: list[tuple[float, float, int]] = []  # (start, weights on the device, block index) of streamed jobs
-    up = -math.inf
-    for q in queue:
-        j, p, st = order[q]
-        if st:
-            start = max(up, starts[q])
-            up = start + STREAM_LINK_BYTES_PER_PARAM * p / bw
+    specs = [(starts[q], STREAM_LINK_BYTES_PER_PARAM * order[q][1] / bw, order[q][0]) for q in queue if order[q][2]]
+    stretch = [0.0] * len(specs)
+    for _ in range(_SHARING_ROUNDS):
+        streams: list[tuple[float, float, int]] = []  # (start, weights on the device, block index) of streamed jobs
+        up = -math.inf
+        for (release, seconds, j), extra in zip(specs, stretch):
+            start = max(up, release)
+            up = start + seconds + extra
             streams.append((start, up, j))
-    busy = [(a, b) for a, b, _ in streams]  # both directions, held by the streamed jobs
-    copied: list[tuple[float, int, int]] = []  # (copy done, block index or -1, parameters)
-    dn, kd = -math.inf, 0
-    for q in queue:
-        j, p, st = order[q]
-        if not st:
-            dn, kd = fill_after(busy, kd, max(dn, starts[q]), OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
-            copied.append((dn, j, p))
-    if d.offload_gradients and not d.grad_clipping and d.optimizer_config.step_order == "needed_first":
-        # the host has several jobs at once (gradients land at link speed): it steps the one needed first
-        # (CPUOffloadOptimizer's step thread, earliest deadline first)
-        steps: list[tuple[float, int, int]] = []
-        landed: list[tuple[int, int]] = []  # heap of (block index or -1, parameters) whose copies are done
-        now, i = -math.inf, 0
-        while i < len(copied) or landed:
-            if not landed:
-                now = max(now, copied[i][0])
-            while i < len(copied) and copied[i][0] <= now:  # the copies finish in order (one after another)
-                heapq.heappush(landed, (copied[i][1], copied[i][2]))
-                i += 1
-            j, p = heapq.heappop(landed)
-            now += p / rate
-            steps.append((now, j, p))
-    else:
-        steps, hn = [], -math.inf
-        for c, j, p in copied:  # in arrival order
-            hn = max(hn, c) + p / rate
-            steps.append((hn, j, p))
-    late = -math.inf
-    for _, ready, j in streams:
-        late = max(late, ready - (t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)))
-    # the weights come back in the time the streamed jobs leave free; after a clipped backward, behind all of them:
-    # the optimizer enqueues every streamed job at once when step() opens the gate, before any host-stepped weight is
-    # ready, and the copies of one direction run in the order they were enqueued
-    un, k = (max((b for _, b, _ in streams), default=-math.inf), 0) if d.grad_clipping else (-math.inf, 0)
-    back_busy = [] if d.grad_clipping else busy
-    total = 0.0
-    for h, j, p in steps:
-        total += p / rate
-        un, k = fill_after(back_busy, k, max(un, h), OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
-        need = t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)
-        late = max(late, un - need)
+        busy = [(a, b) for a, b, _ in streams]  # both directions, held by the streamed jobs
+        down: list[tuple[float, float]] = []  # the host-stepped gradients' copies (device to host)
+        copied: list[tuple[float, int, int]] = []  # (copy done, block index or -1, parameters)
+        dn, kd = -math.inf, 0
+        for q in queue:
+            j, p, st = order[q]
+            if not st:
+                begin = max(dn, starts[q])
+                dn, kd = fill_after(busy, kd, begin, OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
+                down.append((begin, dn))
+                copied.append((dn, j, p))
+        steps = _host_steps(copied, rate, d.offload_gradients and not d.grad_clipping
+                            and d.optimizer_config.step_order == "needed_first")
+        late = -math.inf
+        for _, ready, j in streams:
+            late = max(late, ready - (t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)))
+        # the weights come back in the time the streamed jobs leave free; after a clipped backward, behind all of
+        # them: the optimizer enqueues every streamed job at once when step() opens the gate, before any host-stepped
+        # weight is ready, and the copies of one direction run in the order they were enqueued
+        un, k = (max((b for _, b, _ in streams), default=-math.inf), 0) if d.grad_clipping else (-math.inf, 0)
+        back_busy = [] if d.grad_clipping else busy
+        back: list[tuple[float, float]] = []  # the host-stepped weights' copies (host to device)
+        total = 0.0
+        for h, j, p in steps:
+            total += p / rate
+            begin = max(un, h)
+            un, k = fill_after(back_busy, k, begin, OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
+            back.append((begin, un))
+            need = t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)
+            late = max(late, un - need)
+        # a streamed job shares each direction with the copies that run beside it: it loses what they take
+        # (1 - SHARED_COPY_RATE of the time they overlap it, on the busier direction), and the jobs behind it start
+        # later; the copies' own schedule then changes, so this is solved a few rounds to a fixed point
+        if not streams:
+            break
+        again = [(1.0 - SHARED_COPY_RATE) * max(x, y)
+                 for x, y in zip(_overlaps(streams, down), _overlaps(streams, back))]
+        if all(abs(x - y) < 1e-4 for x, y in zip(again, stretch)):
+            break
+        stretch = again
     return total, max(0.0, late)
