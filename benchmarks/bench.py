@@ -260,12 +260,19 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
                                             + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
             tracer.__enter__()
             step_range = torch.profiler.record_function("elbowroom step")
-        # the window starts before the sync: work the last step left on the device (a lazy optimizer's copies and
-        # streamed states, enqueued by its threads after that step's closing sync) is paid by this step, as a
-        # training loop without syncs pays it (until the eleventh session it was left out of every window: the
-        # 7B shape's streaming plans ran at 0.42 s a step here and 0.75 s in the trainer)
+        # the timed steps run back to back as in a training loop: no device sync between them, so that a lazy
+        # optimizer's copies and streamed states overlap the next step as they do in the trainer (until the eleventh
+        # session every step ran between two syncs and its window started after the first: work the optimizer's
+        # threads enqueued after a step's closing sync was timed nowhere, and the 7B shape's streaming plans ran at
+        # 0.42 s a step here against 0.75 s in the trainer); warm-up steps and the traced step stay synced
+        synced = step <= args.warmup or tracing
+        if tracing:  # the timed steps end here, once the optimizer's last updates have landed on the device
+            t_end = _drain(setup.optimizer)
         t0 = time.perf_counter()
-        _sync()
+        if synced:
+            _sync()
+        if step == args.warmup:
+            t_timed = time.perf_counter()
         if tracing:
             step_range.__enter__()
         if events:
@@ -298,17 +305,21 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         if events:
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()
-        _sync()
+        if step < args.warmup or tracing:
+            _sync()
         if tracing:
             step_range.__exit__(None, None, None)
             tracer.__exit__(None, None, None)
             _write_trace(tracer, Path(trace_dir) / f"{workload}-{name.replace('@', '-').replace('+', '-')}.json.gz")
             break
-        times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        times.append(time.perf_counter() - t0)  # (timed steps: host time to the next step's start, no sync)
+    if not trace_dir:
+        t_end = _drain(setup.optimizer)
     if probe is not None:
         probe.stop()
-    step_s = statistics.median(times[args.warmup :]) if len(times) > args.warmup else min(times)
+    timed = len(times) - args.warmup
+    step_s = (t_end - t_timed) / timed if timed > 0 else min(times)
     row = _row(name, workload, cfg, bsz * seq * accum, seq, step_s, device)
     row.update(loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), accum=accum,
                step_times=[round(t, 4) for t in times])
@@ -423,6 +434,15 @@ def settings(name: str, workload: str, args: Any) -> dict[str, Any]:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+
+
+def _drain(optimizer: Any) -> float:
+    """Wait until the optimizer's last updates have landed on the device (a lazy one's host steps and copies); the
+    time then."""
+    if hasattr(optimizer, "wait_for_weights"):
+        optimizer.wait_for_weights()
+    _sync()
+    return time.perf_counter()
 
 
 def _sync() -> None:
