@@ -4,6 +4,8 @@
 
 - ``--reentrant auto|on|off``: whether blocks the plan recomputes whole use torch's reentrant checkpoint (the trainer
   decides this itself: ``elbowroom.train.planning._reentrant``); pinned here, profile and run alike.
+- ``--switch-interval S``: ``sys.setswitchinterval(S)`` (Python's default is 5 ms: how long a thread that wants the
+  interpreter's lock may wait for another that holds it);
 - ``--stack``: the trainer's profiler (``--profile.steps``) records Python stacks too, so that
   ``benchmarks/stack_summary.py`` can say which Python code ran inside an autograd node.
 """
@@ -16,10 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 ap = argparse.ArgumentParser()
 ap.add_argument("--reentrant", choices=("auto", "on", "off"), default="auto")
 ap.add_argument("--stack", action="store_true")
+ap.add_argument("--switch-interval", type=float, default=None)
 ap.add_argument("rest", nargs=argparse.REMAINDER)
 args = ap.parse_args()
 rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
 
+if args.switch_interval is not None:
+    sys.setswitchinterval(args.switch_interval)
 if args.reentrant != "auto":
     from elbowroom.train import planning
 
