@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_plan_support import GiB, make_profile
 
-from elbowroom.plan import cost
+from elbowroom.plan import cost, phases
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
 
 
@@ -166,7 +166,7 @@ def test_resident_gradients_come_with_the_backward() -> None:
         own = [per * b.num_params * (not o) for b, o in zip(p.blocks, half)]
         assert g.transient_grads == head + sum(own) and g.head_grads == head
         idx = np.zeros(n, dtype=np.int64)
-        ph = cost._phases(p, g, d, idx, 1 << 30)
+        ph = phases.phases(p, g, d, idx, 1 << 30)
         assert ph.grads.tolist() == [head + sum(own[i:]) for i in range(n)]
         assert ph.describe(2 * n + 1) == ("optimizer step", {"gradients": g.transient_grads})
         # the prediction's parts add up to its peak, gradients included where the peak falls in backward
@@ -220,7 +220,7 @@ def test_peak_bytes_is_predicts_peak() -> None:
         idx = rng.integers(0, len(OPTIONS), n)
         d = decisions(n, options=tuple(OPTIONS[i] for i in idx), layout=str(rng.choice(list(cost.LAYOUTS))),
                       offload_blocks=tuple(bool(x) for x in rng.integers(0, 2, n)))
-        assert cost.peak_bytes(p, d, idx, 30 * GiB, 1 << 28) == cost.predict(
+        assert phases.peak_bytes(p, d, idx, 30 * GiB, 1 << 28) == cost.predict(
             p, d, 30 * GiB, prefetch_window_bytes=1 << 28).peak_bytes
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_plan_support import GiB, make_profile
 
-from elbowroom.plan import BudgetError, Plan, apply, cost, plan_for, streaming
+from elbowroom.plan import BudgetError, Plan, apply, cost, phases, plan_for, streaming
 from elbowroom.plan.cli import cmd_plan
 from elbowroom.plan.cost import Decisions, Option
 from elbowroom.plan.host_pipeline import fill_after, host_exposed_seconds, host_rate
@@ -218,7 +218,7 @@ def test_peak_bytes_is_predicts_peak_with_streamed_blocks() -> None:
         d = decisions(n, options=tuple(cost.OPTIONS[i] for i in idx), layout=rng.choice(list(cost.LAYOUTS)),
                       offload_blocks=tuple(w == "h" for w in where), stream_blocks=tuple(w == "s" for w in where),
                       grad_clipping=rng.random() < 0.5, offload_gradients=rng.random() < 0.5)
-        assert cost.peak_bytes(p, d, np.asarray(idx), 30 * GiB, 1 << 28) == cost.predict(
+        assert phases.peak_bytes(p, d, np.asarray(idx), 30 * GiB, 1 << 28) == cost.predict(
             p, d, 30 * GiB, prefetch_window_bytes=1 << 28).peak_bytes
 
 

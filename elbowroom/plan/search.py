@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from elbowroom.plan import cost
+from elbowroom.plan import cost, phases
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
 from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM, STREAM_LINK_BYTES_PER_PARAM, host_rate
 from elbowroom.plan.plan import BlockPlan, Plan, ProfileSummary
@@ -609,7 +609,7 @@ def _refine(profile: Profile, best: tuple, admitted: list, budget: int, decision
         d = decisions(outer, (_KEEP,) * len(profile.blocks))  # (the peak reads the options from ``opts``)
         while lo < hi:
             mid = (lo + hi) // 2
-            if cost.peak_bytes(profile, d, ks.picked(li, w, grid[mid]), budget, window, g) <= budget:
+            if phases.peak_bytes(profile, d, ks.picked(li, w, grid[mid]), budget, window, g) <= budget:
                 lo = mid + 1
             else:
                 hi = mid

@@ -1,0 +1,196 @@
+"""The cost model's peak memory: the activation-side bytes at every phase of a step, forward block by block, the
+forward's end, backward block by block and the optimizer step (the equations of :mod:`elbowroom.plan.cost`'s module
+docstring, "Memory").
+
+:func:`phases` gives every phase with the terms it adds up from (what :func:`~elbowroom.plan.cost.predict` prints at
+the peak); :func:`peak_bytes` gives the largest alone, which the search checks for thousands of plans, so the terms
+that the options and the micro-batch alone decide are cached (:func:`_held`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from elbowroom.plan import cost
+from elbowroom.plan.types import Profile
+
+__all__ = ["peak_bytes", "phases"]
+
+
+@dataclass(frozen=True)
+class _Phases:
+    """Activation-side bytes above ``M'`` at every phase (forward blocks, forward end, backward blocks, optimizer
+    step, in that order), with the terms they add up from (all scaled to the micro-batch, int64 arrays)."""
+
+    values: np.ndarray
+    kept: np.ndarray
+    off: np.ndarray
+    saved: np.ndarray
+    before: np.ndarray  # kept by the blocks before i
+    work_fwd: np.ndarray  # S_i + L_i
+    inflight: np.ndarray
+    fetch: np.ndarray
+    work_bwd: np.ndarray  # 2 In_i + L_i + G
+    grads: np.ndarray  # gradients alive at backward block i
+    end: dict[str, int]
+    transient_grads: int
+
+    def describe(self, at: int) -> tuple[str, dict[str, int]]:
+        """The name and the terms of phase ``at`` (an index into ``values``)."""
+        n = len(self.kept)
+        if at < n:
+            return f"forward block {at}", {"activations kept": int(self.before[at]),
+                                           "block working set": int(self.work_fwd[at]),
+                                           "copies in flight": int(self.inflight[at])}
+        if at == n:
+            return "forward end", dict(self.end)
+        if at <= 2 * n:
+            i = at - n - 1
+            return f"backward block {i}", {
+                "gradients": int(self.grads[i]), "activations kept": int(self.before[i]),
+                "block rematerialised": int(self.saved[i]), "prefetch": int(self.fetch[i]),
+                "backward working set": int(self.work_bwd[i]),
+            }
+        return "optimizer step", {"gradients": self.transient_grads}
+
+
+_SCALED: dict[tuple[int, float], tuple[Profile, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+_LATER: dict[tuple[Any, ...], tuple[Profile, np.ndarray]] = {}
+
+
+def _scaled(profile: Profile, s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every block's saved bytes, largest saved tensor and input at ``s`` times the profile's micro-batch (int64),
+    cached: the search prices thousands of plans at a few micro-batches."""
+    got = _SCALED.get((id(profile), s))
+    if got is not None and got[0] is profile:
+        return got[1]
+    sums = cost._sums(profile)
+    arrays = tuple(np.ceil(s * a).astype(np.int64) for a in (sums.saved, sums.largest_each, sums.input_each))
+    for a in arrays:
+        a.flags.writeable = False  # (shared by every caller)
+    if len(_SCALED) > 64:
+        _SCALED.clear()
+    _SCALED[(id(profile), s)] = (profile, arrays)  # the profile is held, so its id is not reused while cached
+    return arrays
+
+
+def _later_gradients(profile: Profile, d: cost.Decisions) -> np.ndarray:
+    """``sum_{j>=i} G_j`` for every block ``i`` (int64), cached on the blocks' placement and the layout."""
+    key = (id(profile), d.offload_blocks, d.stream_blocks, d.layout)
+    got = _LATER.get(key)
+    if got is not None and got[0] is profile:
+        return got[1]
+    _, g_blocks = cost.gradient_bytes(profile, d)
+    later = np.cumsum(np.asarray(g_blocks, dtype=np.int64)[::-1])[::-1]
+    later.flags.writeable = False  # (shared by every caller)
+    if len(_LATER) > 1024:
+        _LATER.clear()
+    _LATER[key] = (profile, later)  # the profile is held, so its id is not reused while cached
+    return later
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The terms of :func:`phases` that the options and the micro-batch alone decide (int64 arrays, scaled)."""
+
+    kept: np.ndarray
+    off: np.ndarray
+    saved: np.ndarray
+    before: np.ndarray  # kept by the blocks before i, and by the other micro-batches in flight
+    work_fwd: np.ndarray  # S_i + L_i
+    inflight: np.ndarray
+    fetch: np.ndarray
+    work_bwd: np.ndarray  # 2 In_i + L_i, without G
+    total_kept: int
+    last_off: int
+    policy: bool  # some block has a policy (autocast's weight cache is off)
+    fwd_max: int  # the largest forward block phase
+    bwd: np.ndarray  # backward block phases without gradients and G
+    bwd_max: int
+
+
+_HELD: dict[tuple[Any, ...], tuple[Profile, _Held]] = {}
+
+
+def _held(profile: Profile, idx: np.ndarray, s: float, window: int) -> _Held:
+    """:class:`_Held` for options ``idx`` at ``s`` times the profile's micro-batch, cached: the search checks the same
+    few options under many global choices."""
+    key = (id(profile), idx.tobytes(), s, window)
+    got = _HELD.get(key)
+    if got is not None and got[0] is profile:
+        return got[1]
+    n = len(profile.blocks)
+    tab = cost.block_tables(profile)
+    rows = np.arange(n)
+    kept = np.ceil(s * tab.kept[rows, idx]).astype(np.int64)
+    off = np.ceil(s * tab.offloaded[rows, idx]).astype(np.int64)
+    saved, largest, inp = _scaled(profile, s)
+    held = (profile.inflight_microbatches - 1) * (int(kept.sum()) + math.ceil(s * profile.head.saved_bytes))
+    before = np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64) + held  # + other micro-batches in flight
+    inflight = np.concatenate(([0], off[:-1])).astype(np.int64)
+    work_fwd = saved + largest
+    nz = np.flatnonzero(off)
+    fetch = np.minimum(inflight, window)
+    work_bwd = 2 * inp + largest
+    bwd = before + saved + fetch + work_bwd
+    arrays = (kept, off, saved, before, work_fwd, inflight, fetch, work_bwd, bwd)
+    for a in arrays:
+        a.flags.writeable = False  # (shared by every caller that asks for the same options)
+    out = _Held(kept, off, saved, before, work_fwd, inflight, fetch, work_bwd, total_kept=int(kept.sum()) + held,
+                last_off=int(off[nz[-1]]) if nz.size else 0, policy=bool(idx.any()),
+                fwd_max=int((before + work_fwd + inflight).max()), bwd=bwd, bwd_max=int(bwd.max()))
+    if len(_HELD) > 1024:  # (nine arrays of one int64 per block each)
+        _HELD.clear()
+    _HELD[key] = (profile, out)  # the profile is held, so its id is not reused while cached
+    return out
+
+
+def _grad_work(profile: Profile, g: cost.Globals, s: float) -> int:
+    """``G``: the backward's working memory beyond ``2 In_max + L_max`` (bf16 weight gradients, waiting copies)."""
+    sums = cost._sums(profile)
+    return g.backward_work - int(math.ceil(s * (2 * sums.in_max + sums.largest)))
+
+
+def phases(profile: Profile, g: cost.Globals, d: cost.Decisions, idx: np.ndarray, window: int) -> _Phases:
+    """The phases of the cost model for options ``idx`` (indices into :data:`~elbowroom.plan.cost.OPTIONS`),
+    vectorised."""
+    n = len(profile.blocks)
+    s = d.micro_batch / profile.micro_batch
+    h = _held(profile, idx, s, window)
+    cache = g.cache if not h.policy else 0  # OPTIONS[0] is Option(): no block has a policy
+    grad_t = _grad_work(profile, g, s)
+    fwd = h.before + h.work_fwd + h.inflight
+    end = {"activations kept": h.total_kept, "copies in flight": h.last_off, "head and loss": g.head,
+           "autocast weight cache": cache}
+    fwd_end = h.total_kept + h.last_off + g.head + cache
+    work_bwd = h.work_bwd + grad_t
+    if g.transient_grads:
+        grads = g.head_grads + _later_gradients(profile, d)
+    else:
+        grads = np.zeros(n, dtype=np.int64)
+    bwd = grads + h.before + h.saved + h.fetch + work_bwd
+    values = np.concatenate((fwd, [fwd_end], bwd, [g.transient_grads])).astype(np.int64)
+    return _Phases(values, h.kept, h.off, h.saved, h.before, h.work_fwd, h.inflight, h.fetch, work_bwd, grads, end,
+                   g.transient_grads)
+
+
+def peak_bytes(profile: Profile, d: cost.Decisions, idx: np.ndarray, budget_bytes: int, window: int,
+               g: cost.Globals | None = None) -> int:
+    """:func:`~elbowroom.plan.cost.predict`'s peak alone, for options ``idx`` (the search checks thousands of plans
+    with it): the largest of :func:`phases`' values, from the options' part of them (:func:`_held`) and the global
+    terms."""
+    g = cost.globals_for(profile, d) if g is None else g
+    s = d.micro_batch / profile.micro_batch
+    h = _held(profile, idx, s, window)
+    bwd_max = h.bwd_max
+    if g.transient_grads:
+        bwd_max = int((h.bwd + (g.head_grads + _later_gradients(profile, d))).max())
+    top = max(h.fwd_max, h.total_kept + h.last_off + g.head + (0 if h.policy else g.cache),
+              bwd_max + _grad_work(profile, g, s), g.transient_grads)
+    return g.states - g.transient_grads + top + cost.margin_bytes(profile, budget_bytes, d.expandable_segments)
+
+
