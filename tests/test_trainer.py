@@ -272,7 +272,10 @@ def test_ctrl_c_before_the_first_step_says_nothing_was_saved(tmp_path: Path) -> 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "elbowroom.cli", "train", "--out", str(out), *SMALL, "--steps", "2"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", ELBOWROOM_CACHE=str(tmp_path / "cache"))  # a corpus to build
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # (SIGINT at its default in the child: a suite started in the background inherits it ignored, and Python then
+    # installs no KeyboardInterrupt handler, as a program run with `&` should)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stdout:
         lines.append(line)
