@@ -250,9 +250,21 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
     # with benchmarks/trace_summary.py); that step is left out of the timing
     trace_dir = os.environ.get("ELBOWROOM_BENCH_TRACE")
     probe = _GilProbe() if os.environ.get("ELBOWROOM_BENCH_GIL_PROBE") else None
+    # ELBOWROOM_BENCH_TRACE_OVERLAP=DIR: the last two timed steps under torch.profiler, back to back as they run (each
+    # in an "elbowroom step N" range), to DIR/<workload>-<mode>-overlap.json.gz; the profiler's cost is in their timing
+    overlap_dir = os.environ.get("ELBOWROOM_BENCH_TRACE_OVERLAP") if device.type == "cuda" else None
+    overlap = None
     for step in range(args.steps + (1 if trace_dir else 0)):
         if probe is not None and step == args.warmup:
             probe.start()
+        if overlap_dir and step == max(args.warmup, args.steps - 2) and overlap is None:
+            overlap = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                         torch.profiler.ProfilerActivity.CUDA])
+            overlap.__enter__()
+        overlap_range = (torch.profiler.record_function(f"elbowroom step {step}")
+                         if overlap is not None and step < args.steps else None)
+        if overlap_range is not None:
+            overlap_range.__enter__()
         _RUNNING["step"] = step
         tracing = bool(trace_dir) and step == args.steps
         if tracing:
@@ -313,9 +325,15 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
             _write_trace(tracer, Path(trace_dir) / f"{workload}-{name.replace('@', '-').replace('+', '-')}.json.gz")
             break
         losses.append(loss.item())
+        if overlap_range is not None:
+            overlap_range.__exit__(None, None, None)
         times.append(time.perf_counter() - t0)  # (timed steps: host time to the next step's start, no sync)
     if not trace_dir:
         t_end = _drain(setup.optimizer)
+    if overlap is not None:
+        overlap.__exit__(None, None, None)
+        stem = f"{workload}-{name.replace('@', '-').replace('+', '-')}"
+        _write_trace(overlap, Path(overlap_dir) / f"{stem}-overlap.json.gz")
     if probe is not None:
         probe.stop()
     timed = len(times) - args.warmup
