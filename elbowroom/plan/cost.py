@@ -175,8 +175,8 @@ import numpy as np
 from elbowroom.plan import phases, streaming
 from elbowroom.plan.host_pipeline import (
     OPTIMIZER_LINK_BYTES_PER_PARAM,
-    STREAM_LINK_BYTES_PER_PARAM,
     host_exposed_seconds,
+    stream_link_seconds,
 )
 from elbowroom.plan.types import BlockProfile, Profile
 
@@ -737,7 +737,7 @@ def gradient_backlog_bytes(profile: Profile, d: Decisions) -> int:
             copied = max(copied, t) + OPTIMIZER_LINK_BYTES_PER_PARAM * blocks[j].num_params / bw
             waiting.append((copied, per * blocks[j].num_params))
         elif streamed[j]:  # its states take the same direction, in the order the jobs are ready
-            copied = max(copied, t) + STREAM_LINK_BYTES_PER_PARAM * blocks[j].num_params / bw
+            copied = max(copied, t) + stream_link_seconds(blocks[j].num_params, bw)
     return max(worst, sum(b for done, b in waiting if done > t))
 
 
@@ -826,7 +826,7 @@ def stream_share(d: Decisions, profile: Profile | None = None) -> float:
     window = s * sum((b.forward_s if d.grad_clipping else b.backward_s) for b in profile.blocks)
     if bw <= 0 or window <= 0:
         return w
-    return w * min(1.0, STREAM_LINK_BYTES_PER_PARAM * p_str / bw / window)
+    return w * min(1.0, stream_link_seconds(p_str, bw) / window)
 
 
 def link_shares(d: Decisions, profile: Profile | None = None) -> tuple[float, float]:

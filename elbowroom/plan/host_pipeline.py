@@ -7,17 +7,17 @@ gradients and ``CPUOffloadConfig.step_order="needed_first"`` the host steps, amo
 landed, the one the next forward needs first. The next forward needs each block's weights back before it reaches
 that block.
 
-A streamed block (``Decisions.stream_blocks``, ``CPUOffloadOptimizer(stream_params=...)``) is a job of the link
-alone: its fp32 master and moments come up into the device's ring, step there and go back, chunk by chunk, so it
-holds both directions at once for ``12 P / bw`` and its weights are ready when the last chunk has come up. The
-optimizer runs streamed jobs on copy streams of their own, beside the host-stepped jobs' copies: the streamed jobs take
-the link one after another as their gradients become final, and the host-stepped jobs' copies (gradients down,
-weights back up) run beside them at :data:`SHARED_COPY_RATE` of a direction, at the full rate between them; a streamed
-job loses what those copies take (it ends later by half the time they overlap it, and the jobs behind it start later).
-After a clipped backward the weights come back behind every streamed state instead: ``step()`` opens the gate and the
-optimizer enqueues every streamed job at once, before any host-stepped weight is ready, and the copies of one
-direction run in the order they were enqueued (a profiled trainer step at 12 GiB, W1: the compute stream idle for
-~245 ms behind them, the embeddings stepped on the host).
+A streamed block (``Decisions.stream_blocks``, ``CPUOffloadOptimizer(stream_params=...)``) is a job of the link alone:
+its fp32 master and moments come up into the device's ring, step there and go back, chunk by chunk, so it holds both
+directions at once for ``12 P / bw`` (at :data:`STREAM_LINK_EFFICIENCY` of the rate) and its weights are ready when the
+last chunk has come up. The optimizer runs streamed jobs on copy streams of their own, beside the host-stepped jobs'
+copies: the streamed jobs take the link one after another as their gradients become final, and the host-stepped jobs'
+copies (gradients down, weights back up) run beside them at :data:`SHARED_COPY_RATE` of a direction, at the full rate
+between them; a streamed job loses what those copies take (it ends later by half the time they overlap it, and the jobs
+behind it start later). After a clipped backward the weights come back behind every streamed state instead: ``step()``
+opens the gate and the optimizer enqueues every streamed job at once, before any host-stepped weight is ready, and the
+copies of one direction run in the order they were enqueued (a profiled trainer step at 12 GiB, W1: the compute stream
+idle for ~245 ms behind them, the embeddings stepped on the host).
 
 Measured against this (H100, ``BENCHMARKS.md``):
 
@@ -53,6 +53,19 @@ device weights the casts run on the device, so fp32 travels either way: ``CPUOff
 STREAM_LINK_BYTES_PER_PARAM = 12
 """Bytes per streamed parameter on the link each way per step: its fp32 master and both AdamW moments come up to the
 device and go back; no gradient crosses (it steps where it is)."""
+
+STREAM_LINK_EFFICIENCY = 0.82
+"""The share of the link's measured duplex rate the streamed states keep, beyond what the copies beside them take
+(priced apart, :data:`SHARED_COPY_RATE`): their chunks wait between copies for the device ring's two slots and for the
+optimizer's step thread. ``benchmarks/stream_step.py`` alone streamed at 38 GB/s each way on an H100 whose copies
+measure 45-47 at once; in training (a trace of two back-to-back 7B steps, eleventh session) 6 streamed blocks moved 14.6
+GB up in 540 ms from the middle of the backward, beside 5.9 GB of host-stepped weights, their copies at 40-48 GB/s when
+busy. Priced at the full rate, that plan's next forward was predicted to wait 109 ms and waited 237."""
+
+
+def stream_link_seconds(params: float, bw: float) -> float:
+    """Seconds a streamed job of ``params`` parameters holds the link (each way) at measured duplex rate ``bw``."""
+    return STREAM_LINK_BYTES_PER_PARAM * params / (bw * STREAM_LINK_EFFICIENCY)
 
 
 HOST_ADAM_BYTES_PER_PARAM = 28
@@ -192,7 +205,7 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
     # the streamed jobs take the link one after another as their gradients become final, both directions at once
     # (state up, then back); the host-stepped jobs' copies run beside them, sharing each direction
     queue = sorted(range(len(order)), key=lambda q: (starts[q], order[q][2]))
-    specs = [(starts[q], STREAM_LINK_BYTES_PER_PARAM * order[q][1] / bw, order[q][0]) for q in queue if order[q][2]]
+    specs = [(starts[q], stream_link_seconds(order[q][1], bw), order[q][0]) for q in queue if order[q][2]]
     stretch = [0.0] * len(specs)
     for _ in range(_SHARING_ROUNDS):
         streams: list[tuple[float, float, int]] = []  # (start, weights on the device, block index) of streamed jobs

@@ -40,7 +40,7 @@ import numpy as np
 
 from elbowroom.plan import cost, phases
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
-from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM, STREAM_LINK_BYTES_PER_PARAM, host_rate
+from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM, host_rate, stream_link_seconds
 from elbowroom.plan.plan import BlockPlan, Plan, ProfileSummary
 from elbowroom.plan.types import Profile
 
@@ -289,7 +289,8 @@ def _stream_counts(profile: Profile, k: int, other: bool, host_ok: bool, grad_cl
     params = np.array([b.num_params for b in profile.blocks[len(profile.blocks) - k:]], dtype=np.float64)
     streamed = np.concatenate(([0.0], np.cumsum(params)))  # parameters of the first st of them, st = 0..k
     host = streamed[-1] - streamed + (profile.head.num_params if other else 0)
-    link = (STREAM_LINK_BYTES_PER_PARAM * streamed + OPTIMIZER_LINK_BYTES_PER_PARAM * host) / m.duplex_bandwidth
+    bw = m.duplex_bandwidth
+    link = stream_link_seconds(streamed, bw) + OPTIMIZER_LINK_BYTES_PER_PARAM * host / bw
     pace = 0.5 * (1.0 + 1.0 / cost.HOST_STEP_SPREAD) / host_rate(m.host_adam_params_per_s, grad_clipping)
     split = int(np.argmin(np.maximum(link, host * pace)))
     # the crossing lies between the best and its neighbour on the side where the other resource is the longer
