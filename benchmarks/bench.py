@@ -4,8 +4,9 @@
     python benchmarks/bench.py --workload w1 --modes minimal,trainer      # trainer overhead
 
 Every mode trains the same Llama-shaped reference model (elbowroom.models) on the same random tokens
-in bf16 autocast with fp32 parameters and fused AdamW, unless the mode replaces a piece. Each row gives the
-median step time over the timed steps (warm-up steps dropped), tokens/s, model TFLOP/s (6·N_matmul + causal
+in bf16 autocast with fp32 parameters and fused AdamW, unless the mode replaces a piece. The timed steps run back to
+back, as in a training loop (no device sync between them; the clock stops once the optimizer's last updates have
+landed), after synced warm-up steps. Each row gives their mean step time, tokens/s, model TFLOP/s (6·N_matmul + causal
 attention, as in DESIGN.md), MFU against the device's dense bf16 peak, peak GiB allocated, and tokens/s as a
 percentage of the first mode of the run (put `plain` first).
 
@@ -19,7 +20,9 @@ step. ``ELBOWROOM_BENCH_MEMORY=DIR`` writes what was alive at the peak of the st
 ``DIR/<workload>-<mode>.txt`` (``memory_peak.py``). ``ELBOWROOM_BENCH_SWITCH_INTERVAL=SECONDS`` sets the interpreter's
 GIL switch interval (``sys.setswitchinterval``; 5 ms by default) for every row; ``ELBOWROOM_BENCH_GIL_PROBE=1`` adds
 ``gil_wait``: how late a thread sleeping 0.1 ms at a time woke over the timed steps (the wait for the interpreter's
-lock).
+lock). ``ELBOWROOM_BENCH_TRACE=DIR`` traces one more step, synced, after the timed ones;
+``ELBOWROOM_BENCH_TRACE_OVERLAP=DIR`` traces the last two timed steps as they run (``trace_summary.py``,
+``stream_timeline.py``).
 
 Modes come from registries: the peers' and the trainer's below, ours from ``modes_activations.py`` and
 ``modes_optim.py`` beside this file, DeepSpeed ZeRO-Offload from ``modes_deepspeed.py``. A mode is a function
