@@ -163,8 +163,9 @@ def test_streamed_and_host_jobs_share_the_link() -> None:
 
 def test_half_streamed_matches_the_optimizer_s_benchmark() -> None:
     """``benchmarks/stream_step.py`` on the H100 (2026-11-24, call 3): 53 matrices of 4096x11008 after a clipped
-    backward, the late ones streamed, with nothing to hide behind (no forward), on a link of 46 GB/s each way at once
-    where the streamed states move at 38 (``STREAM_LINK_EFFICIENCY``): measured
+    backward, the late ones streamed, with nothing to hide behind (no forward), on a link that moves 45-47 GB/s each
+    way at once (the lent H100s' measured duplex; 46 here) where the streamed states moved at 38
+    (``STREAM_LINK_EFFICIENCY``): measured
     0.84 s none streamed (the host at 2.85 G params/s), 0.59 half, 0.57 at 60%, 0.75 all. Beside that benchmark's DMA
     the host's AdamW slowed from 2.8 to 2.0 G params/s, so the mixed ones are priced at the rate the host kept (in
     training the 7B shape's host kept its pace beside 5 streamed blocks: 3.4 G params/s)."""
