@@ -221,10 +221,9 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                                   "ELBOWROOM_BENCH_PROFILES=DIR)") from None
             except (OSError, ValueError, TypeError) as e:
                 raise _UsageError(f"elbowroom plan: cannot read profile {args.profile!r}: {e}") from None
-            if args.host_bytes is not None:  # a measured profile planned for another host's memory
-                from dataclasses import replace
+            from elbowroom.plan.ranks import with_host_memory
 
-                prof = replace(prof, machine=replace(prof.machine, host_memory_bytes=args.host_bytes))
+            prof = with_host_memory(prof, args.host_bytes)  # a measured profile planned for another host's memory
         else:
             prof = _profile_from_args(args)
         device = prof.machine.device_memory_bytes

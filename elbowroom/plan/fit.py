@@ -200,12 +200,11 @@ def fit(
     if loss_fn is not None:
         prof_kwargs["loss_fn"] = loss_fn
     prof = take_profile(model, sample_batch, **prof_kwargs)
-    if ranks_per_host > 1:
-        from elbowroom.plan.ranks import host_share
+    from elbowroom.plan.ranks import host_share, with_host_memory
 
+    if ranks_per_host > 1:
         prof = dataclasses.replace(prof, machine=host_share(prof.machine, ranks_per_host))
-    if host_bytes is not None:
-        prof = dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, host_memory_bytes=host_bytes))
+    prof = with_host_memory(prof, host_bytes)
     bf16_prof = None
     if precision == "bf16" and prof.param_dtype != "bfloat16" and prof.compute_dtype == "bfloat16":
         bf16_prof = _bf16_profile(model, sample_batch, prof, take_profile, loss_fn, reentrant)

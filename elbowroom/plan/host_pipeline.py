@@ -96,8 +96,9 @@ forward waiting 0.17 s, where it waited 0.4 ms (H100, ``BENCHMARKS.md``)."""
 
 
 _SHARING_ROUNDS = 4
-"""Rounds of the fixed point between the streamed jobs and the copies that share the link with them (the third
-changed no 7B or W1 plan's price by more than a millisecond)."""
+"""Rounds, at most, of the fixed point between the streamed jobs and the copies that share the link with them. Four
+give the 7B shape's and W1's streaming plans the price twenty give (the measured profiles of BENCHMARKS.md; the third
+round still moved the 7B shape's unclipped plan by 2.6 ms)."""
 
 
 def _overlaps(spans: Sequence[tuple[float, float, int]], intervals: Sequence[tuple[float, float]]) -> list[float]:

@@ -282,6 +282,14 @@ def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1) -> d
     return {"gathered blocks": 2 * item * block, "gathered root": item * root, "unsharded gradients": grads}
 
 
+def with_host_memory(profile: Any, host_bytes: int | None) -> Any:
+    """``profile`` planned for a process that may use ``host_bytes`` of host memory (``fit(host_memory=...)``,
+    ``--host-budget``, ``elbowroom plan --host-memory``); None: unchanged."""
+    if host_bytes is None:
+        return profile
+    return dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, host_memory_bytes=int(host_bytes)))
+
+
 def host_share(machine: Any, ranks_per_host: int) -> Any:
     """One rank's share of the host that ``ranks_per_host`` data-parallel ranks share: its memory, and its host
     optimizer rate. The host AdamW step is bound by the host's memory bandwidth, and every rank steps at the same

@@ -213,7 +213,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
     per-rank profile planned, the plan's policies installed; the optimizer comes after sharding."""
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
-    from elbowroom.plan.ranks import per_rank_profile
+    from elbowroom.plan.ranks import per_rank_profile, with_host_memory
 
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
     try:
@@ -222,7 +222,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
         rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
                                 ranks_per_host=_ranks_per_host(cfg))
         if cfg.host_budget is not None:  # this rank's host memory
-            rank = replace(rank, machine=replace(rank.machine, host_memory_bytes=parse_budget(cfg.host_budget)))
+            rank = with_host_memory(rank, parse_budget(cfg.host_budget))
         # FSDP2 shards fp32 weights (cast to --train.dtype by its MixedPrecisionPolicy) or, where
         # --optimizer.param_dtype bfloat16 allows, bf16 weights with fp32 masters; no bf16 device copies of fp32
         # shards, no fused loss (data parallel)
