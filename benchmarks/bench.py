@@ -708,8 +708,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         pct = 100 * r["tok_per_s"] / base["tok_per_s"]
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         plan = r.get("plan")
+        streamed = f", {plan['optimizer_streamed']} streamed" if plan and plan.get("optimizer_streamed") else ""
         plan_s = (", ".join(f"{v} {k}" for k, v in plan["blocks"].items()) + f"; optimizer {plan['optimizer_on_host']} "
-                  f"blocks on host; {plan['weights']}" + ("; fused loss" if plan["fused_loss"] else "")) if plan else ""
+                  f"blocks on host{streamed}; {plan['weights']}" + ("; fused loss" if plan["fused_loss"] else "")
+                  ) if plan else ""
         print(
             f"| {r['workload']} | {r['mode']} | {r['tok_per_s']:,} | {pct:.1f} | {r['tflops']} | {mfu} | "
             f"{r['peak_GiB']} | {r.get('reserved_peak_GiB', '')} | "

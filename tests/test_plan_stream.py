@@ -18,9 +18,16 @@ import pytest
 from test_plan_support import GiB, make_profile
 
 from elbowroom.plan import BudgetError, Plan, apply, cost, phases, plan_for, streaming
+from elbowroom.plan import host_pipeline as pipeline
 from elbowroom.plan.cli import cmd_plan
 from elbowroom.plan.cost import Decisions, Option
-from elbowroom.plan.host_pipeline import fill_after, host_exposed_seconds, host_rate, stream_link_seconds
+from elbowroom.plan.host_pipeline import (
+    HOST_RATE_BESIDE_STREAMS,
+    fill_after,
+    host_exposed_seconds,
+    host_rate,
+    stream_link_seconds,
+)
 from elbowroom.plan.plan import BlockPlan
 
 
@@ -161,23 +168,50 @@ def test_streamed_and_host_jobs_share_the_link() -> None:
     assert fill_after([(3.0, 5.0)], 0, 6.0, 1.0) == (7.0, 1)
 
 
+def test_the_host_steps_slower_while_streamed_states_hold_the_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host AdamW and the copies' DMA share host memory: a host-stepped block whose step runs while streamed states
+    hold the link steps at HOST_RATE_BESIDE_STREAMS of the rate, and its weights come back later by as much."""
+    n, rate = 4, 4e9
+    p = with_machine(make_profile(n_layers=n), duplex_bandwidth=45e9, host_adam_params_per_s=rate)
+    host_only = decisions(n, offload_blocks=(True, True, False, False), grad_clipping=True)
+    beside = decisions(n, offload_blocks=(True, True, False, False), stream_blocks=(False, False, True, True),
+                       grad_clipping=True)
+    alone = host_exposed_seconds(p, host_only, 0.0)[1]
+    shared = host_exposed_seconds(p, beside, 0.0)[1]
+    # the work itself is priced at the measured rate either way ...
+    assert host_exposed_seconds(p, beside, 0.0)[0] == pytest.approx(host_exposed_seconds(p, host_only, 0.0)[0])
+    # ... but beside the streams it ends later: by at most the slower pace over the whole host step, plus the streams'
+    # own time on the link
+    host_s = sum(b.num_params for b in p.blocks[:2]) / rate
+    streams_s = sum(stream_link_seconds(b.num_params, 45e9) for b in p.blocks[2:])
+    assert alone < shared <= alone + host_s * (1 / HOST_RATE_BESIDE_STREAMS - 1) + 2 * streams_s + 1e-9
+    # and the slower pace is what moves it: at the full pace beside the streams it would end sooner
+    monkeypatch.setattr(pipeline, "HOST_RATE_BESIDE_STREAMS", 1.0)
+    assert host_exposed_seconds(p, beside, 0.0)[1] < shared
+    # the pace itself: 1 s of host work inside a busy interval takes 1 / share s; half inside, half after
+    assert fill_after([(0.0, 10.0)], 0, 0.0, 1.0, HOST_RATE_BESIDE_STREAMS) == (
+        pytest.approx(1 / HOST_RATE_BESIDE_STREAMS), 0)
+    end, _ = fill_after([(0.0, 0.5)], 0, 0.0, 1.0, HOST_RATE_BESIDE_STREAMS)
+    assert end == pytest.approx(0.5 + 1.0 - 0.5 * HOST_RATE_BESIDE_STREAMS)
+
+
 def test_half_streamed_matches_the_optimizer_s_benchmark() -> None:
     """``benchmarks/stream_step.py`` on the H100 (2026-11-24, call 3): 53 matrices of 4096x11008 after a clipped
     backward, the late ones streamed, with nothing to hide behind (no forward), on a link that moves 45-47 GB/s each
     way at once (the lent H100s' measured duplex; 46 here) where the streamed states moved at 38
     (``STREAM_LINK_EFFICIENCY``): measured
-    0.84 s none streamed (the host at 2.85 G params/s), 0.59 half, 0.57 at 60%, 0.75 all. Beside that benchmark's DMA
-    the host's AdamW slowed from 2.8 to 2.0 G params/s, so the mixed ones are priced at the rate the host kept (in
-    training the 7B shape's host kept its pace beside 5 streamed blocks: 3.4 G params/s)."""
+    0.84 s none streamed (the host at 2.85 G params/s), 0.59 half, 0.57 at 60%, 0.75 all. Beside that benchmark's
+    streamed states the host's AdamW slowed from 2.8 to 2.0 G params/s: one machine rate prices all four, the model
+    slowing the host while streamed states hold the link (``HOST_RATE_BESIDE_STREAMS``)."""
     p = make_profile(n_layers=53)
     blocks = tuple(dataclasses.replace(b, num_params=4096 * 11008, forward_s=0.0, backward_s=0.0) for b in p.blocks)
     p = dataclasses.replace(p, blocks=blocks)
     n = len(blocks)
     got = {}
-    for k, seen in ((0, 2.85e9), (26, 2.0e9), (32, 2.0e9), (53, 2.0e9)):
-        # the rates the clipped benchmark's host stepped at (its scaling pass included): the machine's fused AdamW
-        # rate is 36 / 28 of them
-        q = with_machine(p, duplex_bandwidth=46e9, host_adam_params_per_s=seen * 36 / 28)
+    for k in (0, 26, 32, 53):
+        # the rate the clipped benchmark's host stepped at alone (its scaling pass included): the machine's fused
+        # AdamW rate is 36 / 28 of it
+        q = with_machine(p, duplex_bandwidth=46e9, host_adam_params_per_s=2.85e9 * 36 / 28)
         streamed = tuple(i >= n - k for i in range(n))
         d = decisions(n, offload_blocks=tuple(not x for x in streamed), stream_blocks=streamed if k else ())
         got[k] = host_exposed_seconds(q, d, 0.0)[1]

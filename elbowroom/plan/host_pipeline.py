@@ -95,6 +95,15 @@ the host-stepped weights' way back as waiting for every streamed copy first pred
 forward waiting 0.17 s, where it waited 0.4 ms (H100, ``BENCHMARKS.md``)."""
 
 
+HOST_RATE_BESIDE_STREAMS = 0.78
+"""The host optimizer's pace, as a share of the measured rate, while streamed states hold the link both ways. The
+host AdamW is bound by host memory, which the copies' DMA reads and writes too: the measured rate
+(``MachineProfile.host_adam_params_per_s``) is taken beside the optimizer's own copies of the parameters stepped,
+which keep the link busy a third of the step; taken with the link full both ways it read 0.75-0.8 of that
+(``elbowroom.plan.machine``, its cache version 2). The 7B shape's streaming plans on an H100 (twelfth session) stepped
+their host blocks at 0.69-0.75 of the measured rate: the host-stepped weights came back up to 150 ms after the model
+had them, and the next forward waited for them once more after waiting for the streamed states."""
+
 _SHARING_ROUNDS = 4
 """Rounds, at most, of the fixed point between the streamed jobs and the copies that share the link with them. Four
 give the 7B shape's and W1's streaming plans the price twenty give (the measured profiles of BENCHMARKS.md; the third
@@ -115,13 +124,15 @@ def _overlaps(spans: Sequence[tuple[float, float, int]], intervals: Sequence[tup
     return out
 
 
-def _host_steps(copied: Sequence[tuple[float, int, int]], rate: float,
-                needed_first: bool) -> list[tuple[float, int, int]]:
+def _host_steps(copied: Sequence[tuple[float, int, int]], rate: float, needed_first: bool,
+                busy: Sequence[tuple[float, float]] = ()) -> list[tuple[float, int, int]]:
     """(step done, block index or -1, parameters) of each host-stepped job, from (copy done, block, parameters) in
     the copies' order: with ``needed_first`` (offloaded gradients, no clipping) the host has several jobs at once
     (gradients land at link speed) and steps the one needed first (CPUOffloadOptimizer's step thread, earliest deadline
-    first); otherwise in arrival order."""
+    first); otherwise in arrival order. One after another, at ``rate``, and at :data:`HOST_RATE_BESIDE_STREAMS` of it
+    while streamed states hold the link (``busy``: sorted, disjoint intervals)."""
     steps: list[tuple[float, int, int]] = []
+    k = 0
     if needed_first:
         landed: list[tuple[int, int]] = []  # heap of (block index or -1, parameters) whose copies are done
         now, i = -math.inf, 0
@@ -132,30 +143,32 @@ def _host_steps(copied: Sequence[tuple[float, int, int]], rate: float,
                 heapq.heappush(landed, (copied[i][1], copied[i][2]))
                 i += 1
             j, p = heapq.heappop(landed)
-            now += p / rate
+            now, k = fill_after(busy, k, now, p / rate, HOST_RATE_BESIDE_STREAMS)
             steps.append((now, j, p))
         return steps
     hn = -math.inf
     for c, j, p in copied:  # in arrival order
-        hn = max(hn, c) + p / rate
+        hn, k = fill_after(busy, k, max(hn, c), p / rate, HOST_RATE_BESIDE_STREAMS)
         steps.append((hn, j, p))
     return steps
 
 
-def fill_after(busy: Sequence[tuple[float, float]], k: int, t: float, seconds: float) -> tuple[float, int]:
-    """When a copy of ``seconds`` that may start at ``t`` ends on a link direction whose streamed copies hold
-    ``busy`` (sorted, disjoint intervals): at full rate between them, at :data:`SHARED_COPY_RATE` during them.
-    ``k``: the first interval that may still end after ``t`` (the copies on one direction are placed in order, so the
-    next search starts there). Returns (end, next k)."""
+def fill_after(busy: Sequence[tuple[float, float]], k: int, t: float, seconds: float,
+               share: float = SHARED_COPY_RATE) -> tuple[float, int]:
+    """When work of ``seconds`` at full pace that may start at ``t`` ends, where streamed copies hold ``busy``
+    (sorted, disjoint intervals) and the work runs at ``share`` of its pace during them: a copy on a link direction
+    they hold (:data:`SHARED_COPY_RATE`), or the host optimizer beside them (:data:`HOST_RATE_BESIDE_STREAMS`).
+    ``k``: the first interval that may still end after ``t`` (work placed in order, so the next search starts there).
+    Returns (end, next k)."""
     while k < len(busy) and busy[k][1] <= t:
         k += 1
     while k < len(busy) and busy[k][0] < t + seconds:
         a, e = busy[k]
         seconds -= max(0.0, a - t)  # full rate until the interval starts
         t = max(t, a)
-        if t + seconds / SHARED_COPY_RATE <= e:
-            return t + seconds / SHARED_COPY_RATE, k
-        seconds -= (e - t) * SHARED_COPY_RATE  # the shared rate until it ends
+        if t + seconds / share <= e:
+            return t + seconds / share, k
+        seconds -= (e - t) * share  # the shared rate until it ends
         t = e
         k += 1
     return t + seconds, k
@@ -227,7 +240,7 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
                 down.append((begin, dn))
                 copied.append((dn, j, p))
         steps = _host_steps(copied, rate, d.offload_gradients and not d.grad_clipping
-                            and d.optimizer_config.step_order == "needed_first")
+                            and d.optimizer_config.step_order == "needed_first", busy)
         late = -math.inf
         for _, ready, j in streams:
             late = max(late, ready - (t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)))
