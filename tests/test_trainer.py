@@ -640,6 +640,28 @@ def test_budget_watch_warns_once_when_reserved_passes_the_budget(caplog) -> None
     assert BudgetWatch(None).check({"step": 1, "peak_reserved_bytes": 1 << 40}) is None  # unplanned run
 
 
+def test_budget_watch_warns_once_when_the_allocator_keeps_retrying(caplog) -> None:
+    from elbowroom.plan import Plan
+    from elbowroom.plan.plan import BlockPlan
+    from elbowroom.train.metrics import BudgetWatch
+
+    plan = Plan(blocks=(BlockPlan(0),), budget_bytes=76 << 30, predicted_peak_bytes=75 << 30,
+                predicted_step_seconds=1.0, predicted_tokens_per_s=1.0)
+    watch = BudgetWatch(plan)
+    row = {"peak_memory_bytes": 71 << 30, "peak_reserved_bytes": 76 << 30}
+    # the first logged row's retries (the first step's warm-up) are the baseline; no new ones, no warning
+    assert watch.check({"step": 1, **row, "alloc_retries": 2}) is None
+    assert watch.check({"step": 2, **row, "alloc_retries": 2}) is None
+    with caplog.at_level("WARNING"):
+        msg = watch.check({"step": 3, **row, "alloc_retries": 5})
+    assert msg is not None and "3 times since step 1" in msg and "--budget 74.5GiB" in msg
+    assert msg in caplog.text
+    assert watch.check({"step": 4, **row, "alloc_retries": 9}) is None  # once
+    # a CPU row counts none; an unplanned run watches nothing
+    assert BudgetWatch(plan).check({"step": 1, "peak_memory_bytes": 1}) is None
+    assert BudgetWatch(None).check({"step": 2, **row, "alloc_retries": 9}) is None
+
+
 def test_bf16_offloaded_copies_keep_the_embedding_table_fp32() -> None:
     # --optimizer.offload_param_dtype bfloat16 with everything offloaded: the matrices get bf16 device copies, the
     # embedding table keeps fp32 (its output is the residual stream, fp32 under autocast)

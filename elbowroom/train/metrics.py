@@ -54,11 +54,13 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def peak_memory(device: torch.device) -> dict[str, int]:
-    """Peak memory so far: allocated and reserved on CUDA (host-side counters, no sync), RSS on CPU."""
+    """Peak memory so far: allocated and reserved on CUDA, and how many times the allocator found no room and freed
+    its cache to retry (``alloc_retries``, host-side counters, no sync); RSS on CPU."""
     if device.type == "cuda":
         return {
             "peak_memory_bytes": torch.cuda.max_memory_allocated(device),
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            "alloc_retries": int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)),
         }
     # ru_maxrss is KiB on Linux, bytes on macOS
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -81,15 +83,50 @@ def host_step(optimizer: Any) -> dict[str, float]:
 
 class BudgetWatch:
     """Warns once when a planned run's allocator reserves more than the plan's budget (what a device of the
-    budget's size would not have): the plan's margin missed something, and ``--budget`` needs that much less."""
+    budget's size would not have): the plan's margin missed something, and ``--budget`` needs that much less.
+
+    And once when the allocator keeps retrying after the first logged row: on a device (or under a memory cap) the
+    budget fills, each retry frees the allocator's cache, which first waits for all the device's work, copies in flight
+    included (the 7B shape's streaming plans at a 76 GiB cap: 200 ms a step, ``BENCHMARKS.md``, twelfth session)."""
+
+    RETRY_MARGIN = 0.02
+    """The share of the budget the retry warning suggests planning below it (at least 0.5 GiB): the allocator's
+    cap cut the reserved peak, so how far it would have gone is not known."""
 
     def __init__(self, plan: Any) -> None:
         self.budget = getattr(plan, "budget_bytes", None)
         self.predicted = getattr(plan, "predicted_peak_bytes", None)
         self.warned = False
+        self.retries: tuple[Any, int] | None = None  # (step, count) of the first row that counted retries
+        self.warned_retries = False
 
     def check(self, row: dict[str, Any]) -> str | None:
-        """The warning for a metrics row whose reserved peak passed the budget (logged), once; else None."""
+        """The warning for a metrics row whose reserved peak passed the budget, or after which the allocator retried
+        (logged), each once; else None."""
+        return self._check_reserved(row) or self._check_retries(row)
+
+    def _check_retries(self, row: dict[str, Any]) -> str | None:
+        count = row.get("alloc_retries")
+        if self.warned_retries or self.budget is None or count is None:
+            return None
+        if self.retries is None:  # the first step's own (warm-up, profiling) set the baseline
+            self.retries = (row.get("step"), count)
+            return None
+        since, base = self.retries
+        if count <= base:
+            return None
+        self.warned_retries = True
+        lower = self.budget - max(int(self.RETRY_MARGIN * self.budget), 1 << 29)
+        msg = (f"step {row.get('step')}: the allocator found no room {count - base} times since step {since} and freed "
+               f"its cache to retry, which waits for all the device's work each time (reserved "
+               f"{row.get('peak_reserved_bytes', 0) / 2**30:.2f} GiB, allocated "
+               f"{row.get('peak_memory_bytes', 0) / 2**30:.2f}, the plan's predicted peak "
+               f"{(self.predicted or 0) / 2**30:.2f} of {self.budget / 2**30:.2f} GiB): the plan sits at this device's "
+               f"edge; plan for less, e.g. --budget {lower / 2**30:.1f}GiB")
+        log.warning("%s", msg)
+        return msg
+
+    def _check_reserved(self, row: dict[str, Any]) -> str | None:
         reserved = row.get("peak_reserved_bytes")
         if self.warned or self.budget is None or reserved is None or reserved <= self.budget:
             return None
