@@ -160,6 +160,8 @@ def fill_after(busy: Sequence[tuple[float, float]], k: int, t: float, seconds: f
     they hold (:data:`SHARED_COPY_RATE`), or the host optimizer beside them (:data:`HOST_RATE_BESIDE_STREAMS`).
     ``k``: the first interval that may still end after ``t`` (work placed in order, so the next search starts there).
     Returns (end, next k)."""
+    if not busy:
+        return t + seconds, k
     while k < len(busy) and busy[k][1] <= t:
         k += 1
     while k < len(busy) and busy[k][0] < t + seconds:
