@@ -176,6 +176,7 @@ from elbowroom.plan import phases, streaming
 from elbowroom.plan.host_pipeline import (
     OPTIMIZER_LINK_BYTES_PER_PARAM,
     host_exposed_seconds,
+    host_lateness,
     stream_link_seconds,
 )
 from elbowroom.plan.types import BlockProfile, Profile
@@ -765,25 +766,26 @@ def host_terms(profile: Profile, d: Decisions, device_step_s: float, rate_scale:
     return host_exposed_seconds(profile, d, device_step_s, rate_scale, extra_backward_s)
 
 
-_HOST: dict[tuple[Any, ...], tuple[Profile, float, float]] = {}
+_HOST: dict[tuple[Any, ...], tuple[Profile, float, float, float]] = {}
 
 
 def _host_step(profile: Profile, d: Decisions, device_step_s: float) -> tuple[float, float]:
     """(the whole host step, its exposed part): the host step's pace varies between runs (:data:`HOST_STEP_SPREAD`),
     so the exposed part is the mean of the pipeline at the measured rate and at the slow end, and a plan that leans on
-    the host step hiding pays for the risk it takes. Cached on what the pipeline reads: the search asks again for
-    every head and loss choice of one placement."""
+    the host step hiding pays for the risk it takes. Cached on what the pipeline reads (its lateness, from which each
+    device step takes its own share): the search asks again for every weight layout, head and loss choice of one
+    placement."""
     key = (id(profile), d.offload_blocks, d.stream_blocks, d.offload_other, d.micro_batch, d.grad_clipping,
-           d.offload_gradients, d.optimizer_config.step_order, device_step_s)
+           d.offload_gradients, d.optimizer_config.step_order)
     got = _HOST.get(key)
-    if got is not None and got[0] is profile:
-        return got[1], got[2]
-    whole, exposed = host_terms(profile, d, device_step_s)
-    exposed = float(0.5 * (exposed + host_terms(profile, d, device_step_s, HOST_STEP_SPREAD)[1]))
-    if len(_HOST) > 4096:
-        _HOST.clear()
-    _HOST[key] = (profile, whole, exposed)  # the profile is held, so its id is not reused while cached
-    return whole, exposed
+    if got is None or got[0] is not profile:
+        whole, late = host_lateness(profile, d)
+        got = (profile, whole, late, host_lateness(profile, d, HOST_STEP_SPREAD)[1])
+        if len(_HOST) > 4096:
+            _HOST.clear()
+        _HOST[key] = got  # the profile is held, so its id is not reused while cached
+    _, whole, late, late_slow = got
+    return whole, float(0.5 * (max(0.0, late - device_step_s) + max(0.0, late_slow - device_step_s)))
 
 
 def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: float) -> float:

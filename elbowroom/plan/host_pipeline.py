@@ -182,6 +182,15 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
     :mod:`elbowroom.plan.cost`, with the host optimizer at ``rate_scale`` times the machine's measured rate; streamed
     blocks wait for the link alone. ``extra_backward_s``: seconds each block's backward runs besides its own (its
     recompute, unscaled), which hide host work too."""
+    total, late = host_lateness(profile, d, rate_scale, extra_backward_s)
+    return total, max(0.0, late - device_step_s)
+
+
+def host_lateness(profile: Profile, d: Decisions, rate_scale: float = 1.0,
+                  extra_backward_s: Sequence[float] | None = None) -> tuple[float, float]:
+    """(host step seconds, how late the last job's weights are for the next forward were the device's own optimizer
+    step instantaneous): :func:`host_exposed_seconds` is that lateness less the device step, floored at 0. Nothing
+    else in the pipeline reads the device step, so the search prices one placement once for every weight layout."""
     m = profile.machine
     s = d.micro_batch / profile.micro_batch
     # (block index, parameters, streamed) of every block whose optimizer is off the device
@@ -245,7 +254,7 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
                             and d.optimizer_config.step_order == "needed_first", busy)
         late = -math.inf
         for _, ready, j in streams:
-            late = max(late, ready - (t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)))
+            late = max(late, ready - (t0 + (fwd_before[j] if j >= 0 else 0.0)))
         # the weights come back in the time the streamed jobs leave free; after a clipped backward, behind all of
         # them: the optimizer enqueues every streamed job at once when step() opens the gate, before any host-stepped
         # weight is ready, and the copies of one direction run in the order they were enqueued
@@ -258,7 +267,7 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
             begin = max(un, h)
             un, k = fill_after(back_busy, k, begin, OPTIMIZER_LINK_BYTES_PER_PARAM * p / bw)
             back.append((begin, un))
-            need = t0 + device_step_s + (fwd_before[j] if j >= 0 else 0.0)
+            need = t0 + (fwd_before[j] if j >= 0 else 0.0)
             late = max(late, un - need)
         # a streamed job shares each direction with the copies that run beside it: it loses what they take
         # (1 - SHARED_COPY_RATE of the time they overlap it, on the busier direction), and the jobs behind it start
@@ -270,4 +279,4 @@ def host_exposed_seconds(profile: Profile, d: Decisions, device_step_s: float, r
         if all(abs(x - y) < 1e-4 for x, y in zip(again, stretch)):
             break
         stretch = again
-    return total, max(0.0, late)
+    return total, late
