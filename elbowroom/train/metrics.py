@@ -103,7 +103,8 @@ class BudgetWatch:
     def check(self, row: dict[str, Any]) -> str | None:
         """The warning for a metrics row whose reserved peak passed the budget, or after which the allocator retried
         (logged), each once; else None."""
-        return self._check_reserved(row) or self._check_retries(row)
+        reserved, retries = self._check_reserved(row), self._check_retries(row)  # both: the first row is a baseline
+        return reserved or retries
 
     def _check_retries(self, row: dict[str, Any]) -> str | None:
         count = row.get("alloc_retries")
