@@ -101,8 +101,9 @@ host AdamW is bound by host memory, which the copies' DMA reads and writes too: 
 (``MachineProfile.host_adam_params_per_s``) is taken beside the optimizer's own copies of the parameters stepped,
 which keep the link busy a third of the step; taken with the link full both ways it read 0.75-0.8 of that
 (``elbowroom.plan.machine``, its cache version 2). The 7B shape's streaming plans on an H100 (twelfth session) stepped
-their host blocks at 0.69-0.75 of the measured rate: the host-stepped weights came back up to 150 ms after the model
-had them, and the next forward waited for them once more after waiting for the streamed states."""
+their host blocks at about 0.7 of the measured rate (2.75 G params/s against 3.99): the host-stepped weights came
+back up to 150 ms after the model had them, and the next forward waited for them once more after waiting for the
+streamed states."""
 
 _SHARING_ROUNDS = 4
 """Rounds, at most, of the fixed point between the streamed jobs and the copies that share the link with them. Four
