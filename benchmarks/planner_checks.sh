@@ -47,11 +47,11 @@ for part in $PARTS; do
         --modes fit_bf16@24GiB+cap+fl,fit_bf16@16GiB+cap+fl,fit_bf16@12GiB+cap+fl 2>&1 \
         | tee "$OUT/logs/w2.log" | grep "^|" ;;
     5)  # the 7B shape at one sequence a step: 76 and 48 GiB, and 76 GiB within 32 GiB of host memory
-      timeout 420 python3 benchmarks/bench.py --steps 6 --warmup 2 --workload w3 --json "$OUT/w3.jsonl" \
+      timeout 420 $BENCH --workload w3 --json "$OUT/w3.jsonl" \
         --modes fit_bf16@76GiB+cap+fl,fit_bf16@76GiB+cap+fl+host=32GiB,fit_bf16@48GiB+cap+fl 2>&1 \
         | tee "$OUT/logs/w3.log" | grep "^|" ;;
-    6)  # the 7B shape at eight sequences a step (accumulation 8)
-      timeout 300 python3 benchmarks/bench.py --steps 3 --warmup 2 --workload w3-accum8 --json "$OUT/w3-accum8.jsonl" \
+    6)  # the 7B shape at eight sequences a step (accumulation 8), three timed steps (the last --steps counts)
+      timeout 300 $BENCH --steps 3 --workload w3-accum8 --json "$OUT/w3-accum8.jsonl" \
         --modes fit_bf16@76GiB+cap+fl 2>&1 | tee "$OUT/logs/w3-accum8.log" | grep "^|" ;;
     *) echo "planner_checks: no part $part (1 to 6)" >&2; exit 2 ;;
   esac
