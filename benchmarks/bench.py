@@ -410,7 +410,8 @@ def _record_memory(workload: str, name: str) -> None:
     if not folder:
         return
     safe = name.replace("@", "-").replace("+", "-").replace("/", "_")
-    _RUNNING["memory"] = (Path(folder) / f"{workload}-{safe}.txt", torch.cuda.memory_allocated())
+    start = torch.cuda.memory._snapshot()["segments"]  # the allocator's state, for the reserved memory's replay
+    _RUNNING["memory"] = (Path(folder) / f"{workload}-{safe}.txt", torch.cuda.memory_allocated(), start)
     torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
 
 
@@ -421,11 +422,13 @@ def _write_memory() -> None:
         return
     import memory_peak
 
-    path, baseline = got
+    path, baseline, start = got
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(memory_peak.summarize(snapshot, baseline, torch.cuda.current_device()))
+    device = torch.cuda.current_device()
+    path.write_text(memory_peak.summarize(snapshot, baseline, device)
+                    + "\n" + memory_peak.summarize_reserved(snapshot, start, device))
 
 
 def _segments_by_stream() -> dict[str, list[float]]:

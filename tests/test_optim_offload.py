@@ -742,6 +742,41 @@ def test_parameters_bigger_than_a_slot_step_in_pieces(
     assert sd["state"][n]["exp_avg"].shape == (72, 40)
 
 
+def test_casts_on_the_device_go_through_one_buffer_per_copy_stream() -> None:
+    # a copy that changes dtype on the device goes through its stream's fixed buffer a chunk at a time: exact for
+    # every length around the chunk, both ways, and the bytes that crossed are the host side's (the wider)
+    scratch = torch.empty(24)
+    for n in (1, 23, 24, 25, 100):
+        src = torch.randn(n).to(torch.bfloat16)
+        up = torch.empty(n)
+        assert buffers_mod.cast_through(up, src, scratch) == 4 * n
+        assert torch.equal(up, src.float())
+        down = torch.empty(n, dtype=torch.bfloat16)
+        assert buffers_mod.cast_through(down, up, scratch) == 4 * n
+        assert torch.equal(down, src)
+    # the optimizer with bf16 weights and fp32 masters cast on the device, every parameter through a 96-byte buffer
+    # (24 fp32 elements: the big weight in 120 chunks each way): bitwise the reference, and the buffers are the only
+    # memory its copies made
+    knobs(cast_on_device=True, cast_chunk_bytes=96)
+    m1, m2 = _wide_model(), _wide_model()
+    o1 = make_opt(list(m1.parameters()), offload_fraction=1.0, param_dtype=torch.bfloat16, lr=1e-2)
+    step2, _ = _bf16_reference(m2, list(m2.parameters()))
+    for x in batches(3):
+        _autocast_loss(m1, x).backward()
+        o1.step()
+        o1.zero_grad()
+        _autocast_loss(m2, x).backward()
+        step2()
+    o1.wait_for_weights()
+    assert_same(m1, m2)
+    casts = o1._streams._casts
+    assert casts and all(b.numel() == 96 and b.dtype == torch.uint8 for b in casts.values())
+    # a copy in one dtype needs no buffer: a plain copy, its own bytes
+    s = buffers_mod.Streams(torch.device("cpu"))
+    a, b = torch.randn(10), torch.empty(10)
+    assert s.copy_cast(b, a) == 40 and torch.equal(a, b) and not s._casts
+
+
 def test_a_failed_piece_copy_fails_the_step_without_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
     # the copy thread streams a big parameter's pieces to the step thread; if a copy fails there, step() raises
     # the optimizer's error (with the cause) instead of leaving the step thread waiting for pieces
@@ -1199,6 +1234,12 @@ def test_build_optimizer() -> None:
 def test_bad_fraction(fraction: object) -> None:
     with pytest.raises(ValueError, match="offload_fraction"):
         make_opt(make_model().parameters(), offload_fraction=fraction)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [0, 12, 4.0, "64MiB"])
+def test_bad_cast_chunk_bytes(size: object) -> None:
+    with pytest.raises(ValueError, match="cast_chunk_bytes must be a positive multiple of 8"):
+        CPUOffloadConfig(cast_chunk_bytes=size)  # type: ignore[arg-type]
 
 
 def test_not_an_optimizer_class() -> None:

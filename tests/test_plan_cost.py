@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from test_plan_support import GiB, make_profile
 
+from elbowroom.optim.config import CPUOffloadConfig
 from elbowroom.plan import cost, phases
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
 
@@ -34,15 +35,21 @@ def test_model_states_per_parameter_by_layout() -> None:
     emb = 1000 * 256
     p = dataclasses.replace(p, head=dataclasses.replace(p.head, after_params=p.head.num_params - emb))
     assert cost.fp32_offloaded_params(p, decisions(n, layout="fp32-offload-bf16", **off)) == emb
+    # and the two copy streams' buffers the casts to and from fp32 go through on the device
+    casts = cost.CAST_STREAMS * CPUOffloadConfig().cast_chunk_bytes
     assert cost.state_bytes(p, decisions(n, layout="fp32-offload-bf16", **off)) == (
-        4 * P + 4 * emb + slots * min(bucket, 2 * P))
+        4 * P + 4 * emb + slots * min(bucket, 2 * P) + casts)
     assert cost.state_bytes(p, decisions(n, layout="fp32-offload-bf16", offload_gradients=True, **off)) == (
-        2 * P + 2 * emb + slots * min(bucket, P))
+        2 * P + 2 * emb + slots * min(bucket, P) + casts)
     assert cost.fp32_offloaded_params(p, decisions(n, layout="fp32-offload-bf16", offload_blocks=(True,) * n)) == 0
     half = (False, False, True, True)
     p_off = sum(b.num_params for b in p.blocks[2:])
     got = cost.state_bytes(p, decisions(n, layout="bf16", offload_blocks=half))
-    assert got == 16 * (P - p_off) + 4 * p_off + slots * min(bucket, 2 * p_off) + 4 * min(chunk, P - p_off)
+    assert got == 16 * (P - p_off) + 4 * p_off + slots * min(bucket, 2 * p_off) + 4 * min(chunk, P - p_off) + casts
+    # none when the casts run on the host (the staging slots then hold bf16)
+    on_host = decisions(n, layout="bf16", offload_blocks=half,
+                        offload_config=CPUOffloadConfig(cast_on_device=False))
+    assert cost.state_bytes(p, on_host) == got - casts
 
 
 def test_option_bytes_follow_the_policies() -> None:

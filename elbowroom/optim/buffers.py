@@ -7,7 +7,8 @@ the bookkeeping above them is the same and is what the CPU tests exercise).
 
 Thread safety: ``SlotPool`` is shared by the copy thread and the step thread and guards its free list with its
 own condition variable. ``HostMemory`` allocates on the training thread at set-up and is released by whoever
-shuts the optimizer down, after the worker threads are joined; ``Streams`` holds no mutable state.
+shuts the optimizer down, after the worker threads are joined. ``Streams`` holds one mutable thing, the copy
+streams' cast buffers, behind a lock (both worker threads cast on the device-to-host stream).
 """
 
 from __future__ import annotations
@@ -38,11 +39,26 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def cast_through(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, non_blocking: bool = False) -> int:
+    """``dst.copy_(src)`` where the two differ in dtype and one of them is on the host, through ``scratch`` (a flat
+    buffer on the device of the dtype that crosses the link) a chunk at a time: the chunk's copy and cast, then the
+    next. On one stream each chunk's work runs after the previous chunk's, so one buffer serves every chunk. Returns
+    the bytes that crossed the link (``scratch``'s dtype)."""
+    d, s = dst.view(-1), src.reshape(-1)
+    n, k = s.numel(), scratch.numel()
+    for a in range(0, n, k):
+        e = min(n, a + k)
+        scratch[: e - a].copy_(s[a:e], non_blocking=non_blocking)
+        d[a:e].copy_(scratch[: e - a], non_blocking=non_blocking)
+    return n * scratch.element_size()
+
+
 class Streams:
     """The copy streams and events of one CUDA device, or inert stand-ins on CPU (events are None)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cast_chunk_bytes: int = 64 << 20) -> None:
         self.device = device
+        self.cast_chunk_bytes = cast_chunk_bytes  # each copy stream's cast buffer (copy_cast)
         self.cuda = device.type == "cuda"
         self.d2h: Any = torch.cuda.Stream(device) if self.cuda else None
         self.h2d: Any = torch.cuda.Stream(device) if self.cuda else None
@@ -50,6 +66,29 @@ class Streams:
         # buckets' gradients and weights do not queue behind it (on one stream the link carried one, then the other)
         self.state_h2d: Any = torch.cuda.Stream(device) if self.cuda else None
         self.state_d2h: Any = torch.cuda.Stream(device) if self.cuda else None
+        self._casts: dict[int, torch.Tensor] = {}  # stream -> its cast buffer (copy_cast), made on first use
+        self._cast_lock = threading.Lock()
+
+    def copy_cast(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        """``dst.copy_(src)`` across the link and across dtypes, the cast on the device, queued on this thread's
+        current stream (a copy stream); the bytes that crossed. The cast goes through the stream's buffer of
+        ``cast_chunk_bytes`` (:func:`cast_through`), so the copy streams allocate nothing else: casting whole
+        tensors left each copy stream's pool holding an fp32 copy of the largest tensor it ever cast, which the
+        compute stream cannot reuse (the 7B shape: 0.49 GiB on each of two streams, beside a compute stream
+        retrying its allocations at the budget; ``BENCHMARKS.md``). On CPU the same chunks, one buffer for the
+        stand-in streams."""
+        # what crosses the link: the host's side, the wider of the two (fp32 masters and gradients, bf16 weights)
+        dtype = src.dtype if src.element_size() >= dst.element_size() else dst.dtype
+        if dst.dtype == src.dtype or not dst.is_contiguous():
+            dst.copy_(src.to(dtype), non_blocking=self.cuda)
+            return src.numel() * dtype.itemsize
+        key = torch.cuda.current_stream(self.device).cuda_stream if self.cuda else 0
+        with self._cast_lock:  # the chunks of one tensor are queued together: the buffer is the stream's
+            buf = self._casts.get(key)
+            if buf is None:
+                # allocated on the copy stream: its pool holds this buffer and nothing more
+                buf = self._casts[key] = torch.empty(self.cast_chunk_bytes, dtype=torch.uint8, device=self.device)
+            return cast_through(dst, src, buf.view(dtype), non_blocking=self.cuda)
 
     def after_updates(self) -> None:
         """Order later work of this thread's current stream after every weight update enqueued so far (a stream

@@ -96,6 +96,10 @@ class CPUOffloadConfig:
     """Upcast, step and cast back host-cast Adam/AdamW buckets chunk by chunk (bitwise the whole-bucket step)."""
     host_chunk_numel: int = _host_adam.CHUNK_NUMEL
     """Elements per chunk of the chunked host step (a multiple of 64: chunk ends on vector boundaries)."""
+    cast_chunk_bytes: int = 64 << 20
+    """Bytes of the device buffer each copy stream casts through, a chunk at a time, with ``cast_on_device`` (one per
+    stream, instead of an fp32 copy of each whole tensor, which the copy stream's pool then kept and the compute
+    stream could not reuse: on the 7B shape 0.49 GiB on each of the two streams). A multiple of 8."""
     device_chunk_numel: int = 1 << 25
     """Elements per chunk of the device step of fp32 masters kept on the device (the fp32 scratch it upcasts into)."""
     step_order: str = "needed_first"
@@ -144,6 +148,9 @@ class CPUOffloadConfig:
             raise ValueError(f"cpu_threads must be an int >= 1, or None for the default, got {self.cpu_threads!r}")
         if not _is_int(self.host_chunk_numel) or self.host_chunk_numel < 64 or self.host_chunk_numel % 64:
             raise ValueError(f"host_chunk_numel must be a positive multiple of 64, got {self.host_chunk_numel!r}")
+        if not _is_int(self.cast_chunk_bytes) or self.cast_chunk_bytes < 8 or self.cast_chunk_bytes % 8:
+            raise ValueError(f"cast_chunk_bytes must be a positive multiple of 8 (e.g. 64 << 20), "
+                             f"got {self.cast_chunk_bytes!r}")
         if not _is_int(self.stream_slot_numel) or self.stream_slot_numel < 64 or self.stream_slot_numel % 64:
             raise ValueError(f"stream_slot_numel must be a positive multiple of 64, got {self.stream_slot_numel!r}")
         if not _is_int(self.stream_slots) or self.stream_slots < 1:

@@ -387,11 +387,9 @@ class Engine(HostStep, DeviceStep):
         with s.on(s.d2h):
             s.stream_wait(s.d2h, job.ready)  # stream wait: copy only once backward has produced the grads
             for (_, _hp, g), dest in zip(todo, dests):
-                # in the destination's dtype: an upcast on the device when the casts run there (on this stream,
-                # so its memory is reused only after the copy)
-                src = g.to(dest.dtype)
-                dest.copy_(src, non_blocking=True)
-                self.count(d2h_bytes=nbytes(src))
+                # in the destination's dtype: an upcast on the device when the casts run there (through this
+                # stream's cast buffer, a chunk at a time: Streams.copy_cast)
+                self.count(d2h_bytes=s.copy_cast(dest, g))
                 if s.cuda:
                     # lifetime extension: whoever frees the grad (offload_gradients, zero_grad), the caching
                     # allocator reuses its block only after this copy
@@ -453,9 +451,8 @@ class Engine(HostStep, DeviceStep):
         s = self.streams
         dest = buf[: (e - a) * dtype.itemsize].view(dtype)
         with s.on(s.d2h):
-            src = flat[a:e].to(dtype)  # upcast on the device when the casts run there
-            dest.copy_(src, non_blocking=True)
-            return dest, s.record(s.d2h), nbytes(src)
+            moved = s.copy_cast(dest, flat[a:e])  # upcast on the device when the casts run there
+            return dest, s.record(s.d2h), moved
 
     def _step_loop(self) -> None:
         self.streams.bind_thread()

@@ -67,9 +67,7 @@ class HostStep:
                     fresh[i] = g is not None
                     if g is not None:
                         dest = hp.staging(job.slot)
-                        src = g.to(dest.dtype)  # as in the first copy
-                        dest.copy_(src, non_blocking=True)
-                        self.count(recopy_bytes=nbytes(src))
+                        self.count(recopy_bytes=s.copy_cast(dest, g))  # as in the first copy
                         if s.cuda:
                             g.record_stream(s.d2h)  # lifetime extension, as for the first copy
                 ev = s.record(s.d2h)
@@ -135,12 +133,10 @@ class HostStep:
                 if hp.same_dtype:
                     hp.param.detach().copy_(hp.master, non_blocking=True)  # straight from the pinned master
                 elif hp.device_cast:
-                    # the pinned master to device scratch, cast into the parameter there (memory allocated on
-                    # this stream and freed after: reused only by later work of this stream)
-                    up = torch.empty(hp.master.shape, dtype=hp.master.dtype, device=hp.param.device)
-                    up.copy_(hp.master, non_blocking=True)
-                    hp.param.detach().copy_(up)
-                    self.count(h2d_bytes=nbytes(up) - nbytes(hp.param))
+                    # the pinned master into the stream's cast buffer and cast into the parameter there, a chunk
+                    # at a time (Streams.copy_cast: the stream allocates nothing per tensor)
+                    moved = s.copy_cast(hp.param.detach(), hp.master)
+                    self.count(h2d_bytes=moved - nbytes(hp.param))
                 else:
                     assert buf_i is not None
                     stage = hp.staging(self.h2d_buffers[buf_i], hp.param.dtype)
@@ -215,10 +211,8 @@ class HostStep:
                 if hp.same_dtype:
                     flat[a:e].copy_(master, non_blocking=True)  # straight from the pinned master
                 elif hp.device_cast:
-                    up = torch.empty(e - a, dtype=master.dtype, device=flat.device)
-                    up.copy_(master, non_blocking=True)
-                    flat[a:e].copy_(up)  # cast on the device
-                    self.count(h2d_bytes=nbytes(up) - (e - a) * flat.element_size())
+                    moved = s.copy_cast(flat[a:e], master)  # cast on the device, through the stream's buffer
+                    self.count(h2d_bytes=moved - (e - a) * flat.element_size())
                 else:
                     assert out is not None
                     flat[a:e].copy_(out, non_blocking=True)

@@ -217,7 +217,7 @@ class CPUOffloadOptimizer(Optimizer):
         super().__init__(groups, defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]
 
-        self._streams = Streams(self.device)
+        self._streams = Streams(self.device, cfg.cast_chunk_bytes)
         self._host = HostMemory(pin=self._streams.cuda)
         self._placement = Placement(
             cfg, optimizer_class, self.device, cpu_kwargs, dev_kwargs, dict(optimizer_kwargs), self._host

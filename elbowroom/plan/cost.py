@@ -26,8 +26,10 @@ Model states, per parameter on the device (``P_res`` resident, ``P_off`` offload
                                             (8 B for the embedding tables, kept in fp32: the residual stream)
     bf16 weights, fp32 masters:             16 B resident (2 + 2 + 4 master + 8),                4 B offloaded
 
-plus, when anything is offloaded, ``num_staging_slots * bucket_bytes`` of device staging (the optimizer's config),
-and with bf16 weights the fp32 chunk the device masters step through (``device_chunk_numel * 4``). A streamed
+plus, when anything is offloaded, ``num_staging_slots * bucket_bytes`` of device staging (the optimizer's config)
+and, when its bf16 weights cast to and from fp32 on the device, the two copy streams' cast buffers
+(``CAST_STREAMS * cast_chunk_bytes``), and with bf16 weights the fp32 chunk the
+device masters step through (``device_chunk_numel * 4``). A streamed
 parameter (``P_str``) holds its weight and its gradient in the offloaded weights' dtype, the gradient counted twice
 (12 B, or 6 with bf16 device weights: :func:`~elbowroom.plan.streaming.device_bytes_per_param` says why), with or
 without ``offload_gradients`` (its gradient never leaves: it steps where it is), its state 12 B on the host and no
@@ -208,6 +210,10 @@ HOST_STEP_SPREAD = 0.75
 0.73x and 1.19x of it on the lent H100's host, and 1.6x apart between two identical runs of one call (W1 and
 GPT-2-XL plans, ``BENCHMARKS.md``, 2026-11-24, fifth session). ``T_host`` is the mean of the pipeline at the measured
 rate and at this share of it."""
+
+CAST_STREAMS = 2
+"""The offloaded optimizer's copy streams that cast on the device (gradients down, weights up): a buffer of
+``CPUOffloadConfig.cast_chunk_bytes`` each (``Streams.copy_cast``)."""
 
 DEVICE_ADAM_BYTES_PER_PARAM = 28
 """Fused AdamW on the device per fp32 parameter: reads weight, gradient and two moments (16 B), writes weight and
@@ -628,6 +634,8 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     if p_off:
         # each staging slot holds one bucket of gradients (at most bucket_bytes; the whole offloaded set when smaller)
         total += slots * min(bucket, (off_per // 2) * p_off)
+        if off_dtype == "bfloat16" and d.optimizer_config.cast_on_device:
+            total += CAST_STREAMS * int(d.optimizer_config.cast_chunk_bytes)  # the copy streams' cast buffers
     if weight == "bfloat16" and p_res:
         total += 4 * min(chunk, p_res)
     return total
