@@ -662,6 +662,43 @@ def test_budget_watch_warns_once_when_the_allocator_keeps_retrying(caplog) -> No
     assert BudgetWatch(None).check({"step": 2, **row, "alloc_retries": 9}) is None
 
 
+def test_pace_watch_warns_once_when_steps_run_slower_than_predicted(caplog) -> None:
+    from elbowroom.plan import Plan
+    from elbowroom.plan.plan import BlockPlan
+    from elbowroom.train.metrics import PaceWatch
+
+    plan = Plan(blocks=(BlockPlan(0),), budget_bytes=8 << 30, predicted_peak_bytes=7 << 30,
+                predicted_step_seconds=0.5, predicted_tokens_per_s=1.0,
+                time={"compute": 0.3, "host optimizer step (whole)": 0.36})
+    watch = PaceWatch(plan)
+    # the first row (warm-up) is left out; then rows of 10 steps each: 0.8, 0.79 and (an evaluation's window) 2.0 s
+    # a step, whose median 0.8 is 1.6x the prediction, with the host at 0.59 s against 0.36 priced
+    assert watch.check({"step": 10, "elapsed_s": 30.0, "host_step_s": 0.6}) is None
+    assert watch.check({"step": 20, "elapsed_s": 8.0, "host_step_s": 0.59}) is None
+    assert watch.check({"step": 30, "elapsed_s": 7.9, "host_step_s": 0.58}) is None
+    with caplog.at_level("WARNING"):
+        msg = watch.check({"step": 40, "elapsed_s": 20.0, "host_step_s": 0.6})
+    assert msg is not None and "steps take 0.800 s, 1.60x the plan's prediction of 0.500 s" in msg
+    assert "the host optimizer stepped in 0.59 s against 0.36 s priced, 0.61 of the pace" in msg
+    assert msg in caplog.text
+    assert watch.check({"step": 50, "elapsed_s": 9.0, "host_step_s": 0.6}) is None  # once
+    # within 15%, or slow with the host on time: no host named; faster is no warning
+    def rows(per_step: float, host: float) -> list[str | None]:
+        w = PaceWatch(plan)
+        return [w.check({"step": 5 * k, "elapsed_s": 5 * per_step, "host_step_s": host}) for k in range(1, 6)]
+
+    assert rows(0.57, 0.6) == [None] * 5 and rows(0.3, 0.2) == [None] * 5
+    slow = [m for m in rows(0.7, 0.36) if m]
+    assert len(slow) == 1 and "1.40x" in slow[0] and "host optimizer" not in slow[0]
+    # an unplanned run, a CPU row without the host figures, a plan without a host step
+    assert PaceWatch(None).check({"step": 1, "elapsed_s": 1.0}) is None
+    bare = Plan(blocks=(BlockPlan(0),), budget_bytes=1, predicted_peak_bytes=1, predicted_step_seconds=0.5,
+                predicted_tokens_per_s=1.0)
+    w = PaceWatch(bare)
+    got = [w.check({"step": k, "elapsed_s": 1.0}) for k in range(1, 5)]
+    assert got[:3] == [None] * 3 and got[3] is not None and "2.00x" in got[3] and "host" not in got[3]
+
+
 def test_bf16_offloaded_copies_keep_the_embedding_table_fp32() -> None:
     # --optimizer.offload_param_dtype bfloat16 with everything offloaded: the matrices get bf16 device copies, the
     # embedding table keeps fp32 (its output is the residual stream, fp32 under autocast)

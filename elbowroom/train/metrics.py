@@ -141,6 +141,60 @@ class BudgetWatch:
         return msg
 
 
+class PaceWatch:
+    """Warns once when a planned run's steps keep taking longer than the plan predicted, beyond :data:`TOLERANCE`,
+    and names the host optimizer when its step ran slower than the plan priced it: the planner measured the host's
+    pace once, and on a shared host it can run at 0.6 of that in training (W1 at 8 GiB: 0.79 s steps against 0.54
+    predicted on one machine, 0.43 on another whose profile measured the same pace; ``BENCHMARKS.md``, thirteenth
+    session). The first logged row (warm-up, compilation, the first forward's waits) is left out; the median of the
+    next :data:`ROWS` rows decides."""
+
+    TOLERANCE = 0.15
+    """How much slower than predicted a step may run before the warning (the planner's own check: within 15%)."""
+    ROWS = 3
+    """Logged rows after the first whose median step time is compared with the prediction."""
+
+    def __init__(self, plan: Any) -> None:
+        self.predicted = getattr(plan, "predicted_step_seconds", None)
+        times = getattr(plan, "time", None) or {}
+        self.host_predicted = times.get("host optimizer step (whole)")
+        self.last_step: int | None = None
+        self.seen: list[tuple[float, float | None]] = []  # (seconds per step, host step seconds) per row
+        self.done = False
+
+    def check(self, row: dict[str, Any]) -> str | None:
+        """The warning, once, when the median of the rows after the first runs slow; else None."""
+        step, elapsed = row.get("step"), row.get("elapsed_s")
+        if self.done or not self.predicted or step is None or elapsed is None:
+            return None
+        last, self.last_step = self.last_step, step
+        if last is None or step <= last:  # the first row: warm-up
+            return None
+        return self._add(elapsed / (step - last), row.get("host_step_s"))
+
+    def _add(self, step_s: float, host_s: float | None) -> str | None:
+        self.seen.append((step_s, host_s))
+        if len(self.seen) < self.ROWS:
+            return None
+        self.done = True
+        median = sorted(t for t, _ in self.seen)[len(self.seen) // 2]
+        ratio = median / self.predicted
+        if ratio <= 1.0 + self.TOLERANCE:
+            log.info("steps take %.3f s, %.2fx the plan's prediction of %.3f s", median, ratio, self.predicted)
+            return None
+        msg = f"steps take {median:.3f} s, {ratio:.2f}x the plan's prediction of {self.predicted:.3f} s"
+        hosts = sorted(h for _, h in self.seen if h is not None)
+        if hosts and self.host_predicted:
+            host = hosts[len(hosts) // 2]
+            if host > (1.0 + self.TOLERANCE) * self.host_predicted:
+                msg += (f": the host optimizer stepped in {host:.2f} s against {self.host_predicted:.2f} s priced, "
+                        f"{self.host_predicted / host:.2f} of the pace the planner measured on this machine (a "
+                        f"shared host's memory bandwidth varies); a larger --budget puts fewer blocks' optimizer "
+                        f"on the host")
+        log.warning("%s", msg)
+        return msg
+
+
 def check_tensorboard() -> None:
     """Raise ValueError naming the extra to install when TensorBoard logging cannot work here."""
     try:

@@ -47,7 +47,14 @@ from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
 from elbowroom.train.distributed_run import DistributedRun, Launch, resolve_launch, start_run
 from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
-from elbowroom.train.metrics import BudgetWatch, check_tensorboard, host_step, peak_flops, peak_memory
+from elbowroom.train.metrics import (
+    BudgetWatch,
+    PaceWatch,
+    check_tensorboard,
+    host_step,
+    peak_flops,
+    peak_memory,
+)
 from elbowroom.train.model_parallel_run import plan_and_wrap
 from elbowroom.train.model_parallel_run import plan_to_follow as mp_plan_to_follow
 from elbowroom.train.objectives import Distillation, load_distillation, micro_batch_loss, token_loss_sum
@@ -633,7 +640,7 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
         fused_loss = cfg.train.fused_loss
     metrics = run.metrics(out, resume_step=loaded.step if loaded else None, tensorboard=cfg.logging.tensorboard)
     progress = recorder = None
-    watch = BudgetWatch(plan)  # (no plan: watches nothing)
+    watch, pace = BudgetWatch(plan), PaceWatch(plan)  # (no plan: they watch nothing)
     # a plan searched here for --budget (one process) is searched again, tighter, if its first step runs out of
     # memory: nothing is written before that step ends
     replannable, started = may_replan and planned_here and not run.enabled, False
@@ -776,6 +783,7 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
                     result.losses[step] = loss_val
                     metrics.write(row)
                     watch.check(row)  # a planned run: warn once if the allocator passed the budget
+                    pace.check(row)  # ... or if its steps keep running slower than predicted
                     if progress is not None:
                         progress.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
                     tokens_since_log, t_log = 0, time.perf_counter()
