@@ -305,6 +305,11 @@ class Config:
     plan: str | None = None
     """A saved plan (.toml or .json, from `elbowroom plan --out` or a run's OUT/plan.toml) to apply instead of
     planning."""
+    cap_memory: bool = True
+    """With --budget or --plan, in one process on a CUDA device: cap the allocator at the plan's budget once the plan
+    is applied (torch.cuda.set_per_process_memory_fraction), as on a device of that size, so the budget is a limit.
+    Where the allocator fills it, it frees its cache and retries (the run warns) or runs out of memory (a first step
+    is planned again, tighter). false: the allocator may pass the budget, and the run warns by how much."""
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -412,6 +417,7 @@ ALIASES = {
     "seed": "train.seed",
     "device": "train.device",
     "host-budget": "host_budget",
+    "cap-memory": "cap_memory",
 }
 
 

@@ -699,6 +699,32 @@ def test_pace_watch_warns_once_when_steps_run_slower_than_predicted(caplog) -> N
     assert got[:3] == [None] * 3 and got[3] is not None and "2.00x" in got[3] and "host" not in got[3]
 
 
+def test_a_planned_run_caps_the_allocator_at_its_budget(monkeypatch) -> None:
+    # the trainer's cap: the plan's budget as the share of the device's memory, none on CPU, without a plan or for
+    # a budget the device does not exceed; lifted to the whole device after
+    from types import SimpleNamespace
+
+    from elbowroom.config import Config, resolve
+    from elbowroom.train import metrics as M
+
+    calls: list[tuple[float, object]] = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    cuda = torch.device("cuda", 0)
+    assert M.cap_memory(SimpleNamespace(budget_bytes=20 << 30), cuda) is True
+    assert calls == [(0.25, 0)]
+    M.uncap_memory(torch.device("cuda"))  # no index (the trainer's device): the current one
+    assert calls[-1] == (1.0, 3)
+    assert M.cap_memory(SimpleNamespace(budget_bytes=80 << 30), cuda) is False  # the whole device: nothing to cap
+    assert M.cap_memory(SimpleNamespace(budget_bytes=8 << 30), torch.device("cpu")) is False
+    assert M.cap_memory(None, cuda) is False
+    assert len(calls) == 2
+    # on by default; --cap-memory false turns it off
+    assert Config().cap_memory is True
+    assert resolve(None, ["--cap-memory", "false"]).cap_memory is False
+
+
 def test_bf16_offloaded_copies_keep_the_embedding_table_fp32() -> None:
     # --optimizer.offload_param_dtype bfloat16 with everything offloaded: the matrices get bf16 device copies, the
     # embedding table keeps fp32 (its output is the residual stream, fp32 under autocast)

@@ -50,10 +50,12 @@ from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions,
 from elbowroom.train.metrics import (
     BudgetWatch,
     PaceWatch,
+    cap_memory,
     check_tensorboard,
     host_step,
     peak_flops,
     peak_memory,
+    uncap_memory,
 )
 from elbowroom.train.model_parallel_run import plan_and_wrap
 from elbowroom.train.model_parallel_run import plan_to_follow as mp_plan_to_follow
@@ -644,6 +646,8 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
     # a plan searched here for --budget (one process) is searched again, tighter, if its first step runs out of
     # memory: nothing is written before that step ends
     replannable, started = may_replan and planned_here and not run.enabled, False
+    # one process: the budget is a limit from the first step on (the profile ran uncapped); lifted however the run ends
+    capped = cfg.cap_memory and not run.enabled and cap_memory(plan, device)
     try:  # from here on the optimizer (its host threads, pinned memory) is closed however the run ends
         scheduler = build_scheduler(
             optimizer,
@@ -821,6 +825,8 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
         log.error("out of memory: %s", report)
         raise
     finally:
+        if capped:
+            uncap_memory(device)
         if recorder is not None:
             recorder.close()  # its hooks and files, also when the run failed
         metrics.close()
