@@ -765,7 +765,8 @@ def resolve(config_file: str | None, overrides: list[str]) -> Config:
 # across devices. Everything else (model, data, optimizer, schedule, seed, precision, ...) is the run's trajectory.
 # (train.qat is the trainer's to check, against the checkpoint; --budget and --plan against the run's OUT/plan.toml.)
 RESUME_MAY_CHANGE = (
-    "out", "resume", "budget", "host_budget", "plan", "cap_memory", "train.steps", "train.eval_every", "train.eval_batches", "train.device",
+    "out", "resume", "budget", "host_budget", "plan", "cap_memory", "train.steps", "train.eval_every",
+    "train.eval_batches", "train.device",
     "train.compile", "train.qat", "scheduler.decay_steps", "data.num_workers", "data.pin_memory", "data.cache_dir",
     "checkpoint.", "logging.", "profile.", "activations.", "offload.", "parallel.",
 )
