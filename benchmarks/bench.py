@@ -16,8 +16,9 @@ Any mode + ``+fl``: the output head and cross-entropy computed chunk by chunk
 ``ELBOWROOM_BENCH_EVENTS=1`` adds ``gpu_ms`` to each row: the GPU time of every micro-batch of the last step
 and of its ``step()`` + ``zero_grad()``, from CUDA events between them. ``ELBOWROOM_BENCH_SEGMENTS=1`` adds
 ``segments_by_stream``: the allocator's reserved and allocated GiB by the stream that owns them, after the last
-step. ``ELBOWROOM_BENCH_MEMORY=DIR`` writes what was alive at the peak of the steps, by where it was allocated, to
-``DIR/<workload>-<mode>.txt`` (``memory_peak.py``). ``ELBOWROOM_BENCH_SWITCH_INTERVAL=SECONDS`` sets the interpreter's
+step. ``ELBOWROOM_BENCH_MEMORY=DIR`` writes what was alive at the peak of the steps, by where it was allocated, and
+the reserved memory's peak and retries by stream, to ``DIR/<workload>-<mode>.txt`` (``memory_peak.py``).
+``ELBOWROOM_BENCH_SWITCH_INTERVAL=SECONDS`` sets the interpreter's
 GIL switch interval (``sys.setswitchinterval``; 5 ms by default) for every row; ``ELBOWROOM_BENCH_GIL_PROBE=1`` adds
 ``gil_wait``: how late a thread sleeping 0.1 ms at a time woke over the timed steps (the wait for the interpreter's
 lock). ``ELBOWROOM_BENCH_TRACE=DIR`` traces one more step, synced, after the timed ones;

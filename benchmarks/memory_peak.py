@@ -6,6 +6,12 @@ last step, or when it runs out of memory: the allocated bytes at the peak, split
 steps (model states, the optimizer's buffers) and the allocations made since, grouped by where they were made.
 It answers "which tensor is the cost model missing" without carrying a snapshot of hundreds of MB off the machine.
 
+Then the reserved memory (:func:`summarize_reserved`), replayed from the allocator's state when the recording began:
+its peak and, for each of the first allocator retries (a run of unmaps: the allocator freed its cache to place one
+allocation), the allocation placed and its stream, the allocated bytes then, the free ranges inside the reserved
+memory, and each stream's reserved, allocated, largest free ranges and top allocation sites. A copy stream's free
+memory is not the compute stream's: it answers "why did the allocator retry with this much reserved and unused".
+
     ELBOWROOM_BENCH_MEMORY=runs/mem python3 benchmarks/bench.py --workload w3 --steps 3 --warmup 1 \\
         --modes fit_bf16@76GiB+nog+fl
 """
