@@ -688,6 +688,11 @@ def test_pace_watch_warns_once_when_steps_run_slower_than_predicted(caplog) -> N
         return [w.check({"step": 5 * k, "elapsed_s": 5 * per_step, "host_step_s": host}) for k in range(1, 6)]
 
     assert rows(0.57, 0.6) == [None] * 5 and rows(0.3, 0.2) == [None] * 5
+    # a small model's steps, over by less than the loop's own costs per step: no warning whatever the ratio
+    tiny = Plan(blocks=(BlockPlan(0),), budget_bytes=1, predicted_peak_bytes=1, predicted_step_seconds=0.015,
+                predicted_tokens_per_s=1.0, time={"host optimizer step (whole)": 0.001})
+    w = PaceWatch(tiny)
+    assert [w.check({"step": k, "elapsed_s": 0.027, "host_step_s": 0.01}) for k in range(1, 6)] == [None] * 5
     slow = [m for m in rows(0.7, 0.36) if m]
     assert len(slow) == 1 and "1.40x" in slow[0] and "host optimizer" not in slow[0]
     # an unplanned run, a CPU row without the host figures, a plan without a host step
