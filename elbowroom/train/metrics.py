@@ -83,8 +83,8 @@ def host_step(optimizer: Any) -> dict[str, float]:
 
 def cap_memory(plan: Any, device: torch.device) -> bool:
     """Cap this process's CUDA allocator at ``plan``'s budget (``torch.cuda.set_per_process_memory_fraction``), as
-    on a device of that size; whether a cap was set (none on CPU, without a plan, or for a budget the device
-    exceeds not). Uncapped, the allocator grows past a budget its plan fits in allocated bytes: W1 at 8 GiB in the
+    on a device of that size; whether a cap was set (none on CPU, without a plan, or for a budget as large as the
+    device). Uncapped, the allocator grows past a budget its plan fits in allocated bytes: W1 at 8 GiB in the
     trainer reserved 8.37 GiB for 5.98 allocated, where capped runs of the same plan reserved 6.9-7.7 with no
     retry (``BENCHMARKS.md``, thirteenth session). :func:`uncap_memory` undoes it."""
     budget = getattr(plan, "budget_bytes", None)
