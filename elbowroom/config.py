@@ -725,7 +725,10 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         if not eq:
             nxt = args[i + 1] if i + 1 < len(args) else None
             is_bool = tp is bool
-            if is_bool and (nxt is None or nxt.startswith("--") or nxt.lower() not in _TRUE | _FALSE):
+            if is_bool and nxt is not None and not nxt.startswith("--") and nxt.lower() not in _TRUE | _FALSE:
+                # (no positional argument follows an option: this was meant as its value)
+                raise ConfigError(f"--{tok[2:]} takes true or false (alone: true), got {nxt!r}")
+            if is_bool and (nxt is None or nxt.startswith("--")):
                 value = "true"
             elif nxt is None or (nxt.startswith("--") and not _looks_numeric(nxt)):
                 raise ConfigError(f"--{name} needs a value ({type_name(tp)})")
