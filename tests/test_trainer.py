@@ -710,7 +710,7 @@ def test_a_planned_run_caps_the_allocator_at_its_budget(monkeypatch) -> None:
     from types import SimpleNamespace
 
     from elbowroom.config import Config, resolve
-    from elbowroom.train import metrics as M
+    from elbowroom.train import planning as M
 
     calls: list[tuple[float, object]] = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 << 30))

@@ -28,12 +28,12 @@ Model states, per parameter on the device (``P_res`` resident, ``P_off`` offload
 
 plus, when anything is offloaded, ``num_staging_slots * bucket_bytes`` of device staging (the optimizer's config)
 and, when its bf16 weights cast to and from fp32 on the device, the two copy streams' cast buffers
-(``CAST_STREAMS * cast_chunk_bytes``), and with bf16 weights the fp32 chunk the
-device masters step through (``device_chunk_numel * 4``). A streamed
-parameter (``P_str``) holds its weight and its gradient in the offloaded weights' dtype, the gradient counted twice
-(12 B, or 6 with bf16 device weights: :func:`~elbowroom.plan.streaming.device_bytes_per_param` says why), with or
-without ``offload_gradients`` (its gradient never leaves: it steps where it is), its state 12 B on the host and no
-host gradient; when any block streams the device holds the ring it steps through,
+(``CAST_STREAMS * cast_chunk_bytes``), and with bf16 weights the fp32 chunk the device masters step through
+(``device_chunk_numel * 4``). A streamed parameter (``P_str``) holds its weight and its gradient in the offloaded
+weights' dtype, the gradient counted twice (12 B, or 6 with bf16 device weights:
+:func:`~elbowroom.plan.streaming.device_bytes_per_param` says why), with or without ``offload_gradients`` (its
+gradient never leaves: it steps where it is), its state 12 B on the host and no host gradient; when any block
+streams the device holds the ring it steps through,
 ``stream_slots * min(stream_slot_numel, largest streamed block's parameters) * 16``
 (:func:`~elbowroom.plan.streaming.ring_bytes`).
 

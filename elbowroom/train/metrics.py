@@ -81,33 +81,6 @@ def host_step(optimizer: Any) -> dict[str, float]:
             "host_threads": int(s["cpu_threads"])}
 
 
-def cap_memory(plan: Any, device: torch.device) -> bool:
-    """Cap this process's CUDA allocator at ``plan``'s budget (``torch.cuda.set_per_process_memory_fraction``), as
-    on a device of that size; whether a cap was set (none on CPU, without a plan, or for a budget as large as the
-    device). Uncapped, the allocator grows past a budget its plan fits in allocated bytes: W1 at 8 GiB in the
-    trainer reserved 8.37 GiB for 5.98 allocated, where capped runs of the same plan reserved 6.9-7.7 with no
-    retry (``BENCHMARKS.md``, thirteenth session). :func:`uncap_memory` undoes it."""
-    budget = getattr(plan, "budget_bytes", None)
-    if budget is None or device.type != "cuda":
-        return False
-    index = _index(device)
-    total = torch.cuda.get_device_properties(index).total_memory
-    if budget >= total:
-        return False
-    torch.cuda.set_per_process_memory_fraction(budget / total, index)
-    return True
-
-
-def uncap_memory(device: torch.device) -> None:
-    """Lift :func:`cap_memory`'s cap (the next plan profiles, and the process's later work runs, uncapped)."""
-    torch.cuda.set_per_process_memory_fraction(1.0, _index(device))
-
-
-def _index(device: torch.device) -> int:
-    """The CUDA device's index (``cuda`` alone: the current device)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 class BudgetWatch:
     """Warns once when a planned run's allocator reserves more than the plan's budget (what a device of the
     budget's size would not have): the plan's margin missed something, and ``--budget`` needs that much less.

@@ -50,12 +50,10 @@ from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions,
 from elbowroom.train.metrics import (
     BudgetWatch,
     PaceWatch,
-    cap_memory,
     check_tensorboard,
     host_step,
     peak_flops,
     peak_memory,
-    uncap_memory,
 )
 from elbowroom.train.model_parallel_run import plan_and_wrap
 from elbowroom.train.model_parallel_run import plan_to_follow as mp_plan_to_follow
@@ -65,10 +63,12 @@ from elbowroom.train.planning import (
     PLAN_FILE,
     FirstStepOutOfMemory,
     apply_plan,
+    cap_memory,
     check_plan,
     plan_for_budget,
     plan_to_follow,
     replan_after_oom,
+    uncap_memory,
 )
 from elbowroom.train.qat import apply_qat, resolve_qat
 from elbowroom.train.schedule import build_scheduler, sync_lr
