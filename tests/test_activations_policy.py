@@ -221,3 +221,40 @@ def test_bad_apply_calls() -> None:
     with pytest.raises(ValueError, match=r"offload_ratio must be in \[0, 1\]"):
         BlockPolicy(offload_ratio=2.0)
 
+
+
+@pytest.mark.parametrize("lead", [1, 3, 8])
+def test_an_offloaded_block_starts_back_up_to_the_lead_before_its_backward(lead: int) -> None:
+    """Blocks that offload nothing lend their backward to the copy of the offloading block before them: the block
+    ``lead`` after it (at most) starts it back when backward reaches it, and gradients stay exact."""
+    model = model_for("llama", n_layers=6)
+    ref_loss, ref = step_grads(model, 1)
+    plan = [BlockPolicy(offload_ratio=1.0)] + [BlockPolicy()] * 4 + [BlockPolicy("full")]
+    apply_block_policies(model, plan, min_offload_bytes=0, simulate_host=True, prefetch_lead_blocks=lead)
+    eng = get_offload_engine(model)
+    seen: list[tuple[int, int]] = []  # (block whose backward starts, bytes brought back by then)
+
+    def watch(k: int):
+        def fwd_hook(mod, args, out):
+            if out.requires_grad:  # after the policy's own hook: fires once that one has run
+                out.register_hook(lambda g: seen.append((k, eng.stats().reloaded_bytes)))
+        return fwd_hook
+
+    for k, b in enumerate(model.blocks):
+        b.register_forward_hook(watch(k))
+    loss, got = step_grads(model, 1)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=0)
+    assert [k for k, _ in seen] == [5, 4, 3, 2, 1, 0]
+    started = [k for k, nbytes in seen if nbytes > 0]
+    assert started[0] == min(lead, 5)  # block 0's tensors start back when the backward reaches block `lead`
+    assert eng.stats().reloaded_bytes == eng.stats().offloaded_bytes > 0
+
+
+def test_a_bad_prefetch_lead_is_refused() -> None:
+    model = model_for("llama", n_layers=2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch_lead_blocks"):
+            apply_block_policies(model, [BlockPolicy(offload_ratio=1.0), BlockPolicy()], prefetch_lead_blocks=bad)
+    assert _wrap.get_policy(model.blocks[0]) is None  # nothing applied

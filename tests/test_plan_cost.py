@@ -101,8 +101,33 @@ def test_offload_beyond_what_compute_hides_is_exposed() -> None:
     slow_t = cost.predict(slow, d, 80 * GiB).time["exposed activation copies"]
     assert slow_t > fast_t
     b = p.blocks[0]
-    want = 3 * (2 * b.total_saved_bytes / 1e9 - b.forward_s - b.backward_s)  # next block's forward and backward
+    # blocks 0 and 1: the next block offloads too, so only its forward and backward hide their copies; block 2, the
+    # last that offloads: the forward of block 3 and of the head, and block 3's backward (it starts them back)
+    want = 3 * 2 * b.total_saved_bytes / 1e9 - 2 * (b.forward_s + b.backward_s) \
+        - (p.blocks[3].forward_s + p.head.forward_s + p.blocks[3].backward_s)
     assert slow_t == pytest.approx(want)
+
+
+def test_blocks_that_offload_nothing_lend_their_compute_to_the_copies_before_them() -> None:
+    """One region in flight: the engine waits for a block's copies at the end of the next block that offloads, and
+    that block starts them back within PREFETCH_LEAD_BLOCKS, so the kept blocks between hide them both ways."""
+    p = make_profile(n_layers=8)
+    slow = dataclasses.replace(p, machine=dataclasses.replace(p.machine, h2d_bandwidth=1e9, d2h_bandwidth=1e9,
+                                                             duplex_bandwidth=1e9))
+    n = len(slow.blocks)
+    b = slow.blocks[0]
+    copy = b.total_saved_bytes / 1e9
+    for gap in range(1, 5):
+        opts = [Option()] * n
+        opts[0] = opts[gap] = Option("none", 1.0)
+        got = cost.predict(slow, decisions(n, options=tuple(opts)), 80 * GiB)
+        first = got.blocks[0].seconds - (b.forward_s + b.backward_s)
+        lead = min(gap, cost.PREFETCH_LEAD_BLOCKS)
+        want = max(0.0, copy - gap * b.forward_s) + max(0.0, copy - lead * b.backward_s)
+        assert first == pytest.approx(want)
+    # consecutive blocks that offload: each hides behind the next block only (the engine's one region in flight)
+    both = cost.predict(slow, decisions(n, options=(Option("none", 1.0),) * 2 + (Option(),) * (n - 2)), 80 * GiB)
+    assert both.blocks[0].seconds == pytest.approx(b.forward_s + b.backward_s + 2 * copy - b.forward_s - b.backward_s)
 
 
 def test_host_step_hides_behind_the_next_forward_up_to_its_blocks() -> None:

@@ -554,6 +554,9 @@ def test_priced_offload_bytes_are_what_the_engine_moves(option) -> None:
     from elbowroom.plan.cost import OPTIONS, Option
 
     assert cost.DEFAULT_MIN_OFFLOAD_BYTES == DEFAULT_MIN_OFFLOAD_BYTES
+    from elbowroom.activations._wrap import PREFETCH_LEAD_BLOCKS
+
+    assert cost.PREFETCH_LEAD_BLOCKS == PREFETCH_LEAD_BLOCKS  # the lead the planner prices is the engine's
     checkpoint, ratio = option
     torch.manual_seed(0)
     cfg = ModelConfig(arch="gpt2", n_layers=2, dim=256, n_heads=4, ffn_dim=1024, max_seq_len=512, dropout=0.1)

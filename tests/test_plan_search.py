@@ -399,3 +399,52 @@ def test_a_budget_above_the_device_below_the_minimum_names_the_device() -> None:
     with pytest.raises(BudgetError, match=r"budget 200\.0 GiB is above the 80\.0 GiB of h100-test, which is below "
                                           r"the minimum"):
         plan_for(p, 200 * GiB)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_programme_is_exact_over_the_gaps_between_offloading_blocks(seed: int) -> None:
+    """The knapsack carries the gap to the next offloading block as a state: its best time at each capacity equals
+    the least summed cost of every assignment (priced as ``cost.predict`` prices them), and its backtrack returns
+    one that attains it. Blocks of varied size on a slow link, so that gaps matter."""
+    import itertools
+
+    import numpy as np
+
+    rng = random.Random(seed)
+    p = make_profile(n_layers=4, vary=True)
+    p = dataclasses.replace(p, machine=dataclasses.replace(
+        p.machine, d2h_bandwidth=rng.uniform(2e9, 8e9), h2d_bandwidth=rng.uniform(2e9, 8e9),
+        duplex_bandwidth=rng.uniform(1e9, 6e9)))
+    tables = cost.block_tables(p)
+    ks = search._Knapsack(p, tables, offload_ok=True, prefetch_window=1 << 40)
+    level = len(ks.levels) - 1
+    allowed = ks.allowed[level]
+    n = ks.n
+    w = (0.5, 0.0)
+    best = ks.best(level, w)
+    per_block = [[o for o in range(len(cost.OPTIONS)) if allowed[i, o]] for i in range(n)]
+    brute = np.full(ks.M + 1, np.inf)
+    for combo in itertools.product(*per_block):
+        if not any(combo):
+            continue  # every block kept whole: level 0's plan
+        idx = np.array(combo)
+        units = int(ks.units[np.arange(n), idx].sum())
+        if units > ks.M:
+            continue
+        c = tables.chosen(idx, *w)
+        t = 0.0
+        for x in c[::-1]:
+            t += float(x)
+        brute[units:] = np.minimum(brute[units:], t)
+    finite = np.isfinite(brute)
+    assert np.array_equal(finite, np.isfinite(best))
+    assert np.allclose(best[finite], brute[finite], rtol=1e-12, atol=0)
+    some_offload = False
+    for cap in sorted({int(x) for x in np.linspace(0, ks.M, 25)} | {ks.keep_units}):
+        if not np.isfinite(best[cap]):
+            continue
+        idx = np.array(ks.backtrack(level, w, cap))
+        assert int(ks.units[np.arange(n), idx].sum()) <= cap
+        assert float(tables.chosen(idx, *w)[::-1].sum()) == pytest.approx(best[cap], rel=1e-9)
+        some_offload |= bool(tables.offloads[np.arange(n), idx].any())
+    assert some_offload

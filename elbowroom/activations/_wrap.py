@@ -57,15 +57,35 @@ class OffloadSpec:
     """Regions sharing a tag share one ratio measurement (haiscale semantics)."""
 
 
+PREFETCH_LEAD_BLOCKS = 3
+"""How many blocks ahead of its backward an offloaded block's tensors may start back (:class:`PrefetchChain`)."""
+
+
 class PrefetchChain:
     """The offload regions of one model's blocks in the current forward, by block index.
 
-    When backward reaches block ``i`` (the gradient of its output is ready), the region of block
-    ``i - 1`` starts travelling back to the device, so the copy runs under block ``i``'s backward.
+    When backward reaches block ``i`` (the gradient of its output is ready), block ``i``'s own region is made sure of
+    (what is still on the device stays there) and the nearest block before it whose region offloads starts
+    travelling back, if it is at most ``lead`` blocks before: its copy runs under the backward of every block
+    between. Blocks that offload nothing (kept whole, recomputed) therefore give the copies of the block before them
+    their backward, as they gave them their forward (the engine waits for a region's copies only at the end of
+    the next region that offloads). ``lead=1``: the previous block only.
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, lead: int = PREFETCH_LEAD_BLOCKS) -> None:
+        if not isinstance(lead, int) or isinstance(lead, bool) or lead < 1:
+            raise ValueError(f"prefetch lead must be an int >= 1 (blocks), got {lead!r}")
         self.groups: list[Any] = [None] * n
+        self.lead = lead
+
+    def before(self, index: int) -> Any:
+        """The region to bring back when backward reaches block ``index``: the nearest earlier one that offloads
+        within the lead, or None."""
+        for j in range(index - 1, max(index - 1 - self.lead, -1), -1):
+            g = self.groups[j]
+            if g is not None and (g.ratio > 0 or g.cache_ratio > 0):
+                return g
+        return None
 
 
 class ModulePolicy:
@@ -157,9 +177,11 @@ def _first_grad_tensor(out: Any) -> torch.Tensor | None:
     return None
 
 
-def _prefetch_hook(group: Any) -> Callable[[torch.Tensor], None]:
+def _prefetch_hook(*groups: Any) -> Callable[[torch.Tensor], None]:
     def hook(grad: torch.Tensor) -> None:
-        group.prefetch()
+        for g in groups:
+            if g is not None:
+                g.prefetch()
 
     return hook
 
@@ -177,7 +199,7 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs) if rc is None else _checkpointed(fn, rc, None, args, kwargs)
 
     chain = pol.chain
-    prev = chain.groups[pol.index - 1] if chain is not None and pol.index > 0 else None
+    prev = chain.before(pol.index) if chain is not None else None
     off = pol.offload
     region = (
         off.engine.group(off.tag, ratio=off.ratio, cache_ratio=off.cache_ratio) if off is not None else nullcontext()
@@ -186,12 +208,14 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if chain is not None:
             chain.groups[pol.index] = group
         out = fn(*args, **kwargs) if rc is None else _checkpointed(fn, rc, group, args, kwargs)
-    if prev is not None:
+    own = group if group is not None and (group.ratio > 0 or group.cache_ratio > 0) else None
+    if prev is not None or own is not None:
         t = _first_grad_tensor(out)
         if t is not None:
-            # fires when backward reaches this block: bring the previous block's tensors back now,
-            # so their host-to-device copy runs under this block's backward
-            t.register_hook(_prefetch_hook(prev))
+            # fires when backward reaches this block: this block's tensors still on the device stay there (before
+            # anything polls them away), and the previous offloading block's tensors start back now, so that
+            # their host-to-device copy runs under the backward of this block and of those between
+            t.register_hook(_prefetch_hook(own, prev))
     return out
 
 

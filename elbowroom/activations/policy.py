@@ -258,6 +258,7 @@ def apply_block_policies(
     max_inflight_regions: int = 1,
     prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES,
     simulate_host: bool = False,
+    prefetch_lead_blocks: int = _wrap.PREFETCH_LEAD_BLOCKS,
 ) -> nn.Module:
     """Give each block of ``model`` its own :class:`BlockPolicy`, in place.
 
@@ -282,6 +283,9 @@ def apply_block_policies(
             as long as it exceeds the largest saved tensor).
         simulate_host: a new engine on a CPU model offloads anyway, into a separate host buffer (for tests; see
             :class:`~elbowroom.activations.offload.OffloadEngine`). Without it a CPU model offloads nothing.
+        prefetch_lead_blocks: how many blocks before the backward reaches it an offloaded block starts back, at
+            most: blocks that offload nothing in between lend it their backward (see
+            :class:`~elbowroom.activations._wrap.PrefetchChain`; the planner prices the same lead).
 
     Returns:
         ``model`` itself.
@@ -302,6 +306,8 @@ def apply_block_policies(
         if not isinstance(p, BlockPolicy):
             raise TypeError(f"block policies must be BlockPolicy, got {type(p).__name__}")
 
+    if not isinstance(prefetch_lead_blocks, int) or isinstance(prefetch_lead_blocks, bool) or prefetch_lead_blocks < 1:
+        raise ValueError(f"prefetch_lead_blocks must be an int >= 1, got {prefetch_lead_blocks!r}")
     remove_activation_policy(model)
     if all(p == BlockPolicy() for p in plan):
         return model  # nothing to recompute or offload: no wrapper at all
@@ -316,7 +322,7 @@ def apply_block_policies(
             prefetch_window_bytes=prefetch_window_bytes,
             simulate_host=simulate_host,
         )
-    chain = _wrap.PrefetchChain(n) if offloads else None
+    chain = _wrap.PrefetchChain(n, prefetch_lead_blocks) if offloads else None
     for i, (blk, p) in enumerate(zip(blocks, plan)):
         if p.checkpoint != "none":
             checkpoint(blk, p.checkpoint, use_reentrant=use_reentrant and p.checkpoint == "full")

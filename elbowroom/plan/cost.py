@@ -229,6 +229,17 @@ SHARED_LINK_SHARE = 0.5
 same direction (two copies at once, each about half)."""
 
 
+GAP_LEVELS = 6
+"""How many blocks after a block's copies the cost model counts as hiding them, at most: the next block that
+offloads makes the compute stream wait for them at its end (one region in flight), so the kept and recomputed blocks
+between give them their compute (:func:`hiding_seconds`). The search carries the gap as a state of its programme
+(six states); a gap beyond it is priced as this many blocks, on the safe side. W1's whole block (1.0 GiB, 19 ms at
+54 GB/s) needs about six of its 3.5 ms forwards."""
+PREFETCH_LEAD_BLOCKS = 3
+"""How many blocks before its backward an offloaded block's tensors start back, at most: the activation engine's
+default (``elbowroom.activations._wrap.PREFETCH_LEAD_BLOCKS``; a test checks the two agree). The blocks between
+that offload nothing lend the copy their backward; the copy holds its bytes on the device from then on."""
+
 DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
 """The offload engine's default smallest tensor it moves (``elbowroom.activations.offload``, whose import this
 module avoids: the planner's import stays free of the engine; a test checks the two agree)."""
@@ -427,28 +438,57 @@ def option_bytes(b: BlockProfile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return k, f, S - k
 
 
-def option_seconds(b: BlockProfile, next_fwd: float, next_bwd: float, bw_fwd: float, bw_bwd: float
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Recompute seconds and exposed copy seconds of each option for one block, one micro-batch, unscaled.
+def hiding_seconds(profile: Profile) -> tuple[np.ndarray, np.ndarray]:
+    """``(hide_f, hide_b)``, each ``(n, GAP_LEVELS)``: the compute that hides block ``i``'s copies out and back when
+    the next block that offloads anything is ``i + g`` (``[i, g - 1]``), unscaled by the micro-batch.
 
-    ``next_fwd`` / ``next_bwd``: the compute that hides this block's copies out (the next block's forward) and
-    back (the next block's backward); the head's for the last block.
-    """
-    _, off, _ = option_bytes(b)
-    rec = np.array(
-        [b.recompute_s if o.checkpoint == "full" else b.selective_recompute_s if o.checkpoint == "selective" else 0.0
-         for o in OPTIONS]
-    )
+    Out: the forward of blocks ``i+1 .. i+g`` (the engine makes the compute stream wait for a region's copies at the
+    end of the next region that offloads; index ``n`` is the head's forward, the last block's copies leave under it).
+    Back: the backward of blocks ``i+h .. i+1``, ``h = min(g, PREFETCH_LEAD_BLOCKS)`` (block ``i+h`` starts them back
+    when its backward starts: :class:`elbowroom.activations._wrap.PrefetchChain`); the last block's under the
+    head's. Gaps past :data:`GAP_LEVELS` count as that many blocks (the safe side)."""
+    blocks = profile.blocks
+    n = len(blocks)
+    fwd = np.array([b.forward_s for b in blocks] + [profile.head.forward_s], dtype=np.float64)
+    bwd = np.array([b.backward_s for b in blocks] + [0.0], dtype=np.float64)
+    cf = np.concatenate(([0.0], np.cumsum(fwd)))  # cf[j] = sum of fwd[:j]
+    cb = np.concatenate(([0.0], np.cumsum(bwd)))
+    i = np.arange(n)[:, None]
+    gaps = np.arange(1, GAP_LEVELS + 1)[None, :]
+    end = np.minimum(i + gaps, n)  # last hiding index, inclusive
+    hide_f = cf[end + 1] - cf[i + 1]
+    end_b = np.minimum(i + np.minimum(gaps, PREFETCH_LEAD_BLOCKS), n)
+    hide_b = cb[end_b + 1] - cb[i + 1]
+    hide_b[n - 1, :] = profile.head.backward_s
+    return hide_f, hide_b
+
+
+def exposed_seconds(off: np.ndarray, hide_f: np.ndarray, hide_b: np.ndarray, bw_fwd: float, bw_bwd: float
+                    ) -> np.ndarray:
+    """What compute cannot hide of copies of ``off`` bytes (``(n, options)``) for every gap: ``(n, options, G)``."""
     if bw_fwd <= 0 or bw_bwd <= 0:
-        exposed = np.where(off > 0, math.inf, 0.0)
-    else:
-        exposed = np.maximum(0.0, off / bw_fwd - next_fwd) + np.maximum(0.0, off / bw_bwd - next_bwd)
-    return rec, exposed
+        return np.broadcast_to(np.where(off > 0, math.inf, 0.0)[:, :, None], (*off.shape, GAP_LEVELS)).copy()
+    o = off[:, :, None]
+    return (np.maximum(0.0, o / bw_fwd - hide_f[:, None, :]) + np.maximum(0.0, o / bw_bwd - hide_b[:, None, :]))
+
+
+def offload_gaps(offloads: np.ndarray) -> np.ndarray:
+    """Per block, the gap index (``g - 1``, at most ``GAP_LEVELS - 1``) to the next block that offloads, or to the
+    head past the last block, for the blocks' offloading flags ``offloads`` (the exposure tables' third axis)."""
+    n = len(offloads)
+    out = np.empty(n, dtype=np.int64)
+    nxt = n
+    for i in range(n - 1, -1, -1):
+        out[i] = min(nxt - i, GAP_LEVELS) - 1
+        if offloads[i]:
+            nxt = i
+    return out
 
 
 @dataclass(frozen=True)
 class BlockTables:
-    """Per-block, per-option arrays (shape ``(n, len(OPTIONS))``), unscaled by the micro-batch."""
+    """Per-block, per-option arrays (shape ``(n, len(OPTIONS))``, the exposures ``(n, len(OPTIONS), GAP_LEVELS)``:
+    by the gap to the next block that offloads), unscaled by the micro-batch."""
 
     kept: np.ndarray
     offloaded: np.ndarray
@@ -459,20 +499,31 @@ class BlockTables:
     exposed_shared: np.ndarray
     """At :data:`SHARED_LINK_SHARE` of the duplex rate: the streamed optimizer states hold the copies' direction."""
 
+    @property
+    def offloads(self) -> np.ndarray:
+        """``(n, options)``: the option moves bytes over the link (it makes a region the engine waits at)."""
+        return self.offloaded > 0
+
     def cost(self, w: float, shared: float = 0.0) -> np.ndarray:
-        """Seconds per micro-batch of each option (unscaled): recompute plus the copies' exposed time with a share
-        ``w`` of micro-batches beside the optimizer's copies, of which ``shared`` (0 or ``w``) beside streamed ones.
-        One expression, used by the search and by :func:`predict`."""
+        """Seconds per micro-batch of each option and gap, ``(n, options, GAP_LEVELS)`` (unscaled): recompute plus
+        the copies' exposed time with a share ``w`` of micro-batches beside the optimizer's copies, of which
+        ``shared`` (0 or ``w``) beside streamed ones. One expression, used by the search and by :func:`predict`."""
         # (terms of share 0 are left out: 0 * inf would be nan where a machine without a link makes copies
         # infinitely slow)
-        out = self.recompute
+        out = self.recompute[:, :, None]
         for share, exposed in ((1.0 - w, self.exposed_oneway), (w - shared, self.exposed_duplex),
                                (shared, self.exposed_shared)):
             if share == 1.0:
                 out = out + exposed
             elif share != 0.0:
                 out = out + share * exposed
-        return out
+        return np.broadcast_to(out, self.exposed_oneway.shape)
+
+    def chosen(self, idx: np.ndarray, w: float, shared: float = 0.0) -> np.ndarray:
+        """Seconds per micro-batch of each block under options ``idx`` (unscaled), at the gaps they leave."""
+        rows = np.arange(len(idx))
+        gaps = offload_gaps(self.offloads[rows, idx])
+        return self.cost(w, shared)[rows, idx, gaps]
 
 
 _TABLES: dict[int, tuple[Profile, BlockTables]] = {}
@@ -492,20 +543,23 @@ def block_tables(profile: Profile) -> BlockTables:
 
 def _block_tables(profile: Profile) -> BlockTables:
     m = profile.machine
-    blocks = profile.blocks
-    n = len(blocks)
-    rows = [[], [], [], [], [], [], []]
-    shared = SHARED_LINK_SHARE * m.duplex_bandwidth
-    for i, b in enumerate(blocks):
-        nf = blocks[i + 1].forward_s if i + 1 < n else profile.head.forward_s
-        nb = blocks[i + 1].backward_s if i + 1 < n else profile.head.backward_s
+    n = len(profile.blocks)
+    kept, off, extra, rec = ([] for _ in range(4))
+    for b in profile.blocks:
         k, f, e = option_bytes(b)
-        rec, x1 = option_seconds(b, nf, nb, m.d2h_bandwidth, m.h2d_bandwidth)
-        _, x2 = option_seconds(b, nf, nb, m.duplex_bandwidth, m.duplex_bandwidth)
-        _, x3 = option_seconds(b, nf, nb, shared, shared)
-        for row, v in zip(rows, (k, f, e, rec, x1, x2, x3)):
-            row.append(v)
-    return BlockTables(*(np.array(r, dtype=np.float64).reshape(n, len(OPTIONS)) for r in rows))
+        kept.append(k)
+        off.append(f)
+        extra.append(e)
+        rec.append([b.recompute_s if o.checkpoint == "full" else b.selective_recompute_s
+                    if o.checkpoint == "selective" else 0.0 for o in OPTIONS])
+    shape = (n, len(OPTIONS))
+    kept_a, off_a, extra_a, rec_a = (np.array(x, dtype=np.float64).reshape(shape) for x in (kept, off, extra, rec))
+    hide_f, hide_b = hiding_seconds(profile)
+    shared = SHARED_LINK_SHARE * m.duplex_bandwidth
+    x1 = exposed_seconds(off_a, hide_f, hide_b, m.d2h_bandwidth, m.h2d_bandwidth)
+    x2 = exposed_seconds(off_a, hide_f, hide_b, m.duplex_bandwidth, m.duplex_bandwidth)
+    x3 = exposed_seconds(off_a, hide_f, hide_b, shared, shared)
+    return BlockTables(kept_a, off_a, extra_a, rec_a, x1, x2, x3)
 
 
 # ---------------------------------------------------------------------------------------------- globals
@@ -871,10 +925,10 @@ def predict(
     idx = np.array([OPTIONS.index(o) for o in d.options], dtype=np.int64)
     rows = np.arange(n)
     g = globals_for(profile, d)
-    cost = tab.cost(*link_shares(d, profile))[rows, idx]
+    cost = tab.chosen(idx, *link_shares(d, profile))
     block_sum = 0.0
-    for c in cost:
-        block_sum += float(c)  # in block order, as the search's knapsack adds them
+    for c in cost[::-1]:
+        block_sum += float(c)  # last block first, as the search's programme adds them
     step = step_seconds(g, s, d.accumulation, block_sum)
 
     ph = phases.phases(profile, g, d, idx, prefetch_window_bytes)
@@ -888,8 +942,8 @@ def predict(
               **{k: v for k, v in parts.items() if v}, "allocator margin": margin}
     peak = states + int(ph.values[at]) + margin
 
-    x = (tab.cost(*link_shares(d, profile)) - tab.recompute)[rows, idx]
     rec = tab.recompute[rows, idx]
+    x = cost - rec
     base_block = [s * (b.forward_s + b.backward_s) for b in profile.blocks]
     blocks = tuple(
         BlockCost(

@@ -116,10 +116,27 @@ class _Held:
 _HELD: dict[tuple[Any, ...], tuple[Profile, _Held]] = {}
 
 
-def _held(profile: Profile, idx: np.ndarray, s: float, window: int) -> _Held:
+def copy_rate(profile: Profile, d: cost.Decisions) -> float:
+    """The rate the activations' copies out are counted to leave at, for the memory they hold: the slowest the plan
+    gives them (half the duplex rate beside streamed states, the duplex rate beside the optimizer's copies, else
+    the one-way rate)."""
+    m = profile.machine
+    if d.streams:
+        return cost.SHARED_LINK_SHARE * m.duplex_bandwidth
+    return m.duplex_bandwidth if d.offloads_params else m.d2h_bandwidth
+
+
+def _held(profile: Profile, idx: np.ndarray, s: float, window: int, rate: float) -> _Held:
     """:class:`_Held` for options ``idx`` at ``s`` times the profile's micro-batch, cached: the search checks the same
-    few options under many global choices."""
-    key = (id(profile), idx.tobytes(), s, window)
+    few options under many global choices.
+
+    Copies in flight: in forward block ``i``, those of the nearest block ``p < i`` that offloads, while they have not
+    left by the end of block ``i - 1`` at ``rate`` (the engine frees a region's memory at the first region end after
+    its copies finished, and waits for them at the end of the next region that offloads); at the forward's end, the
+    last such block's, unless its copies left under the forward after it. In backward block ``i``, ``p``'s tensors on
+    their way back when ``p`` is at most :data:`~elbowroom.plan.cost.PREFETCH_LEAD_BLOCKS` blocks before
+    (:class:`elbowroom.activations._wrap.PrefetchChain`), at most the prefetch window."""
+    key = (id(profile), idx.tobytes(), s, window, rate)
     got = _HELD.get(key)
     if got is not None and got[0] is profile:
         return got[1]
@@ -131,17 +148,26 @@ def _held(profile: Profile, idx: np.ndarray, s: float, window: int) -> _Held:
     saved, largest, inp = _scaled(profile, s)
     held = (profile.inflight_microbatches - 1) * (int(kept.sum()) + math.ceil(s * profile.head.saved_bytes))
     before = np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64) + held  # + other micro-batches in flight
-    inflight = np.concatenate(([0], off[:-1])).astype(np.int64)
+    # (times at the profile's micro-batch: bytes and compute scale alike)
+    leave = tab.offloaded[rows, idx] / rate if rate > 0 else np.where(off > 0, math.inf, 0.0)
+    cf = np.concatenate(([0.0], np.cumsum([b.forward_s for b in profile.blocks])))
+    last = np.maximum.accumulate(np.where(off > 0, rows, -1))  # the nearest block <= i that offloads
+    p = np.concatenate(([-1], last[:-1]))  # ... < i
+    pp = np.maximum(p, 0)
+    flying = (p >= 0) & (leave[pp] > cf[rows] - cf[pp + 1])
+    inflight = np.where(flying, off[pp], 0).astype(np.int64)
     work_fwd = saved + largest
-    nz = np.flatnonzero(off)
-    fetch = np.minimum(inflight, window)
+    fetch = np.where((p >= 0) & (rows - p <= cost.PREFETCH_LEAD_BLOCKS), np.minimum(off[pp], window), 0)
+    fetch = fetch.astype(np.int64)
     work_bwd = 2 * inp + largest
     bwd = before + saved + fetch + work_bwd
+    top = int(last[-1])
+    last_off = int(off[top]) if top >= 0 and (top == n - 1 or leave[top] > cf[n] - cf[top + 1]) else 0
     arrays = (kept, off, saved, before, work_fwd, inflight, fetch, work_bwd, bwd)
     for a in arrays:
         a.flags.writeable = False  # (shared by every caller that asks for the same options)
     out = _Held(kept, off, saved, before, work_fwd, inflight, fetch, work_bwd, total_kept=int(kept.sum()) + held,
-                last_off=int(off[nz[-1]]) if nz.size else 0, policy=bool(idx.any()),
+                last_off=last_off, policy=bool(idx.any()),
                 fwd_max=int((before + work_fwd + inflight).max()), bwd=bwd, bwd_max=int(bwd.max()))
     if len(_HELD) > 1024:  # (nine arrays of one int64 per block each)
         _HELD.clear()
@@ -160,7 +186,7 @@ def phases(profile: Profile, g: cost.Globals, d: cost.Decisions, idx: np.ndarray
     vectorised."""
     n = len(profile.blocks)
     s = d.micro_batch / profile.micro_batch
-    h = _held(profile, idx, s, window)
+    h = _held(profile, idx, s, window, copy_rate(profile, d))
     cache = g.cache if not h.policy else 0  # OPTIONS[0] is Option(): no block has a policy
     grad_t = _grad_work(profile, g, s)
     fwd = h.before + h.work_fwd + h.inflight
@@ -185,7 +211,7 @@ def peak_bytes(profile: Profile, d: cost.Decisions, idx: np.ndarray, budget_byte
     terms."""
     g = cost.globals_for(profile, d) if g is None else g
     s = d.micro_batch / profile.micro_batch
-    h = _held(profile, idx, s, window)
+    h = _held(profile, idx, s, window, copy_rate(profile, d))
     bwd_max = h.bwd_max
     if g.transient_grads:
         bwd_max = int((h.bwd + (g.head_grads + _later_gradients(profile, d))).max())

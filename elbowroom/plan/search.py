@@ -171,47 +171,71 @@ class _Knapsack:
             got = self._cache[key] = self._solve(level, w, record=False)[0]
         return got
 
-    def _solve(self, level: int, w: tuple[float, float], record: bool) -> tuple[np.ndarray, list[np.ndarray]]:
-        M, n = self.M, self.n
-        c = self.t.cost(*w)
+    def _solve(self, level: int, w: tuple[float, float], record: bool) -> tuple[np.ndarray, Any]:
+        """The programme, last block first: ``B[g, m]`` is the least summed seconds of the blocks seen so far within
+        ``m`` units, where the nearest of them that offloads is ``g + 1`` blocks after the next one to be placed
+        (the gap its copies' exposure depends on, :func:`cost.hiding_seconds`; ``GAP_LEVELS - 1``: that far or
+        none). With ``record``, per block the choice and the state it came from (for :meth:`backtrack`)."""
+        M, n, G = self.M, self.n, cost.GAP_LEVELS
+        c = self.t.cost(*w)  # (n, options, G)
         if level == 0:  # every block kept whole: one configuration
             out = np.full(M + 1, np.inf)
             tot = 0.0
-            for i in range(n):
-                tot += float(c[i, _KEEP])
+            for i in range(n - 1, -1, -1):
+                tot += float(c[i, _KEEP, 0])
             if self.keep_units <= M:
                 out[self.keep_units:] = tot
-            return out, []
+            return out, None
         allowed = self.allowed[level]
-        # two states: A = every block so far kept whole (one configuration), B = at least one block has a policy
-        # (a plan with no policy at all installs no wrapper and keeps autocast's weight cache: level 0 prices it)
+        offloads = self.t.offloads
+        # two kinds of state: A = every block after this one kept whole (one configuration; its gap is to the head),
+        # B = at least one block has a policy (a plan with no policy at all installs no wrapper and keeps autocast's
+        # weight cache: level 0 prices it)
         a_units, a_cost = 0, 0.0
-        B = np.full(M + 1, np.inf)
-        choices = []
-        for i in range(n):
-            cands, tags = [], []
+        B = np.full((G, M + 1), np.inf)
+        shift_rows = np.minimum(np.arange(G) + 1, G - 1)  # a block that offloads nothing: the gap grows by one
+        choices: list[np.ndarray] = []
+        for i in range(n - 1, -1, -1):
+            gap_a = min(n - i, G) - 1
+            nb = np.full((G, M + 1), np.inf)
+            tag = np.zeros((G, M + 1), dtype=np.int16) if record else None
             for o in range(len(OPTIONS)):
                 if not allowed[i, o]:
                     continue
-                u, co = int(self.units[i, o]), float(c[i, o])
-                if u <= M:
-                    shifted = np.full(M + 1, np.inf)
-                    shifted[u:] = B[: M + 1 - u] + co
-                    cands.append(shifted)
-                    tags.append(o)
-                    if o != _KEEP and a_units + u <= M:  # the first policy, after blocks all kept
-                        fromA = np.full(M + 1, np.inf)
-                        fromA[a_units + u:] = a_cost + co
-                        cands.append(fromA)
-                        tags.append(o + 100)
-            stack = np.stack(cands)
-            arg = stack.argmin(axis=0)
-            B = stack[arg, np.arange(M + 1)]
+                u = int(self.units[i, o])
+                if u > M:
+                    continue
+                co = c[i, o]
+                cand = B[:, : M + 1 - u] + co[:, None]  # (G, M + 1 - u): from each gap state
+                if not record:
+                    if offloads[i, o]:
+                        np.minimum(nb[0, u:], cand.min(axis=0), out=nb[0, u:])
+                    else:
+                        np.minimum(nb[1:, u:], cand[:-1], out=nb[1:, u:])
+                        np.minimum(nb[G - 1, u:], cand[G - 1], out=nb[G - 1, u:])
+                elif offloads[i, o]:
+                    # this block offloads: its copies see the gap it came from; the next block's gap is 1
+                    src = cand.argmin(axis=0)
+                    val = cand[src, np.arange(M + 1 - u)]
+                    _better(nb[0], tag[0] if record else None, u, val, o + _SRC * src)
+                else:
+                    # offloads nothing: every gap grows by one, the largest stays (the nearest offload as far)
+                    for r in range(G - 1, -1, -1):
+                        t = shift_rows[r]
+                        _better(nb[t], tag[t] if record else None, u, cand[r], o + _SRC * r)
+                if o != _KEEP and a_units + u <= M:  # the first policy, after blocks all kept
+                    t = 0 if offloads[i, o] else shift_rows[gap_a]
+                    _better(nb[t], tag[t] if record else None, a_units + u,
+                            np.full(M + 1 - a_units - u, a_cost + float(co[gap_a])), o + _SRC * gap_a + _FROM_A)
+            B = nb
             if record:
-                choices.append(np.array(tags, dtype=np.int16)[arg])
+                choices.append(tag)
             a_units += int(self.units[i, _KEEP])
-            a_cost += float(c[i, _KEEP])
-        return B, choices
+            a_cost += float(c[i, _KEEP, 0])
+        best = B.min(axis=0)
+        if not record:
+            return best, None
+        return best, (choices[::-1], B.argmin(axis=0))
 
     def picked(self, level: int, w: tuple[float, float], capacity: int) -> np.ndarray:
         """:meth:`backtrack` as an array, cached: the refinement asks for the same few capacities of its fixed grid
@@ -228,21 +252,44 @@ class _Knapsack:
         """The option index per block of the best solution within ``capacity`` units."""
         if level == 0:
             return (_KEEP,) * self.n
-        choices = self._choices.get((level, w))
-        if choices is None:
-            if len(self._choices) > 64:  # n x (M + 1) int16 each: about 1 MB at 100 blocks
+        got = self._choices.get((level, w))
+        if got is None:
+            if len(self._choices) * self.n * (self.M + 1) * cost.GAP_LEVELS * 2 > _CHOICES_BYTES:
                 self._choices.clear()
-            choices = self._choices[(level, w)] = self._solve(level, w, record=True)[1]
+            got = self._choices[(level, w)] = self._solve(level, w, record=True)[1]
+        choices, rows = got
         out = [_KEEP] * self.n
-        m = capacity
-        for i in range(self.n - 1, -1, -1):
-            tag = choices[i].item(m)
-            o = tag % 100
+        m, r = capacity, int(rows[capacity])
+        for i in range(self.n):
+            tag = choices[i].item(r, m)
+            o = tag % _SRC
             out[i] = o
             m -= self._units[i][o]
-            if tag >= 100:
-                break  # the blocks before are all kept whole
+            r = (tag % _FROM_A) // _SRC
+            if tag >= _FROM_A:
+                break  # the blocks after are all kept whole
         return tuple(out)
+
+
+_CHOICES_BYTES = 256 << 20
+"""The most memory the recorded choices of the programmes kept for backtracking may take (n x GAP_LEVELS x
+(M + 1) int16 each: 0.6 MB at 24 blocks, 5 MB at 100)."""
+_SRC = 32
+"""A recorded choice: ``option + _SRC x the gap state it came from (+ _FROM_A)``."""
+_FROM_A = 1024
+"""A recorded choice that is the first policy, after blocks all kept whole."""
+
+
+def _better(row: np.ndarray, tag: np.ndarray | None, u: int, val: np.ndarray, code: Any) -> None:
+    """``row[u:] = min(row[u:], val)``, recording ``code`` where ``val`` is smaller (strictly: on a tie the earlier
+    candidate stays, the options' order of preference)."""
+    cur = row[u:]
+    if tag is None:
+        np.minimum(cur, val, out=cur)
+        return
+    less = val < cur
+    cur[less] = val[less]
+    tag[u:][less] = code[less] if isinstance(code, np.ndarray) else code
 
 
 def _divisors(n: int) -> list[int]:
