@@ -60,11 +60,11 @@ In backward each block's whole saved set is back on the device (recomputed, or f
 what it kept is ``e_i = S_i - k_i``. Phases (``M`` model states and staging; computed in
 :mod:`elbowroom.plan.phases`)::
 
-    forward, block i:   M' + sum_{j<i} k_j + S_i + L_i + o_{i-1}                   (L: largest saved tensor, a
-                                                                                     temporary; o_{i-1} in flight)
+    forward, block i:   M' + sum_{j<i} k_j + S_i + L_i + f_i                       (L: largest saved tensor, a
+                                                                                     temporary; f_i in flight)
     forward's end:      M' + sum_j k_j + o_last + H + C                           (H: head saved + logits, or the
                                                                                      fused chunk; C: autocast cache)
-    backward, block i:  M' + G_h + sum_{j>=i} G_j + sum_{j<i} k_j + S_i + min(o_{i-1}, W) + 2 In_i + L_i + G
+    backward, block i:  M' + G_h + sum_{j>=i} G_j + sum_{j<i} k_j + S_i + b_i + 2 In_i + L_i + G
                                                                                     (W: prefetch window; 2 In + L:
                                                                                      gradients of the residual stream
                                                                                      and of the largest intermediate;
@@ -76,6 +76,10 @@ what it kept is ``e_i = S_i - k_i``. Phases (``M`` model states and staging; com
 
 (``M`` includes ``Profile.rank_transient_bytes``: under FSDP2 a rank's all-gathered parameters and unsharded
 gradients, held from the first forward to the last backward; 0 for a model that is not sharded.)
+(``f_i``: ``o_p`` of the nearest block ``p < i`` that offloads while its copies have not left by the end of block
+``i - 1`` at the plan's slowest copy rate; ``o_last`` the last such block's unless its copies left under the forward
+after it; ``b_i = min(o_p, W)`` when ``i - p <= PREFETCH_LEAD_BLOCKS``, on its way back, else 0:
+:func:`elbowroom.plan.phases._held`.)
 (``M'``: ``M`` less the resident gradients when they come and go with the backward, as above; else ``M``. A pipeline
 stage adds to all but the last ``(Profile.inflight_microbatches - 1) (sum_j k_j + head saved)``: other micro-batches.)
 The peak is the largest of these plus the allocator margin: ``Profile.allocator_overhead_bytes`` when measured,
@@ -103,17 +107,22 @@ Time (one optimizer step of ``A`` micro-batches)
     T_step  = A T_mb + T_dev + T_host
     T_mb    = s (sum_i (F_i + B_i) + F_h + B_h - X_0) + X + s sum_i c_i
     c_i     = R_i + (1 - w) x_i(one-way rates) + w x_i(duplex rate)
-    x_i     = max(0, o_i / bw_fwd - F_{i+1}) + max(0, o_i / bw_bwd - B_{i+1})
+    x_i     = max(0, o_i / bw_fwd - sum_{j=i+1..i+g_i} F_j) + max(0, o_i / bw_bwd - sum_{j=i+1..i+h_i} B_j)
+    g_i     = min(q_i - i, GAP_LEVELS),  h_i = min(g_i, PREFETCH_LEAD_BLOCKS)
 
 ``F``, ``B``: forward and backward of a block, ``F_h``, ``B_h`` of the head (plain and fused alike: measured on
 the H100 within -1.1..+1.4% of each other, ``BENCHMARKS.md``); ``R_i``: ``recompute_s`` (full) or
-``selective_recompute_s`` (selective). ``x_i``: what compute cannot hide of block ``i``'s copies: they leave while
-the next block computes its forward (the engine releases a region one region later) and come back while the next
-block runs its backward (one-block-ahead prefetch); for the last block the head's forward and backward (index
-``n`` means the head). ``w = 1/A`` when parameters are offloaded (the optimizer's gradients and weights share the
-link in one micro-batch of the step: both directions busy, ``duplex_bandwidth``), else 0 (one direction at a time:
-``d2h_bandwidth`` in forward, ``h2d_bandwidth`` in backward). The activation copies are counted per block, so that
-the total is a sum: the search's knapsack is then exact, and a plan's printed time is what the search minimised.
+``selective_recompute_s`` (selective). ``x_i``: what compute cannot hide of block ``i``'s copies. ``q_i`` is the
+next block after ``i`` whose option offloads anything (``n``, the head, when none does). The engine makes the compute
+stream wait for block ``i``'s copies out at the end of block ``q_i`` (one offloading region in flight), so they leave
+under the forward of every block up to it; they come back under the backward of the ``h_i`` blocks before ``i``'s,
+the first of which starts them back (``elbowroom.activations._wrap.PrefetchChain``); for the last block the head's
+forward and backward (index ``n`` means the head). The search carries ``g`` as a state of its programme
+(:mod:`elbowroom.plan.search`), so the sum stays exact. ``w = 1/A`` when parameters are offloaded (the optimizer's
+gradients and weights share the link in one micro-batch of the step: both directions busy, ``duplex_bandwidth``),
+else 0 (one direction at a time: ``d2h_bandwidth`` in forward, ``h2d_bandwidth`` in backward). The activation copies
+are counted per block, so that the total is a sum: the search's programme is then exact, and a plan's printed time
+is what the search minimised.
 
 ``X``: autocast's weight casts per micro-batch (not scaled by ``s``): ``P_32 * CAST_BYTES_PER_PARAM /
 memory_bandwidth``, ``P_32`` the parameters held in fp32 on the device and run under autocast (all of them with

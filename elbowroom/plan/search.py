@@ -3,7 +3,9 @@
 :func:`plan_for` enumerates the global choices in an outer grid (weight layout, which blocks' optimizer leaves the
 device and whether the other parameters' does, micro-batch and accumulation, fused loss, allocator setting, and a
 cap ``E`` on any block's backward extra, see :mod:`elbowroom.plan.cost`) and, inside, solves the per-block
-choices exactly: a multiple-choice knapsack over the blocks' :data:`~elbowroom.plan.cost.OPTIONS`, memory
+choices exactly: a multiple-choice knapsack over the blocks' :data:`~elbowroom.plan.cost.OPTIONS` whose
+programme, run from the last block to the first, also carries the gap to the next block that offloads (what hides
+a block's copies, :func:`~elbowroom.plan.cost.hiding_seconds`; :data:`~elbowroom.plan.cost.GAP_LEVELS` states), memory
 discretised in units that depend on the profile only (never on the budget), minimising the summed per-block
 seconds. One dynamic programme serves every memory capacity at once (its last row is the best time for each
 capacity), every micro-batch size whose copies see the same link (bytes and times scale alike, so the units do
