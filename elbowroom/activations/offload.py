@@ -16,7 +16,9 @@ tensor autograd saves:
   without blocking, and the end of the next region makes the compute stream wait for it (a stream
   wait, not a host sync), which bounds the device memory in flight to about one region;
 - in backward, when a block's backward starts, the previous region's tensors are copied back on a
-  host-to-device stream while the block's backward runs (both link directions busy at once).
+  host-to-device stream while the block's backward runs (both link directions busy at once); blocks wrapped
+  by a plan reach further back, to the nearest offloading block up to ``prefetch_lead_blocks`` before
+  (:class:`~elbowroom.activations._wrap.PrefetchChain`), so kept blocks in between lend it their backward.
 
 Ratios follow haiscale's CPUOffload: the first entry of a tag offloads every eligible tensor and
 measures their sizes; later entries offload the largest tensors until ``ratio`` of those bytes.
