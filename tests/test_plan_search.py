@@ -129,6 +129,11 @@ def test_budget_above_the_device_is_capped() -> None:
     assert any("above the device" in n for n in plan.notes)
 
 
+_SEARCH_S = 15.0
+"""The bound on one 100-block search: 4.4 s before the programme carried the gap between offloading blocks as a
+state (six of them), 8.2 s after, on a 2-core machine like CI's."""
+
+
 def test_hundred_blocks_plan_in_seconds() -> None:
     p = make_profile(n_layers=100, dim=1024, ffn=2816, vary=True)
     low = _minimum(p, precision="bf16", fused_loss_allowed=True, global_batch=16)
@@ -136,7 +141,7 @@ def test_hundred_blocks_plan_in_seconds() -> None:
     plan = plan_for(p, low + 6 * GiB, precision="bf16", fused_loss_allowed=True, global_batch=16)
     took = time.perf_counter() - t0
     assert len(plan.blocks) == 100 and plan.predicted_peak_bytes <= low + 6 * GiB
-    assert took < 10.0, f"search took {took:.1f} s"
+    assert took < _SEARCH_S, f"search took {took:.1f} s"
     # without clipping, with offloaded gradients: the host steps' order is simulated for every outer choice
     kw = dict(precision="bf16", fused_loss_allowed=True, grad_clipping=False)
     low = _minimum(p, **kw)
@@ -144,7 +149,7 @@ def test_hundred_blocks_plan_in_seconds() -> None:
     plan = plan_for(p, low, **kw)
     took = time.perf_counter() - t0
     assert plan.offload_gradients and plan.predicted_peak_bytes <= low
-    assert took < 10.0, f"search took {took:.1f} s"
+    assert took < _SEARCH_S, f"search took {took:.1f} s"
 
 
 def test_bad_arguments() -> None:
