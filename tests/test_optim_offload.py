@@ -761,12 +761,7 @@ def test_casts_on_the_device_go_through_one_buffer_per_copy_stream() -> None:
     m1, m2 = _wide_model(), _wide_model()
     o1 = make_opt(list(m1.parameters()), offload_fraction=1.0, param_dtype=torch.bfloat16, lr=1e-2)
     step2, _ = _bf16_reference(m2, list(m2.parameters()))
-    for x in batches(3):
-        _autocast_loss(m1, x).backward()
-        o1.step()
-        o1.zero_grad()
-        _autocast_loss(m2, x).backward()
-        step2()
+    _train_beside_reference(m1, o1, m2, step2, batches(3))
     o1.wait_for_weights()
     assert_same(m1, m2)
     casts = o1._streams._casts
@@ -889,6 +884,16 @@ def _autocast_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return loss_of(m, x).float()
 
 
+def _train_beside_reference(m1: nn.Module, o1: CPUOffloadOptimizer, m2: nn.Module, step2, data) -> None:
+    """The same steps under autocast on ``m1`` with ``o1`` and on ``m2`` with the reference step ``step2``."""
+    for x in data:
+        _autocast_loss(m1, x).backward()
+        o1.step()
+        o1.zero_grad()
+        _autocast_loss(m2, x).backward()
+        step2()
+
+
 @pytest.mark.parametrize("offload_gradients", [False, True])
 def test_param_dtype_casts_offloaded_params(offload_gradients: bool, host_step: str) -> None:
     # param_dtype=bf16: the offloaded parameters become bf16 on the device (same Parameter objects), their
@@ -908,12 +913,7 @@ def test_param_dtype_casts_offloaded_params(offload_gradients: bool, host_step: 
         if bf16[hp.index]:  # the cast ones' masters hold the full-precision values (the others re-read theirs)
             torch.testing.assert_close(hp.master, original[hp.index], atol=0, rtol=0)
     step2, pairs = _bf16_reference(m2, last_fraction(list(m2.parameters()), 0.5))
-    for x in batches(5):
-        _autocast_loss(m1, x).backward()
-        o1.step()
-        o1.zero_grad()
-        _autocast_loss(m2, x).backward()
-        step2()
+    _train_beside_reference(m1, o1, m2, step2, batches(5))
     _used_casts(o1, host_step)
     assert_same(m1, m2)
     sd = o1.state_dict()

@@ -10,7 +10,7 @@ import pytest
 from test_plan_support import GiB, make_profile
 
 from elbowroom.optim.config import CPUOffloadConfig
-from elbowroom.plan import cost, phases
+from elbowroom.plan import cost, options, phases
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
 
 
@@ -54,7 +54,7 @@ def test_model_states_per_parameter_by_layout() -> None:
 
 def test_option_bytes_follow_the_policies() -> None:
     b = make_profile(n_layers=1).blocks[0]
-    kept, off, extra = cost.option_bytes(b)
+    kept, off, extra = options.option_bytes(b)
     S, sel, inp = b.total_saved_bytes, b.selective_saved_bytes, b.input_bytes
     by = {o: (k, f) for o, k, f in zip(OPTIONS, kept, off)}
     assert by[Option()] == (S, 0)
@@ -122,7 +122,7 @@ def test_blocks_that_offload_nothing_lend_their_compute_to_the_copies_before_the
         opts[0] = opts[gap] = Option("none", 1.0)
         got = cost.predict(slow, decisions(n, options=tuple(opts)), 80 * GiB)
         first = got.blocks[0].seconds - (b.forward_s + b.backward_s)
-        lead = min(gap, cost.PREFETCH_LEAD_BLOCKS)
+        lead = min(gap, options.PREFETCH_LEAD_BLOCKS)
         want = max(0.0, copy - gap * b.forward_s) + max(0.0, copy - lead * b.backward_s)
         assert first == pytest.approx(want)
     # consecutive blocks that offload: each hides behind the next block only (the engine's one region in flight)

@@ -550,13 +550,13 @@ def test_priced_offload_bytes_are_what_the_engine_moves(option) -> None:
     # model whose activations pass the engine's 1 MiB floor (1024 tokens x 256 x 4 B), on the simulated host.
     from elbowroom.activations import BlockPolicy, apply_block_policies, get_offload_engine
     from elbowroom.activations.offload import DEFAULT_MIN_OFFLOAD_BYTES
-    from elbowroom.plan import cost
+    from elbowroom.plan import options
     from elbowroom.plan.cost import OPTIONS, Option
 
-    assert cost.DEFAULT_MIN_OFFLOAD_BYTES == DEFAULT_MIN_OFFLOAD_BYTES
+    assert options.DEFAULT_MIN_OFFLOAD_BYTES == DEFAULT_MIN_OFFLOAD_BYTES
     from elbowroom.activations._wrap import PREFETCH_LEAD_BLOCKS
 
-    assert cost.PREFETCH_LEAD_BLOCKS == PREFETCH_LEAD_BLOCKS  # the lead the planner prices is the engine's
+    assert options.PREFETCH_LEAD_BLOCKS == PREFETCH_LEAD_BLOCKS  # the lead the planner prices is the engine's
     checkpoint, ratio = option
     torch.manual_seed(0)
     cfg = ModelConfig(arch="gpt2", n_layers=2, dim=256, n_heads=4, ffn_dim=1024, max_seq_len=512, dropout=0.1)
@@ -564,7 +564,7 @@ def test_priced_offload_bytes_are_what_the_engine_moves(option) -> None:
     ids = torch.randint(0, cfg.vocab_size, (2, 512), generator=torch.Generator().manual_seed(1))
     prof = _quick(model, ids)
     o = Option(checkpoint or "none", ratio)
-    _, off, _ = cost.option_bytes(prof.blocks[0])
+    _, off, _ = options.option_bytes(prof.blocks[0])
     priced = off[OPTIONS.index(o)]
     share = ratio * (prof.blocks[0].total_saved_bytes if checkpoint is None
                      else prof.blocks[0].selective_saved_bytes - prof.blocks[0].input_bytes)

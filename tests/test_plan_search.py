@@ -11,7 +11,7 @@ import time
 import pytest
 from test_plan_support import GiB, make_profile
 
-from elbowroom.plan import BudgetError, cost, plan_for, search
+from elbowroom.plan import BudgetError, cost, knapsack, options, plan_for, search
 
 
 def _minimum(profile, **kw) -> int:
@@ -420,8 +420,8 @@ def test_the_programme_is_exact_over_the_gaps_between_offloading_blocks(seed: in
     p = dataclasses.replace(p, machine=dataclasses.replace(
         p.machine, d2h_bandwidth=rng.uniform(2e9, 8e9), h2d_bandwidth=rng.uniform(2e9, 8e9),
         duplex_bandwidth=rng.uniform(1e9, 6e9)))
-    tables = cost.block_tables(p)
-    ks = search._Knapsack(p, tables, offload_ok=True, prefetch_window=1 << 40)
+    tables = options.block_tables(p)
+    ks = knapsack.Knapsack(p, tables, offload_ok=True, prefetch_window=1 << 40)
     level = len(ks.levels) - 1
     allowed = ks.allowed[level]
     n = ks.n

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from elbowroom.plan import cost
+from elbowroom.plan import cost, options
 from elbowroom.plan.types import Profile
 
 __all__ = ["peak_bytes", "phases"]
@@ -122,7 +122,7 @@ def copy_rate(profile: Profile, d: cost.Decisions) -> float:
     the one-way rate)."""
     m = profile.machine
     if d.streams:
-        return cost.SHARED_LINK_SHARE * m.duplex_bandwidth
+        return options.SHARED_LINK_SHARE * m.duplex_bandwidth
     return m.duplex_bandwidth if d.offloads_params else m.d2h_bandwidth
 
 
@@ -134,14 +134,14 @@ def _held(profile: Profile, idx: np.ndarray, s: float, window: int, rate: float)
     left by the end of block ``i - 1`` at ``rate`` (the engine frees a region's memory at the first region end after
     its copies finished, and waits for them at the end of the next region that offloads); at the forward's end, the
     last such block's, unless its copies left under the forward after it. In backward block ``i``, ``p``'s tensors on
-    their way back when ``p`` is at most :data:`~elbowroom.plan.cost.PREFETCH_LEAD_BLOCKS` blocks before
+    their way back when ``p`` is at most :data:`~elbowroom.plan.options.PREFETCH_LEAD_BLOCKS` blocks before
     (:class:`elbowroom.activations._wrap.PrefetchChain`), at most the prefetch window."""
     key = (id(profile), idx.tobytes(), s, window, rate)
     got = _HELD.get(key)
     if got is not None and got[0] is profile:
         return got[1]
     n = len(profile.blocks)
-    tab = cost.block_tables(profile)
+    tab = options.block_tables(profile)
     rows = np.arange(n)
     kept = np.ceil(s * tab.kept[rows, idx]).astype(np.int64)
     off = np.ceil(s * tab.offloaded[rows, idx]).astype(np.int64)
@@ -157,7 +157,7 @@ def _held(profile: Profile, idx: np.ndarray, s: float, window: int, rate: float)
     flying = (p >= 0) & (leave[pp] > cf[rows] - cf[pp + 1])
     inflight = np.where(flying, off[pp], 0).astype(np.int64)
     work_fwd = saved + largest
-    fetch = np.where((p >= 0) & (rows - p <= cost.PREFETCH_LEAD_BLOCKS), np.minimum(off[pp], window), 0)
+    fetch = np.where((p >= 0) & (rows - p <= options.PREFETCH_LEAD_BLOCKS), np.minimum(off[pp], window), 0)
     fetch = fetch.astype(np.int64)
     work_bwd = 2 * inp + largest
     bwd = before + saved + fetch + work_bwd

@@ -3,10 +3,9 @@
 :func:`plan_for` enumerates the global choices in an outer grid (weight layout, which blocks' optimizer leaves the
 device and whether the other parameters' does, micro-batch and accumulation, fused loss, allocator setting, and a
 cap ``E`` on any block's backward extra, see :mod:`elbowroom.plan.cost`) and, inside, solves the per-block
-choices exactly: a multiple-choice knapsack over the blocks' :data:`~elbowroom.plan.cost.OPTIONS` whose
-programme, run from the last block to the first, also carries the gap to the next block that offloads (what hides
-a block's copies, :func:`~elbowroom.plan.cost.hiding_seconds`; :data:`~elbowroom.plan.cost.GAP_LEVELS` states), memory
-discretised in units that depend on the profile only (never on the budget), minimising the summed per-block
+choices exactly: a multiple-choice knapsack over the blocks' :data:`~elbowroom.plan.cost.OPTIONS`
+(:class:`~elbowroom.plan.knapsack.Knapsack`, whose programme also carries the gap to the next block that offloads),
+memory discretised in units that depend on the profile only (never on the budget), minimising the summed per-block
 seconds. One dynamic programme serves every memory capacity at once (its last row is the best time for each
 capacity), every micro-batch size whose copies see the same link (bytes and times scale alike, so the units do
 not change), and every optimizer placement whose copies see the same link (they only move the capacity), so a
@@ -41,17 +40,15 @@ from typing import Any
 
 import numpy as np
 
-from elbowroom.plan import cost, phases
+from elbowroom.plan import cost, options, phases
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
 from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM, host_rate, stream_link_seconds
+from elbowroom.plan.knapsack import KEEP, Knapsack
 from elbowroom.plan.plan import BlockPlan, Plan, ProfileSummary
 from elbowroom.plan.types import Profile
 
 __all__ = ["BudgetError", "plan_for", "plan_from_decisions"]
 
-_KEEP = 0  # index of Option() in OPTIONS
-_MAX_LEVELS = 16
-"""Most caps ``E`` on a block's backward extra the outer grid tries (all distinct ones when fewer)."""
 _MAX_MICRO_BATCHES = 6
 """Most micro-batch sizes tried for a global batch (the largest and smallest divisor and a geometric spread)."""
 _MAX_OFFLOAD_STEPS = 48
@@ -109,189 +106,6 @@ class _Outer:
     expandable: bool
     gradients_out: bool = False  # the offloaded parameters' gradients leave the device in the backward
     streamed: int = 0  # of those k, the first (earliest) this many stream; the rest step on the host
-
-
-class _Knapsack:
-    """The per-block programme for one profile: units, levels and cached solutions."""
-
-    def __init__(
-        self, profile: Profile, tables: cost.BlockTables, offload_ok: bool, prefetch_window: int,
-        selective_ok: bool = True,
-    ) -> None:
-        self.profile = profile
-        self.t = tables
-        n = len(profile.blocks)
-        self.n = n
-        base = int(min(8192, max(2048, 40 * n)))
-        total = float(tables.kept[:, _KEEP].sum())
-        self.unit0 = max(1.0, total / base)  # bytes per unit at the profile's micro-batch
-        # rounding each block up adds at most one unit per block: room for every block kept whole
-        self.M = base + n + 1
-        self.units = np.ceil(tables.kept / self.unit0 - 1e-9).astype(np.int64)
-        self._units = self.units.tolist()  # (the backtrack reads them one by one)
-        self.offload_ok = offload_ok
-        self.window = prefetch_window
-        offloads = np.array([o.offload_ratio > 0 or o.offload_input for o in OPTIONS])[None, :]
-        # an option that offloads moves whole tensors of at least the engine's smallest size: where a block has
-        # none, it would move nothing and only pay the engine's hooks
-        allowed_base = ~offloads | (tables.offloaded > 0) if offload_ok else ~offloads & (tables.offloaded <= 0)
-        if not selective_ok:
-            allowed_base &= np.array([o.checkpoint != "selective" for o in OPTIONS])[None, :]
-        ex = np.unique(np.round(tables.extra[allowed_base], 0))
-        ex = ex[ex > 0]
-        if len(ex) > _MAX_LEVELS - 1:
-            pick = np.unique(np.linspace(0, len(ex) - 1, _MAX_LEVELS - 1).round().astype(int))
-            ex = ex[pick]
-        self.levels = [0.0, *[float(e) for e in ex]]
-        self.allowed = []
-        self.level_off = []  # O_E: the largest offload among allowed options (unscaled)
-        self.level_pool = []  # the most bytes the allowed options can offload in all (unscaled)
-        for e in self.levels:
-            a = allowed_base & (tables.extra <= e + 0.5)
-            if e == 0.0:
-                a = np.zeros_like(a)
-                a[:, _KEEP] = True
-            self.allowed.append(a)
-            offs = np.where(a, tables.offloaded, 0.0)
-            self.level_off.append(float(offs.max()) if offs.size else 0.0)
-            self.level_pool.append(float(offs.max(axis=1).sum()) if offs.size else 0.0)
-        self.keep_units = int(self.units[:, _KEEP].sum())
-        self.min_units = [
-            self.keep_units if li == 0 else int(np.where(self.allowed[li], self.units, 1 << 40).min(axis=1).sum())
-            for li in range(len(self.levels))
-        ]
-        self._cache: dict[tuple[int, tuple[float, float]], np.ndarray] = {}
-        self._choices: dict[tuple[int, tuple[float, float]], list[np.ndarray]] = {}
-        self._picked: dict[tuple[int, tuple[float, float], int], np.ndarray] = {}
-
-    def best(self, level: int, w: tuple[float, float]) -> np.ndarray:
-        """Best summed block seconds (unscaled) for every capacity 0..M at cap level ``level``, with the link shared
-        with the optimizer as ``w`` (:func:`cost.link_shares`) says."""
-        key = (level, w)
-        got = self._cache.get(key)
-        if got is None:
-            got = self._cache[key] = self._solve(level, w, record=False)[0]
-        return got
-
-    def _solve(self, level: int, w: tuple[float, float], record: bool) -> tuple[np.ndarray, Any]:
-        """The programme, last block first: ``B[g, m]`` is the least summed seconds of the blocks seen so far within
-        ``m`` units, where the nearest of them that offloads is ``g + 1`` blocks after the next one to be placed
-        (the gap its copies' exposure depends on, :func:`cost.hiding_seconds`; ``GAP_LEVELS - 1``: that far or
-        none). With ``record``, per block the choice and the state it came from (for :meth:`backtrack`)."""
-        M, n, G = self.M, self.n, cost.GAP_LEVELS
-        c = self.t.cost(*w)  # (n, options, G)
-        if level == 0:  # every block kept whole: one configuration
-            out = np.full(M + 1, np.inf)
-            tot = 0.0
-            for i in range(n - 1, -1, -1):
-                tot += float(c[i, _KEEP, 0])
-            if self.keep_units <= M:
-                out[self.keep_units:] = tot
-            return out, None
-        allowed = self.allowed[level]
-        offloads = self.t.offloads
-        # two kinds of state: A = every block after this one kept whole (one configuration; its gap is to the head),
-        # B = at least one block has a policy (a plan with no policy at all installs no wrapper and keeps autocast's
-        # weight cache: level 0 prices it)
-        a_units, a_cost = 0, 0.0
-        B = np.full((G, M + 1), np.inf)
-        shift_rows = np.minimum(np.arange(G) + 1, G - 1)  # a block that offloads nothing: the gap grows by one
-        choices: list[np.ndarray] = []
-        for i in range(n - 1, -1, -1):
-            gap_a = min(n - i, G) - 1
-            nb = np.full((G, M + 1), np.inf)
-            tag = np.zeros((G, M + 1), dtype=np.int16) if record else None
-            for o in range(len(OPTIONS)):
-                if not allowed[i, o]:
-                    continue
-                u = int(self.units[i, o])
-                if u > M:
-                    continue
-                co = c[i, o]
-                cand = B[:, : M + 1 - u] + co[:, None]  # (G, M + 1 - u): from each gap state
-                if not record:
-                    if offloads[i, o]:
-                        np.minimum(nb[0, u:], cand.min(axis=0), out=nb[0, u:])
-                    else:
-                        np.minimum(nb[1:, u:], cand[:-1], out=nb[1:, u:])
-                        np.minimum(nb[G - 1, u:], cand[G - 1], out=nb[G - 1, u:])
-                elif offloads[i, o]:
-                    # this block offloads: its copies see the gap it came from; the next block's gap is 1
-                    src = cand.argmin(axis=0)
-                    val = cand[src, np.arange(M + 1 - u)]
-                    _better(nb[0], tag[0] if record else None, u, val, o + _SRC * src)
-                else:
-                    # offloads nothing: every gap grows by one, the largest stays (the nearest offload as far)
-                    for r in range(G - 1, -1, -1):
-                        t = shift_rows[r]
-                        _better(nb[t], tag[t] if record else None, u, cand[r], o + _SRC * r)
-                if o != _KEEP and a_units + u <= M:  # the first policy, after blocks all kept
-                    t = 0 if offloads[i, o] else shift_rows[gap_a]
-                    _better(nb[t], tag[t] if record else None, a_units + u,
-                            np.full(M + 1 - a_units - u, a_cost + float(co[gap_a])), o + _SRC * gap_a + _FROM_A)
-            B = nb
-            if record:
-                choices.append(tag)
-            a_units += int(self.units[i, _KEEP])
-            a_cost += float(c[i, _KEEP, 0])
-        best = B.min(axis=0)
-        if not record:
-            return best, None
-        return best, (choices[::-1], B.argmin(axis=0))
-
-    def picked(self, level: int, w: tuple[float, float], capacity: int) -> np.ndarray:
-        """:meth:`backtrack` as an array, cached: the refinement asks for the same few capacities of its fixed grid
-        under many outer choices."""
-        key = (level, w, capacity)
-        got = self._picked.get(key)
-        if got is None:
-            if len(self._picked) > 4096:
-                self._picked.clear()
-            got = self._picked[key] = np.asarray(self.backtrack(level, w, capacity), dtype=np.int64)
-        return got
-
-    def backtrack(self, level: int, w: tuple[float, float], capacity: int) -> tuple[int, ...]:
-        """The option index per block of the best solution within ``capacity`` units."""
-        if level == 0:
-            return (_KEEP,) * self.n
-        got = self._choices.get((level, w))
-        if got is None:
-            if len(self._choices) * self.n * (self.M + 1) * cost.GAP_LEVELS * 2 > _CHOICES_BYTES:
-                self._choices.clear()
-            got = self._choices[(level, w)] = self._solve(level, w, record=True)[1]
-        choices, rows = got
-        out = [_KEEP] * self.n
-        m, r = capacity, int(rows[capacity])
-        for i in range(self.n):
-            tag = choices[i].item(r, m)
-            o = tag % _SRC
-            out[i] = o
-            m -= self._units[i][o]
-            r = (tag % _FROM_A) // _SRC
-            if tag >= _FROM_A:
-                break  # the blocks after are all kept whole
-        return tuple(out)
-
-
-_CHOICES_BYTES = 256 << 20
-"""The most memory the recorded choices of the programmes kept for backtracking may take (n x GAP_LEVELS x
-(M + 1) int16 each: 0.6 MB at 24 blocks, 5 MB at 100)."""
-_SRC = 32
-"""A recorded choice: ``option + _SRC x the gap state it came from (+ _FROM_A)``."""
-_FROM_A = 1024
-"""A recorded choice that is the first policy, after blocks all kept whole."""
-
-
-def _better(row: np.ndarray, tag: np.ndarray | None, u: int, val: np.ndarray, code: Any) -> None:
-    """``row[u:] = min(row[u:], val)``, recording ``code`` where ``val`` is smaller (strictly: on a tie the earlier
-    candidate stays, the options' order of preference)."""
-    cur = row[u:]
-    if tag is None:
-        np.minimum(cur, val, out=cur)
-        return
-    less = val < cur
-    cur[less] = val[less]
-    tag[u:][less] = code[less] if isinstance(code, np.ndarray) else code
 
 
 def _divisors(n: int) -> list[int]:
@@ -525,8 +339,8 @@ def plan_for(
                      "planned for the device's memory")
         budget = int(m.device_memory_bytes)
 
-    tables = cost.block_tables(profile)
-    ks_all = _Knapsack(profile, tables, offload_ok=link_ok and offload_allowed, prefetch_window=prefetch_window_bytes,
+    tables = options.block_tables(profile)
+    ks_all = Knapsack(profile, tables, offload_ok=link_ok and offload_allowed, prefetch_window=prefetch_window_bytes,
                        selective_ok=selective_allowed)
     host_mem = m.host_memory_bytes if m.host_memory_bytes > 0 else math.inf
     n = len(profile.blocks)
@@ -538,7 +352,7 @@ def plan_for(
         # hold, the same levels without activation offload stay open (recompute alone), so that a small host limits
         # the offload, not the plan. (Against half the host's memory, without the optimizer's share, W1 at 1x4096 on
         # a 23.5 GiB host lost the recompute-only plans: 12.1 GiB minimum where 1x2048 and 1x8192 planned in 9.)
-        programmes.append(_Knapsack(profile, tables, offload_ok=False, prefetch_window=prefetch_window_bytes,
+        programmes.append(Knapsack(profile, tables, offload_ok=False, prefetch_window=prefetch_window_bytes,
                                     selective_ok=selective_allowed))
     mbs = _micro_batches(profile, global_batch)
     gb = global_batch if global_batch is not None else profile.micro_batch
@@ -553,12 +367,12 @@ def plan_for(
     slack = (n + 16) * k_in  # bytes lost to rounding each block's bytes up separately
 
     # (seconds, outer, level, capacity, w, ks)
-    best: tuple[float, _Outer, int, int, tuple[float, float], _Knapsack] | None = None
+    best: tuple[float, _Outer, int, int, tuple[float, float], Knapsack] | None = None
     minimum: tuple[int, _Outer, dict[str, int]] | None = None
     # the same without the host's memory as a limit: (minimum budget, host bytes its plan needs), for the hint
     unhosted: tuple[int, int] | None = None
     # every choice the bound admits, with the fastest its programme could be at any capacity (refined below)
-    admitted: list[tuple[float, _Outer, int, int, tuple[float, float], _Knapsack, cost.Globals]] = []
+    admitted: list[tuple[float, _Outer, int, int, tuple[float, float], Knapsack, cost.Globals]] = []
     for layout, k, other, og in itertools.product(layouts, k_opts, other_opts, [False, True]):
         if layout != "fp32" and not (k or other) and layout == "fp32-offload-bf16":
             continue  # nothing offloaded: the same as fp32
@@ -676,7 +490,7 @@ def _refine(profile: Profile, best: tuple, admitted: list, budget: int, decision
         grid = [c for c in (ks.M * j // _REFINE_GRID for j in range(1, _REFINE_GRID + 1)) if c > cap
                 and cost.step_seconds(g, s, outer.accumulation, float(times[c])) < best[0]]
         lo, hi = 0, len(grid)  # grid[:lo] fit (or are untried below the first fit), grid[hi:] do not
-        d = decisions(outer, (_KEEP,) * len(profile.blocks))  # (the peak reads the options from ``opts``)
+        d = decisions(outer, (KEEP,) * len(profile.blocks))  # (the peak reads the options from ``opts``)
         while lo < hi:
             mid = (lo + hi) // 2
             if phases.peak_bytes(profile, d, ks.picked(li, w, grid[mid]), budget, window, g) <= budget:
@@ -820,7 +634,7 @@ def _recompute_hides_note(profile: Profile, d: Decisions, step_s: float) -> tupl
         return ()
     g = cost.globals_for(profile, d)
     idx = [OPTIONS.index(o) for o in d.options]
-    recompute = cost.block_tables(profile).recompute[np.arange(len(idx)), idx]  # the options' own recompute
+    recompute = options.block_tables(profile).recompute[np.arange(len(idx)), idx]  # the options' own recompute
     hidden = 0.5 * sum(cost.host_terms(profile, d, g.device_step_s, r, recompute)[1]
                        for r in (1.0, cost.HOST_STEP_SPREAD))
     low = step_s - g.host_exposed_s + hidden
