@@ -93,8 +93,8 @@ def test_fp32_gradients_match_plain(arch: str, mode: str) -> None:
 
 
 def test_selective_cache_is_offloaded_on_this_torch() -> None:
-    # torch keeps selective checkpoint's outputs in a private cache; the engine swaps it for an offloading
-    # one. If this torch's cache is not recognised, a warning is logged and this fails.
+    # a selective block's kept outputs are packed through the offload region as they are kept and brought back
+    # when the recompute reads them
     model = make("llama", dim=512, layers=4)
     idx = batch(2, 1024)
     ref_loss = step(model, idx, bf16=True)

@@ -134,8 +134,8 @@ def test_outer_region_around_forward_and_loss_composes_with_block_regions() -> N
 
 
 def test_selective_cache_itself_is_offloaded() -> None:
-    # only the kept matmul/attention outputs move (not the block inputs): they go through torch's
-    # selective-checkpoint cache, which the engine swaps for an offloading one
+    # only the kept matmul/attention outputs move (not the block inputs): the selective region packs them
+    # through the offload region as it keeps them
     model = model_for("llama")
     ref_loss, ref = step_grads(model, 1)
     apply_block_policies(model, [BlockPolicy("selective", offload_ratio=1.0)] * 3 + [BlockPolicy()],

@@ -368,16 +368,16 @@ def test_selective_drops_a_last_kept_output_the_recompute_never_reads(arch: str,
     # the MLP's down projection output only feeds the residual add: kept by "keep every matmul", it is never
     # read in the recompute (early stop ends before it), so it leaves the cache after forward. With dropout
     # after it the recompute runs past it, and it stays. No extra matmul either way, gradients unchanged.
-    from elbowroom.activations import _wrap
+    from elbowroom.activations.selective import KeptOutputs
 
     dropped: list = []
-    drop = _wrap._KeptTail.drop
+    drop = KeptOutputs.drop_unread_tail
 
     def spy(self) -> None:  # noqa: ANN001
         drop(self)
         dropped.append(self.dropped)
 
-    monkeypatch.setattr(_wrap._KeptTail, "drop", spy)
+    monkeypatch.setattr(KeptOutputs, "drop_unread_tail", spy)
     model = small_model(arch, dropout=dropout)
     idx = batch()
     ref = grads(model, idx)
@@ -394,7 +394,7 @@ def test_selective_drops_a_last_kept_output_the_recompute_never_reads(arch: str,
     n = len(model.blocks)
     # per block: qkv, o, w13 / fc, w2 / proj -> the fourth matmul (index 3) is dropped
     assert dropped == ([(last_mm, 3)] * n if dropout == 0.0 else [None] * n)
-    monkeypatch.setattr(_wrap._KeptTail, "drop", lambda self: None)
+    monkeypatch.setattr(KeptOutputs, "drop_unread_tail", lambda self: None)
     assert _flops(step) == plain_flops  # dropping it adds no recompute
 
 
@@ -414,13 +414,15 @@ def test_dropped_tail_of_an_offloaded_selective_cache_is_never_brought_back() ->
     assert s.host_pool_in_use_bytes == 0
 
 
-def test_compiled_blocks_recompute() -> None:
-    # per-block torch.compile (as torchtitan applies it) over blocks under full recompute: dynamo traces our
-    # wrapper's checkpoint (no default-valued keywords passed through) and the gradients equal the plain run's
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_compiled_blocks_recompute(mode: str) -> None:
+    # per-block torch.compile (as torchtitan applies it) over recomputed blocks: dynamo traces our wrapper's
+    # checkpoint (no default-valued keywords passed through; torch's own selective modes under the compiler) and
+    # the gradients equal the plain run's
     model = small_model("llama", dropout=0.0, n_layers=2)
     idx = batch()
     ref = grads(model, idx)
-    checkpoint_blocks(model, mode="full")
+    checkpoint_blocks(model, mode=mode)
     for blk in model.blocks:
         blk.compile()
     assert_grads_close(grads(model, idx, steps=2), ref, tol=1e-5)
@@ -442,3 +444,55 @@ def test_reentrant_falls_back_where_no_input_needs_a_gradient() -> None:
         assert (a.grad is None) == (b.grad is None)
         if b.grad is not None:
             torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+class _ScaledInPlace(nn.Module):
+    """A block that changes a matmul's output in place (as some attention code scales its queries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.mul_(0.5)
+        return self.b(torch.tanh(h))
+
+
+def test_a_kept_output_changed_in_place_is_recomputed_not_read(caplog) -> None:  # noqa: ANN001
+    # the kept addmm output is halved after it was kept: reading it back would halve it twice in the recompute.
+    # The region runs that addmm again instead (torch's own modes raise), says so once, and the gradients are plain's
+    torch.manual_seed(0)
+    mod = _ScaledInPlace()
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step() -> list[torch.Tensor]:
+        for t in [*mod.parameters(), x]:
+            t.grad = None
+        mod(x).square().sum().backward()
+        return [t.grad.clone() for t in [*mod.parameters(), x]]
+
+    ref = step()
+    plain_flops = _flops(step)
+    elbowroom.checkpoint(mod, "selective")
+    with caplog.at_level("WARNING", logger="elbowroom.activations.selective"):
+        for a, b in zip(step(), ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert _flops(step) == plain_flops + 2 * 4 * 8 * 16  # the one addmm, once more
+    assert sum("modified in place" in r.message for r in caplog.records) == 1
+
+
+def test_a_second_backward_through_a_selective_block_recomputes_what_the_first_took() -> None:
+    # retain_graph: the first recompute took the kept outputs; the second runs every op again, and both give
+    # plain's gradients
+    model = small_model("llama", dropout=0.0, n_layers=2)
+    idx = batch()
+    ref = grads(model, idx)
+    checkpoint_blocks(model, "selective")
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+    loss.backward(retain_graph=True)
+    first = {k: p.grad.clone() for k, p in model.named_parameters()}
+    loss.backward()
+    assert_grads_close(first, ref)
+    assert_grads_close({k: p.grad / 2 for k, p in model.named_parameters()}, ref)

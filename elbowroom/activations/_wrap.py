@@ -24,6 +24,8 @@ import torch.nn as nn
 import torch.utils.checkpoint as torch_ckpt
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from elbowroom.activations import selective
+
 _ATTR = "_elbowroom_policy"
 
 
@@ -281,10 +283,9 @@ def _checkpointed(fn: Callable[..., Any], rc: RecomputeSpec, group: Any, args: t
         # same closure, so bound tensors stay in the graph and get their gradients)
         fn, kwargs = functools.partial(fn, **kwargs), {}
     context_fn = torch_ckpt.noop_context_fn
-    tail = None
+    kept: list[selective.KeptOutputs] = []
     if rc.mode == "selective":
-        tail = _KeptTail(rc.policy)
-        context_fn = functools.partial(_selective_contexts, tail, group)
+        context_fn = functools.partial(selective.selective_contexts, rc.policy, group, kept.append)
     extra: dict[str, Any] = {}
     if context_fn is not torch_ckpt.noop_context_fn:
         extra["context_fn"] = context_fn  # left out otherwise: torch.compile traces a checkpoint without one
@@ -293,8 +294,8 @@ def _checkpointed(fn: Callable[..., Any], rc: RecomputeSpec, group: Any, args: t
     out = torch_ckpt.checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=rc.preserve_rng_state, **extra, **kwargs
     )
-    if tail is not None:
-        tail.drop()
+    for k in kept:
+        k.drop_unread_tail()
     return out
 
 
@@ -328,94 +329,3 @@ def _checkpointed_reentrant(fn: Callable[..., Any], rc: RecomputeSpec, args: tup
 
 def _has_tensor(x: Any) -> bool:
     return any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(x)[0])
-
-
-def _selective_contexts(tail: _KeptTail, group: Any) -> tuple[Any, Any]:
-    fwd, recompute = torch_ckpt.create_selective_checkpoint_contexts(tail.policy)
-    if group is not None and group.cache_ratio > 0:
-        # the outputs the policy keeps live in the checkpoint's cache, not in saved-tensor hooks:
-        # route that cache through the offload region
-        group.offload_selective_cache(fwd, recompute)
-    tail.fwd_mode = fwd
-    return fwd, recompute
-
-
-SAVE_DECISIONS = (torch_ckpt.CheckpointPolicy.MUST_SAVE, torch_ckpt.CheckpointPolicy.PREFER_SAVE, True)
-"""Policy answers that keep an op's output (the recompute module's RNG guard reads them too)."""
-
-
-def _non_saving_ops() -> frozenset:
-    """Ops whose autograd nodes save no tensor (residual adds, views, copies)."""
-    aten = torch.ops.aten
-    names = ("add.Tensor", "sub.Tensor", "view.default", "_unsafe_view.default", "alias.default", "detach.default",
-             "t.default", "transpose.int", "permute.default", "expand.default", "clone.default", "slice.Tensor",
-             "select.int", "unsqueeze.default", "squeeze.dim", "split.Tensor", "split_with_sizes.default")
-    ops = set()
-    for name in names:
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(aten, packet, None), overload, None)
-        if op is not None:
-            ops.add(op)
-    return frozenset(ops)
-
-
-_NON_SAVING = _non_saving_ops()
-
-
-class _KeptTail:
-    """One selective-checkpoint call: the policy, and the output it kept last, dropped when useless.
-
-    A block usually ends with a matmul whose output only feeds a residual add (the MLP's down projection).
-    Its output, kept by "keep every matmul", is never read in the recompute: autograd saves an op's inputs
-    before the op runs, so once the recompute has produced every tensor the block saved (the down
-    projection's input is the last), torch's early stop ends it before that matmul. When only ops that save
-    nothing followed the last kept output, it is dropped from the cache after forward (W1: 64 MiB per block,
-    1.5 GiB over 24 blocks; nothing is recomputed for it). Without early stop the op simply runs again.
-    """
-
-    def __init__(self, policy: Callable[..., Any]) -> None:
-        self.inner = policy
-        self.fwd_mode: Any = None
-        self._calls: dict[Any, int] = {}  # op -> calls seen in forward
-        self._rc_calls: dict[Any, int] = {}  # op -> calls seen in the recompute
-        self._last: tuple[Any, int] | None = None  # (op, call index) of the last kept output
-        self._clean = False  # only non-saving ops ran since
-        self.dropped: tuple[Any, int] | None = None
-
-    def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        calls = self._rc_calls if ctx.is_recompute else self._calls
-        k = calls.get(op, 0)
-        calls[op] = k + 1
-        if ctx.is_recompute and self.dropped == (op, k):
-            return torch_ckpt.CheckpointPolicy.PREFER_RECOMPUTE  # torch versions that ask again in recompute
-        decision = self.inner(ctx, op, *args, **kwargs)
-        if not ctx.is_recompute:
-            if decision in SAVE_DECISIONS:
-                self._last, self._clean = (op, k), True
-            elif op not in _NON_SAVING:
-                self._clean = False
-        return decision
-
-    def drop(self) -> None:
-        """After forward: drop the last kept output if only non-saving ops followed it."""
-        if self._last is None or not self._clean or self.fwd_mode is None:
-            return
-        op, k = self._last
-        storage = getattr(self.fwd_mode, "storage", None)
-        bucket = storage.get(op) if isinstance(storage, dict) else None
-        if bucket is None:
-            return
-        if hasattr(self.fwd_mode, "func_counter"):
-            # torch keeps one entry per call index and reads it back in recompute without the policy
-            sentinel = getattr(torch_ckpt, "_RECOMPUTE", None)
-            if sentinel is None or k not in bucket:
-                return
-            bucket[k] = sentinel
-        else:
-            # a FIFO per op, popped in recompute when the policy says "saved": remove the last entry, and
-            # the policy answers "recompute" for that call (above)
-            if not len(bucket):
-                return
-            discard = getattr(bucket, "discard_last", None)
-            discard() if discard is not None else bucket.pop()
-        self.dropped = (op, k)

@@ -56,8 +56,8 @@ in place raises the error autograd would have raised.
 This module holds the engine and the verbs; its parts live beside it: the regions in
 :mod:`~elbowroom.activations.region`, the copy streams in :mod:`~elbowroom.activations.copier`, the host
 pool in :mod:`~elbowroom.activations.pool`, what autograd holds per saved tensor in
-:mod:`~elbowroom.activations.handles`, the ratio plan in :mod:`~elbowroom.activations.ratio` and the
-offloaded selective-checkpoint cache in :mod:`~elbowroom.activations.selective_cache`.
+:mod:`~elbowroom.activations.handles`, the ratio plan in :mod:`~elbowroom.activations.ratio`. A selective
+checkpoint's kept outputs (:mod:`~elbowroom.activations.selective`) go through ``_pack`` and ``_restore`` too.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Recompute: wrap a module in place so that its forward runs again in backward.
 
 Built on :func:`torch.utils.checkpoint.checkpoint` (non-reentrant by default) and, for
-``mode="selective"``, on :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`: the
-outputs of matmuls and attention kernels are kept, norms and pointwise ops are recomputed. Dropout
+``mode="selective"``, on the two dispatch modes of :mod:`elbowroom.activations.selective` (torch's own
+under ``torch.compile``): the outputs of matmuls and attention kernels are kept, norms and pointwise ops
+are recomputed. Dropout
 and any other RNG inside a recomputed region replay exactly (``preserve_rng_state=True``), so the
 gradients equal a plain run's. For that, an op that draws random numbers (dropout, an attention
 kernel with ``dropout_p > 0``) is never kept, whatever the policy says: the recompute restores the
@@ -35,11 +36,11 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from elbowroom.activations import _wrap
+from elbowroom.activations import _wrap, selective
+from elbowroom.activations.selective import default_selective_ops, draws_random_numbers
 
 logger = logging.getLogger(__name__)
 
@@ -60,38 +61,8 @@ __all__ = [
 CHECKPOINT_MODES = ("full", "selective")
 """The recompute modes: every op of the region ("full") or all but matmuls and attention ("selective")."""
 
-# Attention kernels whose outputs "selective" keeps. Names, not objects: which ones exist depends on
-# the torch build (the CPU build has the *_for_cpu flash variant, CUDA builds the others).
-_ATTENTION_OPS = (
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_fused_attention_overrideable",
-    "_flash_attention_forward",
-    "_efficient_attention_forward",
-)
-_MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
-
 Policy = Callable[..., Any]
 """A selective-checkpoint policy: ``(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool``."""
-
-
-def default_selective_ops() -> frozenset:
-    """The aten ops whose outputs ``mode="selective"`` keeps: matmuls and attention kernels.
-
-    Returns:
-        A frozenset of ``torch._ops.OpOverload`` (only the overloads this torch build has).
-    """
-    aten = torch.ops.aten
-    ops = set()
-    for name in _MATMUL_OPS + _ATTENTION_OPS:
-        packet = getattr(aten, name, None)
-        if packet is None:
-            continue
-        for overload in packet.overloads():
-            ops.add(getattr(packet, overload))
-    return frozenset(ops)
 
 
 def selective_policy(keep: Iterable | None = None) -> Policy:
@@ -103,55 +74,13 @@ def selective_policy(keep: Iterable | None = None) -> Policy:
     Returns:
         A policy callable for :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`.
     """
-    keep_ops = default_selective_ops() if keep is None else frozenset(keep)
-    for op in keep_ops:
-        if not isinstance(op, torch._ops.OpOverload):
-            raise TypeError(
-                f"selective checkpoint ops must be OpOverloads such as torch.ops.aten.mm.default, got {op!r}"
-            )
+    keep_ops = selective.resolve_keep_ops(keep)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in keep_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     policy.keep_ops = keep_ops  # type: ignore[attr-defined]  (for inspection and tests)
     return policy
-
-
-_SAVE_DECISIONS = _wrap.SAVE_DECISIONS
-
-# op -> position of its ``dropout_p`` argument, None where it has none, -1 where the op draws no random
-# numbers at all (filled once per op: the policy runs for every op of every forward)
-_RANDOM_OPS: dict[Any, int | None] = {}
-
-
-def _dropout_index(op: Any) -> int | None:
-    idx = _RANDOM_OPS.get(op, -2)
-    if idx == -2:
-        idx = -1
-        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
-            idx = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dropout_p"), None)
-        _RANDOM_OPS[op] = idx
-    return idx
-
-
-def draws_random_numbers(op: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether running ``op(*args, **kwargs)`` consumes the RNG (dropout; attention with dropout_p > 0).
-
-    Args:
-        op: an aten ``OpOverload``.
-        args: its positional arguments.
-        kwargs: its keyword arguments.
-
-    Returns:
-        True for ops tagged ``nondeterministic_seeded``, unless their ``dropout_p`` argument is 0.
-    """
-    idx = _dropout_index(op)
-    if idx == -1:
-        return False
-    if idx is None:
-        return True
-    p = args[idx] if idx < len(args) else kwargs.get("dropout_p", 0.0)
-    return bool(p)
 
 
 def _rng_safe(policy: Policy) -> Policy:
@@ -161,7 +90,7 @@ def _rng_safe(policy: Policy) -> Policy:
 
     def safe(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         decision = policy(ctx, op, *args, **kwargs)
-        if decision in _SAVE_DECISIONS and draws_random_numbers(op, args, kwargs):
+        if decision in selective.SAVE_DECISIONS and draws_random_numbers(op, args, kwargs):
             # kept, it would not draw in the recompute: every later draw of the region would shift
             return CheckpointPolicy.PREFER_RECOMPUTE
         return decision

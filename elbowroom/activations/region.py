@@ -17,7 +17,6 @@ import torch
 
 from elbowroom.activations.handles import _Kept, _Record
 from elbowroom.activations.ratio import _Entry
-from elbowroom.activations.selective_cache import _CacheStorage
 
 if TYPE_CHECKING:
     from elbowroom.activations.offload import OffloadEngine
@@ -86,21 +85,3 @@ class OffloadGroup:
             self.prefetch()
             if self.prev is not None:
                 self.prev.prefetch()
-
-    def offload_selective_cache(self, fwd_mode: Any, recompute_mode: Any) -> None:
-        """Route the cache of torch's selective checkpoint (the kept outputs) through this region.
-
-        ``fwd_mode`` and ``recompute_mode`` are the two modes of
-        :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`; their shared ``storage``
-        (private to torch) is replaced by one that offloads tensors as they are cached and brings
-        them back when the recompute asks for them. If this torch keeps the cache differently, the
-        kept outputs simply stay on the device (logged once).
-        """
-        storage = getattr(fwd_mode, "storage", None)
-        if not isinstance(storage, dict) or getattr(recompute_mode, "storage", None) is not storage or storage:
-            self.engine._warn_once("selective-cache", "this torch's selective checkpoint cache is not recognised; "
-                                   "its kept outputs stay on the device")
-            return
-        cache = _CacheStorage(self)
-        fwd_mode.storage = cache
-        recompute_mode.storage = cache

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from elbowroom.activations.recompute import _ATTENTION_OPS, _MATMUL_OPS
+from elbowroom.activations.selective import _ATTENTION_OPS, _MATMUL_OPS
 
 HEAD = -1
 """Region index of everything outside the blocks (embeddings, final norm, head, loss)."""
