@@ -20,21 +20,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from elbowroom.activations import _wrap, selective
+from elbowroom.activations import _wrap
 from elbowroom.activations.offload import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     DEFAULT_PREFETCH_WINDOW_BYTES,
     OffloadEngine,
     offload_module,
 )
-from elbowroom.activations.recompute import (
-    CHECKPOINT_MODES,
-    checkpoint,
-    find_blocks,
-    select_blocks,
-    selective_policy,
-    uncheckpoint,
-)
+from elbowroom.activations.recompute import CHECKPOINT_MODES, checkpoint, find_blocks, select_blocks, uncheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -72,23 +65,11 @@ class BlockPolicy:
     input, so any ratio > 0 offloads that input."""
     offload_input: bool = False
     """Offload the input a checkpointed block saves (its only saved tensor under "full")."""
-    recompute_ops: tuple[str, ...] = ()
-    """Selective only: kept outputs to recompute all the same, as ``"op:call"`` (``"aten.mm.default:2"``: the third mm
-    of the block's forward). The planner names the matmul outputs that hold the most bytes per FLOP."""
 
     def __post_init__(self) -> None:
         if self.checkpoint not in _CHECKPOINT_CHOICES:
             raise ValueError(f"checkpoint must be one of {', '.join(_CHECKPOINT_CHOICES)}, got {self.checkpoint!r}")
         _check_ratio("offload_ratio", self.offload_ratio)
-        if isinstance(self.recompute_ops, str):
-            raise TypeError(f"recompute_ops takes a tuple of 'op:call' names, got the string {self.recompute_ops!r}")
-        object.__setattr__(self, "recompute_ops", tuple(self.recompute_ops))
-        if self.recompute_ops:
-            if self.checkpoint != "selective":
-                raise ValueError("recompute_ops names kept outputs of a selective block; set checkpoint='selective' "
-                                 "or drop recompute_ops")
-            for t in self.recompute_ops:
-                selective.parse_op_call(t)
         if self.offload_input and self.checkpoint == "none":
             raise ValueError(
                 "offload_input needs a checkpointed block (checkpoint='full' or 'selective'); for a kept block "
@@ -344,11 +325,10 @@ def apply_block_policies(
     chain = _wrap.PrefetchChain(n, prefetch_lead_blocks) if offloads else None
     for i, (blk, p) in enumerate(zip(blocks, plan)):
         if p.checkpoint != "none":
-            checkpoint(blk, p.checkpoint, use_reentrant=use_reentrant and p.checkpoint == "full",
-                       policy=selective_policy(recompute=p.recompute_ops) if p.recompute_ops else None)
+            checkpoint(blk, p.checkpoint, use_reentrant=use_reentrant and p.checkpoint == "full")
         if p.offloads:
             # one tag per (block class, policy): identical blocks share the ratio measurement
-            tag = (type(blk).__qualname__, p.checkpoint, p.offload_ratio, p.offload_input, p.recompute_ops)
+            tag = (type(blk).__qualname__, p.checkpoint, p.offload_ratio, p.offload_input)
             if p.checkpoint == "none":
                 in_ratio = p.offload_ratio
             else:  # what the hooks see of a checkpointed block is its input

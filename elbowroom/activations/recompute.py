@@ -65,14 +65,11 @@ Policy = Callable[..., Any]
 """A selective-checkpoint policy: ``(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool``."""
 
 
-def selective_policy(keep: Iterable | None = None, recompute: Iterable[str] = ()) -> Policy:
+def selective_policy(keep: Iterable | None = None) -> Policy:
     """A policy that saves the outputs of ``keep`` ops and recomputes every other op.
 
     Args:
         keep: aten ``OpOverload``s to keep; ``None`` keeps :func:`default_selective_ops`.
-        recompute: calls of kept ops to recompute all the same, as ``"op:call"`` (``"aten.mm.default:2"``, the third
-            mm of the block's forward; what a plan's ``recompute_ops`` names). Honoured by elbowroom's own modes;
-            under ``torch.compile`` (torch's modes) they are kept.
 
     Returns:
         A policy callable for :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`.
@@ -83,7 +80,6 @@ def selective_policy(keep: Iterable | None = None, recompute: Iterable[str] = ()
         return CheckpointPolicy.MUST_SAVE if op in keep_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     policy.keep_ops = keep_ops  # type: ignore[attr-defined]  (for inspection and tests)
-    policy.skip_calls = frozenset(selective.parse_op_call(t) for t in recompute)  # type: ignore[attr-defined]
     return policy
 
 
@@ -101,7 +97,6 @@ def _rng_safe(policy: Policy) -> Policy:
 
     safe.rng_safe = True  # type: ignore[attr-defined]
     safe.keep_ops = getattr(policy, "keep_ops", None)  # type: ignore[attr-defined]
-    safe.skip_calls = getattr(policy, "skip_calls", frozenset())  # type: ignore[attr-defined]
     safe.inner = policy  # type: ignore[attr-defined]
     return safe
 

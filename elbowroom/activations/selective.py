@@ -158,17 +158,14 @@ class KeptOutputs:
     and recomputes the op.
     """
 
-    def __init__(self, keep_ops: frozenset | None, policy: Callable[..., Any] | None, group: OffloadGroup | None,
-                 skip_calls: frozenset = frozenset()):
-        """``keep_ops``: the ops to keep (looked up), except the ``(op, call index)`` pairs of ``skip_calls``; else
-        ``policy`` is asked for every op. ``group``: the offload region the kept outputs travel through (None: they
-        stay on the device)."""
+    def __init__(self, keep_ops: frozenset | None, policy: Callable[..., Any] | None, group: OffloadGroup | None):
+        """``keep_ops``: the ops to keep (looked up); else ``policy`` is asked for every op. ``group``: the offload
+        region the kept outputs travel through (None: they stay on the device)."""
         if keep_ops is None and policy is None:
             raise ValueError("a selective region needs the ops to keep or a policy")
         self.keep_ops = keep_ops
         self.policy = policy
         self.group = group
-        self.skip_calls = skip_calls
         self._entries: dict[tuple[Any, int], Any] = {}
         self._fwd_calls: dict[Any, int] = {}
         self._rc_calls: dict[Any, int] = {}
@@ -193,8 +190,6 @@ class KeptOutputs:
             keep = decision in SAVE_DECISIONS and not draws_random_numbers(op, args, kwargs)
         k = self._fwd_calls.get(op, 0)
         self._fwd_calls[op] = k + 1
-        if keep and self.skip_calls and (op, k) in self.skip_calls:
-            keep = False  # recomputed by the plan's choice: it frees these bytes for one matmul in backward
         if keep:
             self._entries[(op, k)] = self._pack(out)
             self._last, self._clean = (op, k), True
@@ -335,8 +330,7 @@ def selective_contexts(policy: Callable[..., Any], group: OffloadGroup | None,
     if _compiling():
         return torch_ckpt.create_selective_checkpoint_contexts(policy)
     kept = KeptOutputs(getattr(policy, "keep_ops", None), policy,
-                       group if group is not None and group.cache_ratio > 0 else None,
-                       getattr(policy, "skip_calls", frozenset()))
+                       group if group is not None and group.cache_ratio > 0 else None)
     if record is not None:
         record(kept)
     return _Keep(kept), _Replay(kept)
@@ -351,23 +345,3 @@ def resolve_keep_ops(keep: Iterable | None) -> frozenset:
                 f"selective checkpoint ops must be OpOverloads such as torch.ops.aten.mm.default, got {op!r}"
             )
     return keep_ops
-
-
-def parse_op_call(text: str) -> tuple[Any, int]:
-    """``"aten.mm.default:2"`` -> ``(torch.ops.aten.mm.default, 2)``: an op overload and its call index in a block's
-    forward (how a plan names a kept output that its selective block recomputes).
-
-    Raises:
-        ValueError: naming the text and the form it takes.
-    """
-    form = "the form 'namespace.op.overload:call', e.g. 'aten.mm.default:2'"
-    name, sep, call = str(text).rpartition(":")
-    parts = name.split(".")
-    if not sep or len(parts) != 3 or not call.isdigit():
-        raise ValueError(f"recompute op {text!r} must take {form}")
-    ns, op, overload = parts
-    packet = getattr(getattr(torch.ops, ns, None), op, None)
-    found = getattr(packet, overload, None) if packet is not None else None
-    if not isinstance(found, torch._ops.OpOverload):
-        raise ValueError(f"recompute op {text!r}: this torch has no op {name}; give {form}")
-    return found, int(call)

@@ -102,8 +102,6 @@ class _Region:
         self.kept_alive = 0  # bytes of produced storages still alive after forward (selective cache)
         self.sizes: list[int] = []  # each saved activation storage's bytes, in the order saved
         self.kept_sizes: list[int] = []  # each storage the selective cache keeps, in the order produced
-        self.kept_matmuls: list[tuple[str, int, int, float]] = []  # the kept matmul outputs: (op, call, bytes, FLOPs)
-        self.calls: dict[Any, int] = defaultdict(int)  # op -> calls in this forward (matmuls only)
         self.fwd: list[Any] = [None, None]  # clock marks
         self.bwd: list[Any] = [None, None]
 
@@ -139,7 +137,6 @@ class Tracer:
     def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         region = self.regions[self.bwd_block if self.backward else self.fwd_block]
         count = flop_registry.get(func._overloadpacket)
-        flops = 0.0
         if count is not None:
             try:
                 flops = count(*args, **kwargs, out_val=out)
@@ -176,11 +173,7 @@ class Tracer:
                 self.state.discard(k)
             self.producer[k] = kind
             if self.track_liveness and not self.backward and self.fwd_block != HEAD:
-                call = None
-                if kind == "matmul":  # its call index among this op's calls in the block's forward (what the
-                    call = (str(func), region.calls[func], float(flops))  # selective region counts by)
-                    region.calls[func] += 1
-                region.produced.append((k, storage_bytes(o), kind, call))
+                region.produced.append((k, storage_bytes(o), kind))
 
     # ---- saved-tensor hooks ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -236,7 +229,7 @@ class Tracer:
             if self.track_liveness:
                 outs = {skey(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
                 seen: set[StorageWeakRef] = set()
-                for k, n, kind, call in region.produced:
+                for k, n, kind in region.produced:
                     if k.expired() or k in seen or k in outs or k in region.input_keys or kind == "state":
                         continue
                     if k in self.state:
@@ -244,10 +237,7 @@ class Tracer:
                     seen.add(k)
                     region.kept_alive += n
                     region.kept_sizes.append(n)
-                    if call is not None:
-                        region.kept_matmuls.append((call[0], call[1], n, call[2]))
                 region.produced.clear()
-                region.calls.clear()
 
         return hook
 

@@ -15,7 +15,7 @@ import numpy as np
 from elbowroom.plan.types import BlockProfile, Profile
 
 __all__ = ["GAP_LEVELS", "OPTIONS", "PREFETCH_LEAD_BLOCKS", "SHARED_LINK_SHARE", "BlockTables", "Option",
-           "block_tables", "hiding_seconds", "offload_gaps", "option_bytes", "recompute_op_ids", "recomputed_matmuls"]
+           "block_tables", "hiding_seconds", "offload_gaps", "option_bytes"]
 
 SHARED_LINK_SHARE = 0.5
 """The share of a link direction's duplex rate that activation copies get while streamed optimizer states use the
@@ -45,17 +45,12 @@ class Option:
     checkpoint: str = "none"
     offload_ratio: float = 0.0
     offload_input: bool = False
-    recompute_matmuls: int = 0
-    """Selective only: how many of the matmul outputs it would keep it recomputes instead, those that hold the most
-    bytes per FLOP first (:func:`recomputed_matmuls`)."""
 
     @property
     def label(self) -> str:
         if self.checkpoint == "none":
             return "keep" if not self.offload_ratio else f"keep, offload {self.offload_ratio:g}"
         name = {"full": "recompute", "selective": "selective"}[self.checkpoint]
-        if self.recompute_matmuls:
-            name += f" less {self.recompute_matmuls} matmul" + ("s" if self.recompute_matmuls > 1 else "")
         if self.offload_input and self.checkpoint == "full":
             return name + ", offload input"
         if self.offload_input:
@@ -69,36 +64,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("selective"),
     *(Option("selective", r) for r in (0.25, 0.5, 0.75)),
     Option("selective", 1.0, True),
-    Option("selective", 0.0, False, 1),
-    Option("selective", 0.75, False, 1),
-    Option("selective", 0.0, False, 2),
     Option("full"),
     Option("full", 0.0, True),
 )
-"""The per-block choices the search considers, in order of preference on a tie (simplest first). Between selective
-(W1: 0.72 GB kept per block, 0.4 ms to recompute) and full recompute (0.07 GB, 3.7 ms) a block may also recompute
-its one or two largest matmul outputs (W1's gate and up projection: 0.37 GB for about 1.1 ms), which frees memory
-at a lower price per byte than recomputing the whole block."""
-
-
-def recomputed_matmuls(b: BlockProfile, m: int) -> tuple[tuple[str, int, int, float], ...]:
-    """The ``m`` kept matmul outputs a selective block recomputes under ``recompute_matmuls=m``: most bytes per FLOP
-    first, then most bytes (W1: the gate and up projection, then q, k and v); empty when the profile recorded fewer."""
-    if m <= 0 or len(b.kept_matmuls) < m:
-        return ()
-    ranked = sorted(b.kept_matmuls, key=lambda e: (-(e[2] / e[3]) if e[3] > 0 else -math.inf, -e[2], e[1]))
-    return tuple(ranked[:m])
-
-
-def recompute_op_ids(b: BlockProfile, m: int) -> tuple[str, ...]:
-    """The engine's names of those outputs, ``"op:call"`` (``"aten.mm.default:2"``)."""
-    return tuple(f"{op}:{call}" for op, call, _, _ in recomputed_matmuls(b, m))
-
-
-def _matmul_seconds(b: BlockProfile, flops: float) -> float:
-    """Seconds to recompute ``flops`` of a block's matmuls, at the block's own measured rate (forward and backward)."""
-    t = b.forward_s + b.backward_s
-    return flops * t / b.flops if b.flops > 0 and t > 0 else math.inf
+"""The per-block choices the search considers, in order of preference on a tie (simplest first)."""
 
 
 # ---------------------------------------------------------------------------------------------- per block
@@ -130,17 +99,8 @@ def option_bytes(b: BlockProfile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             kept.append(S - k_off)
             off.append(k_off)
         elif o.checkpoint == "selective":
-            sel_o, sizes = sel, b.kept_sizes
-            if o.recompute_matmuls:
-                gone = recomputed_matmuls(b, o.recompute_matmuls)
-                sel_o = max(inp, sel - sum(n for _, _, n, _ in gone))
-                sizes = list(sizes)
-                for _, _, n, _ in gone:
-                    if n in sizes:
-                        sizes.remove(n)
-                sizes = tuple(sizes)
-            k_off = sel_o if o.offload_input else min(sel_o - inp, ratio_bytes(sizes, o.offload_ratio, sel_o - inp))
-            kept.append(sel_o - k_off)
+            k_off = sel if o.offload_input else min(sel - inp, ratio_bytes(b.kept_sizes, o.offload_ratio, sel - inp))
+            kept.append(sel - k_off)
             off.append(k_off)
         else:
             kept.append(0.0 if o.offload_input else inp)
@@ -253,19 +213,6 @@ def block_tables(profile: Profile) -> BlockTables:
     return tables
 
 
-def _recompute_seconds(b: BlockProfile, o: Option) -> float:
-    if o.checkpoint == "full":
-        return b.recompute_s
-    if o.checkpoint != "selective":
-        return 0.0
-    if not o.recompute_matmuls:
-        return b.selective_recompute_s
-    gone = recomputed_matmuls(b, o.recompute_matmuls)
-    if not gone:
-        return math.inf  # the profile has no such outputs: never chosen
-    return b.selective_recompute_s + _matmul_seconds(b, sum(f for _, _, _, f in gone))
-
-
 def _block_tables(profile: Profile) -> BlockTables:
     m = profile.machine
     n = len(profile.blocks)
@@ -275,7 +222,8 @@ def _block_tables(profile: Profile) -> BlockTables:
         kept.append(k)
         off.append(f)
         extra.append(e)
-        rec.append([_recompute_seconds(b, o) for o in OPTIONS])
+        rec.append([b.recompute_s if o.checkpoint == "full" else b.selective_recompute_s
+                    if o.checkpoint == "selective" else 0.0 for o in OPTIONS])
     shape = (n, len(OPTIONS))
     kept_a, off_a, extra_a, rec_a = (np.array(x, dtype=np.float64).reshape(shape) for x in (kept, off, extra, rec))
     hide_f, hide_b = hiding_seconds(profile)

@@ -54,9 +54,6 @@ class BlockPlan:
     """Share of the saved (kept) bytes sent to host memory, largest first."""
     offload_input: bool = False
     """Offload the input a checkpointed block saves."""
-    recompute_ops: tuple[str, ...] = ()
-    """Selective only: the kept matmul outputs it recomputes all the same, ``"op:call"`` (``"aten.mm.default:2"``, the
-    third mm of the block's forward)."""
     optimizer_on_host: bool = False
     """The block's parameters keep their fp32 masters and AdamW state on the host and step there."""
     optimizer_streamed: bool = False
@@ -84,31 +81,15 @@ class BlockPlan:
             raise ValueError(
                 f"{where}.offload_input needs checkpoint = 'full' or 'selective'; for a kept block set offload_ratio"
             )
-        if self.recompute_ops:
-            if self.checkpoint != "selective":
-                raise ValueError(f"{where}.recompute_ops names kept outputs of a selective block; set checkpoint = "
-                                 "'selective' or recompute_ops = []")
-            from elbowroom.activations.selective import parse_op_call
-
-            for t in self.recompute_ops:
-                try:
-                    parse_op_call(t)
-                except ValueError as e:
-                    raise ValueError(f"{where}.{e}") from None
         for name in ("kept_bytes", "offloaded_bytes", "recomputed_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def policy_label(self) -> str:
-        return self.option.label
-
-    @property
-    def option(self) -> Any:
-        """The block's :class:`elbowroom.plan.cost.Option`."""
         from elbowroom.plan.cost import Option
 
-        return Option(self.checkpoint, self.offload_ratio, self.offload_input, len(self.recompute_ops))
+        return Option(self.checkpoint, self.offload_ratio, self.offload_input).label
 
 
 @dataclass(frozen=True)
@@ -244,7 +225,7 @@ class Plan:
         """One :class:`~elbowroom.activations.BlockPolicy` per block."""
         from elbowroom.activations.policy import BlockPolicy
 
-        return [BlockPolicy(b.checkpoint, b.offload_ratio, b.offload_input, b.recompute_ops) for b in self.blocks]
+        return [BlockPolicy(b.checkpoint, b.offload_ratio, b.offload_input) for b in self.blocks]
 
     def decisions(self) -> Any:
         """The plan as :class:`elbowroom.plan.cost.Decisions` (to predict it again)."""
@@ -253,7 +234,7 @@ class Plan:
         layout = next(k for k, v in LAYOUTS.items() if v == (self.weight_dtype, self.offload_param_dtype))
         streamed = tuple(b.optimizer_streamed for b in self.blocks)
         return Decisions(
-            options=tuple(b.option for b in self.blocks),
+            options=tuple(Option(b.checkpoint, b.offload_ratio, b.offload_input) for b in self.blocks),
             offload_blocks=tuple(b.optimizer_on_host for b in self.blocks),
             stream_blocks=streamed if any(streamed) else (),
             offload_other=self.offload_other_params,

@@ -619,7 +619,7 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
             param_bytes=_nbytes(params), saved_bytes=saved, selective_saved_bytes=sel_saved,
             input_bytes=int(r.input_bytes), largest_saved_bytes=int(r.largest), forward_s=fwd_s, backward_s=bwd_s,
             recompute_s=rec_s, selective_recompute_s=sel_s, flops=r.fwd_flops + r.bwd_flops,
-            saved_sizes=tuple(r.sizes), kept_sizes=tuple(s.kept_sizes), kept_matmuls=tuple(s.kept_matmuls),
+            saved_sizes=tuple(r.sizes), kept_sizes=tuple(s.kept_sizes),
         ))
 
     h = plain.regions[HEAD]

@@ -104,7 +104,7 @@ def tensor_parallel_profile(profile: Profile, tp: int, *, block_params: Sequence
             largest_saved_bytes=max(int(math.ceil(b.largest_saved_bytes * f)), b.input_bytes),
             forward_s=b.forward_s * f + comm, backward_s=b.backward_s * f + comm,
             recompute_s=b.recompute_s * f + comm, selective_recompute_s=b.selective_recompute_s * f + comm / 2,
-            flops=b.flops * f, saved_sizes=(), kept_sizes=(), kept_matmuls=(),  # sharded: the bytes scaled as a share
+            flops=b.flops * f, saved_sizes=(), kept_sizes=(),  # sharded tensors: the bytes are scaled as a share
         )
 
     h = profile.head

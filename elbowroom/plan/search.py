@@ -42,7 +42,6 @@ import numpy as np
 
 from elbowroom.plan import cost, options, phases
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
-from elbowroom.plan.options import recompute_op_ids
 from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM, host_rate, stream_link_seconds
 from elbowroom.plan.knapsack import KEEP, Knapsack
 from elbowroom.plan.plan import BlockPlan, Plan, ProfileSummary
@@ -665,7 +664,6 @@ def plan_from_decisions(
             checkpoint=o.checkpoint,
             offload_ratio=o.offload_ratio,
             offload_input=o.offload_input,
-            recompute_ops=recompute_op_ids(profile.blocks[i], o.recompute_matmuls),
             optimizer_on_host=d.offload_blocks[i],
             optimizer_streamed=d.streamed[i],
             kept_bytes=bc.kept_bytes,
@@ -731,7 +729,7 @@ def with_bytes_of(profile: Profile, other: Profile) -> Profile:
         raise ValueError(f"the two profiles have {len(profile.blocks)} and {len(other.blocks)} blocks")
     blocks = tuple(
         replace(b, saved_bytes=dict(o.saved_bytes), selective_saved_bytes=o.selective_saved_bytes,
-                saved_sizes=o.saved_sizes, kept_sizes=o.kept_sizes, kept_matmuls=o.kept_matmuls,
+                saved_sizes=o.saved_sizes, kept_sizes=o.kept_sizes,
                 input_bytes=o.input_bytes, largest_saved_bytes=o.largest_saved_bytes)
         for b, o in zip(profile.blocks, other.blocks)
     )

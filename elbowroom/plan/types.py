@@ -65,10 +65,6 @@ class BlockProfile:
     kept_sizes: tuple[int, ...] = ()
     """The same for the outputs selective recompute keeps (its cache, the input not included). Both empty in a
     profile made before they were recorded: a ratio then moves that share of the bytes."""
-    kept_matmuls: tuple[tuple[str, int, int, float], ...] = ()
-    """The matmul outputs among them: ``(op, call, bytes, forward FLOPs)``, ``op`` an aten overload's name
-    (``aten.mm.default``) and ``call`` its call index in the block's forward. A selective block may recompute some of
-    them (:attr:`elbowroom.activations.BlockPolicy.recompute_ops`); empty in older profiles (it then keeps all)."""
 
     @property
     def total_saved_bytes(self) -> int:
@@ -195,9 +191,7 @@ def profile_from_dict(d: dict[str, Any]) -> Profile:
     d["machine"] = MachineProfile(**d["machine"])
     d["blocks"] = tuple(
         BlockProfile(**{**b, "saved_sizes": tuple(b.get("saved_sizes", ())),
-                        "kept_sizes": tuple(b.get("kept_sizes", ())),
-                        "kept_matmuls": tuple((str(o), int(c), int(n), float(f))
-                                              for o, c, n, f in b.get("kept_matmuls", ()))})
+                        "kept_sizes": tuple(b.get("kept_sizes", ()))})
         for b in d["blocks"]
     )
     d["head"] = HeadProfile(**d["head"])
