@@ -42,7 +42,13 @@ run() {  # name, nproc, args...
 }
 # 1. the link, and single-GPU W1: plain and the planner at 24 GiB (per-GPU budgets below are the same)
 if part 1; then
+  if [[ -z "${ONLY:-}" || " $ONLY " == *" nccl "* ]]; then
   timeout 120 torchrun --nproc-per-node "$N" benchmarks/nccl_bandwidth.py 2>&1 | tee "$WORK/nccl.txt"
+  for ctas in 8 2; do  # the link with as few CTAs as the ddp-ctas runs below give NCCL
+    echo "NCCL_MAX_CTAS=$ctas" >> "$WORK/nccl.txt"
+    NCCL_MAX_CTAS=$ctas timeout 60 torchrun --nproc-per-node "$N" benchmarks/nccl_bandwidth.py 2>&1 | tee -a "$WORK/nccl.txt"
+  done
+  fi
   run single-plain 1 --data.batch_size 4
   run single-budget24 1 --data.batch_size 4 --budget 24GiB --optimizer.param_dtype bfloat16
 fi
@@ -53,6 +59,22 @@ if part 2; then
 run ddp "$N" --data.batch_size $B --parallel.dp_replicate "$N" --profile.steps 20-21
 run fsdp "$N" --data.batch_size $B --parallel.dp_shard "$N" --profile.steps 20-21
 run ddp-bucket100 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.ddp_bucket_mb 100  # 93% at 25
+# Where DDP's last 7% goes (2x H200, 2026-11-28; 93.3% of 2x one GPU with the defaults):
+# - NCCL with fewer CTAs, to leave the backward its SMs: slower (8 CTAs 91.6%, 2 CTAs 89.0%)
+NCCL_MAX_CTAS=8 run ddp-ctas8 "$N" --data.batch_size $B --parallel.dp_replicate "$N"
+NCCL_MAX_CTAS=2 run ddp-ctas2 "$N" --data.batch_size $B --parallel.dp_replicate "$N"
+# - the idle compute beside one GPU's (benchmarks/idle_gaps.py on both traces): the compute kernels themselves run
+#   longer beside NCCL's (busy 329 against 314 ms), the idle grows by 7 ms only
+run single-trace 1 --data.batch_size 4 --profile.steps 20-21
+# - a loss read every step (a host-device sync, and under DDP gloo collectives): logging every 10 steps, no change
+run single-log10 1 --data.batch_size 4 --steps 60 --logging.log_every 10
+run ddp-log10 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --steps 60 --logging.log_every 10
+# - bf16 weights with fp32 masters on both (no autocast): half the gradient bytes, 94.8%
+run single-bf16 1 --data.batch_size 4 --optimizer.param_dtype bfloat16
+run ddp-bf16 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --optimizer.param_dtype bfloat16
+# - the trainer's garbage collection every 50 steps, and DDP without its buffer broadcast: no change
+run ddp-gc50 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.gc_every 50
+run ddp-nobcast "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.ddp_broadcast_buffers false
 run ddp-engines "$N" --data.batch_size $B --parallel.dp_replicate "$N" --activations.checkpoint full \
   --activations.offload_checkpoint_inputs true --optimizer.offload_fraction 0.5
 run fsdp-engines "$N" --data.batch_size $B --parallel.dp_shard "$N" --activations.checkpoint full \
@@ -99,5 +121,8 @@ if part 5; then
   done
 fi
 cp "$WORK"/nccl.txt "$OUT"/ 2>/dev/null
+for t in "$WORK"/*/profile/trace.json; do  # each traced run's idle compute, beside its name
+  [ -f "$t" ] && { echo "== $(basename "$(dirname "$(dirname "$t")")")"; python3 benchmarks/idle_gaps.py "$t"; }
+done > "$OUT/idle_gaps.txt" 2>&1
 python3 benchmarks/multi_gpu_summary.py "$WORK" "$N" | tee "$OUT/summary.md"
 tar czf "$OUT/runs.tar.gz" -C "$WORK" --exclude=trace.json --exclude='*.pickle' --exclude='*.pt' --exclude='*.safetensors' .

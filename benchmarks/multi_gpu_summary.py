@@ -26,7 +26,9 @@ def main(out: str, n: int) -> None:
 
     def of_ideal(name: str, tps: float) -> str:  # against N x the same shape on one GPU
         base = single.get("7b-single" if name.startswith("7b") else
-                          "single-plain-1024" if name.startswith("ddp-hook") else "single-plain")
+                          "single-plain-1024" if name.startswith("ddp-hook") else
+                          "single-log10" if name.endswith("-log10") else
+                          "single-bf16" if name.endswith("-bf16") else "single-plain")
         return f"{tps / (base * (1 if 'single' in name else n)):.1%}" if base else ""
 
     print(f"| run | tokens/s | of {n} x one GPU | peak GiB/GPU (alloc / reserved) | last loss | "

@@ -135,6 +135,10 @@ class TrainSection:
     peak memory, same FLOPs)."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms (CPU runs are deterministic regardless)."""
+    gc_every: int = 0
+    """Collect Python's garbage every N steps, the same step on every rank, with the automatic collector off during
+    the loop (0: Python's automatic collection, whose pause on one rank the others wait for at the next collective;
+    W1 on 2 H200s ran as fast either way)."""
     qat: Literal["int8", "int4"] | None = None
     """Quantisation-aware training (torchao): int8 activations with int8 or int4 (groups of 32) block weights,
     fake-quantised in every step; `elbowroom export quantize RUN --method qat` converts them (needs the export
@@ -153,6 +157,8 @@ class TrainSection:
             )
         if self.max_grad_norm is not None and self.max_grad_norm < 0:
             raise ConfigError(f"train.max_grad_norm must be >= 0 or unset, got {self.max_grad_norm}")
+        if self.gc_every < 0:
+            raise ConfigError(f"train.gc_every must be >= 0 (0: Python's automatic collection), got {self.gc_every}")
         if self.eval_every < 0 or self.eval_batches < 0:
             raise ConfigError("train.eval_every and train.eval_batches must be >= 0")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -769,7 +775,7 @@ def resolve(config_file: str | None, overrides: list[str]) -> Config:
 # (train.qat is the trainer's to check, against the checkpoint; --budget and --plan against the run's OUT/plan.toml.)
 RESUME_MAY_CHANGE = (
     "out", "resume", "budget", "host_budget", "plan", "cap_memory", "train.steps", "train.eval_every",
-    "train.eval_batches", "train.device",
+    "train.eval_batches", "train.device", "train.gc_every",
     "train.compile", "train.qat", "scheduler.decay_steps", "data.num_workers", "data.pin_memory", "data.cache_dir",
     "checkpoint.", "logging.", "profile.", "activations.", "offload.", "parallel.",
 )

@@ -42,6 +42,8 @@ def test_round_trip_through_toml(tmp_path) -> None:
         (["steps", "3"], "unexpected argument 'steps'"),
         (["--cap-memory", "maybe"], "--cap-memory takes true or false \\(alone: true\\), got 'maybe'"),
         (["--train.fused_loss", "yes please"], "--train.fused_loss takes true or false"),
+        (["--train.gc_every", "-5"], r"train.gc_every must be >= 0 \(0: Python's automatic collection\), got -5"),
+        (["--parallel.ddp_broadcast_buffers", "sometimes"], "--parallel.ddp_broadcast_buffers takes true or false"),
         (["--model.preset", "huge"], "model.preset must be one of tiny, w1, w2, 7b"),
         (["--optimizer.offload_param_dtype", "bfloat16"], "offload_param_dtype needs optimizer.offload_fraction > 0"),
         (["--optimizer.offload_param_dtype", "fp8"], "offload_param_dtype must be one of float32, bfloat16"),

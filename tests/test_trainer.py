@@ -749,3 +749,36 @@ def test_bf16_offloaded_copies_keep_the_embedding_table_fp32() -> None:
     assert model.tok_emb.weight.dtype == torch.float32
     assert model.blocks[0].w13.weight.dtype == torch.bfloat16
     assert opt.config.param_dtype == "bfloat16"
+
+
+def test_garbage_collection_on_the_trainers_schedule() -> None:
+    """``train.gc_every N``: the automatic collector off inside the loop, generation 1 collected at steps N, 2N, ...,
+    and the collector as it was afterwards; 0 leaves Python's collector alone."""
+    import gc
+
+    from elbowroom.train.collection import GarbageCollection
+
+    collected: list[int] = []
+    step = 0
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] >= 1:
+            collected.append(step)
+
+    assert gc.isenabled()
+    gc.callbacks.append(seen)
+    try:
+        with GarbageCollection(3) as collection:
+            assert not gc.isenabled()
+            collected.clear()  # the one full collection on entry
+            for step in range(1, 8):
+                collection.step(step)
+        assert collected == [3, 6]
+        assert gc.isenabled()
+        with GarbageCollection(0) as collection:
+            assert gc.isenabled()
+            collection.step(3)
+    finally:
+        gc.callbacks.remove(seen)
+    with pytest.raises(ValueError, match="gc_every must be >= 0"):
+        GarbageCollection(-1)

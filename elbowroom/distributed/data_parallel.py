@@ -153,7 +153,7 @@ def apply_data_parallel(
         ddp = DDP(
             model, process_group=group, device_ids=[device] if device.type == "cuda" else None,
             bucket_cap_mb=topo.parallel.ddp_bucket_mb if bucket_cap_mb is None else bucket_cap_mb,
-            gradient_as_bucket_view=True,
+            gradient_as_bucket_view=True, broadcast_buffers=topo.parallel.ddp_broadcast_buffers,
         )
         p = topo.parallel
         state = register_comm_hook(ddp, p.comm_hook, process_group=group, powersgd_rank=p.powersgd_rank,

@@ -45,6 +45,7 @@ from elbowroom.models import PRESETS, DecoderLM, ModelConfig, build_model, count
 from elbowroom.optim.config import default_step_threads
 from elbowroom.train import data as D
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
+from elbowroom.train.collection import GarbageCollection
 from elbowroom.train.distributed_run import DistributedRun, Launch, resolve_launch, start_run
 from elbowroom.train.hf import build_hf_model, hf_config_meta, hf_max_positions, load_hf_config
 from elbowroom.train.metrics import (
@@ -715,7 +716,7 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
         tokens_since_log, t_log = 0, time.perf_counter()
         loss_acc = torch.zeros((), device=device)
         started = False
-        with _StopSignal() as stop:
+        with _StopSignal() as stop, GarbageCollection(cfg.train.gc_every) as collection:
             while step < cfg.train.steps:
                 if recorder is not None:
                     recorder.step_begin(step + 1)  # numbered as metrics.jsonl numbers it
@@ -745,6 +746,7 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 step += 1
+                collection.step(step)  # the same step on every rank: no rank waits for another's collection
                 if recorder is not None:
                     written = recorder.writing_seconds
                     recorder.step_end(step)
