@@ -71,7 +71,7 @@ def test_bad_toml(tmp_path) -> None:
 
 def test_every_option_documented() -> None:
     text = help_text()
-    from elbowroom.config import _OFFLOAD_PLACEMENT
+    from elbowroom.config.schema import _OFFLOAD_PLACEMENT
 
     for key, _tp, _default, doc in iter_options():
         assert doc, f"{key} has no docstring"

@@ -729,7 +729,7 @@ def test_a_planned_run_caps_the_allocator_at_its_budget(monkeypatch) -> None:
     assert Config().cap_memory is True
     assert resolve(None, ["--cap-memory", "false"]).cap_memory is False
     # a resumed run may change it (and its host budget), as it may change its budget: memory, not the trajectory
-    from elbowroom.config import _may_change
+    from elbowroom.config.loading import _may_change
 
     assert _may_change("cap_memory") and _may_change("host_budget") and not _may_change("train.seed")
 
