@@ -43,11 +43,12 @@ run() {  # name, nproc, args...
 # 1. the link, and single-GPU W1: plain and the planner at 24 GiB (per-GPU budgets below are the same)
 if part 1; then
   if [[ -z "${ONLY:-}" || " $ONLY " == *" nccl "* ]]; then
-  timeout 120 torchrun --nproc-per-node "$N" benchmarks/nccl_bandwidth.py 2>&1 | tee "$WORK/nccl.txt"
-  for ctas in 8 2; do  # the link with as few CTAs as the ddp-ctas runs below give NCCL
-    echo "NCCL_MAX_CTAS=$ctas" >> "$WORK/nccl.txt"
-    NCCL_MAX_CTAS=$ctas timeout 60 torchrun --nproc-per-node "$N" benchmarks/nccl_bandwidth.py 2>&1 | tee -a "$WORK/nccl.txt"
-  done
+    timeout 120 torchrun --nproc-per-node "$N" benchmarks/nccl_bandwidth.py 2>&1 | tee "$WORK/nccl.txt"
+    for ctas in 8 2; do  # the link with as few CTAs as the ddp-ctas runs below give NCCL
+      echo "NCCL_MAX_CTAS=$ctas" >> "$WORK/nccl.txt"
+      NCCL_MAX_CTAS=$ctas timeout 60 torchrun --nproc-per-node "$N" benchmarks/nccl_bandwidth.py 2>&1 \
+        | tee -a "$WORK/nccl.txt"
+    done
   fi
   run single-plain 1 --data.batch_size 4
   run single-budget24 1 --data.batch_size 4 --budget 24GiB --optimizer.param_dtype bfloat16

@@ -29,7 +29,7 @@ class GarbageCollection:
         if every < 0:
             raise ValueError(f"train.gc_every must be >= 0 (0: Python's automatic collection), got {every}")
         self.every = every
-        self._was_enabled = gc.isenabled()
+        self._was_enabled = False  # read on entry
 
     def __enter__(self) -> GarbageCollection:
         if self.every:
