@@ -76,6 +76,14 @@ run ddp-bf16 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --optimizer.
 # - the trainer's garbage collection every 50 steps, and DDP without its buffer broadcast: no change
 run ddp-gc50 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.gc_every 50
 run ddp-nobcast "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.ddp_broadcast_buffers false
+# - the backward's matmuls told to leave SMs to NCCL (parallel.sm_carveout: cuBLASLt's SM count target), so that a
+#   matmul starting beside NCCL's kernels runs in the waves it planned; ddp-lt: cuBLASLt alone, without carveout
+for sms in 16 32; do
+  run "ddp-carve$sms" "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.sm_carveout $sms
+  run "ddp-carve$sms-bf16" "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.sm_carveout $sms \
+    --optimizer.param_dtype bfloat16
+done
+TORCH_BLAS_PREFER_CUBLASLT=1 run ddp-lt "$N" --data.batch_size $B --parallel.dp_replicate "$N"
 run ddp-engines "$N" --data.batch_size $B --parallel.dp_replicate "$N" --activations.checkpoint full \
   --activations.offload_checkpoint_inputs true --optimizer.offload_fraction 0.5
 run fsdp-engines "$N" --data.batch_size $B --parallel.dp_shard "$N" --activations.checkpoint full \
