@@ -30,15 +30,22 @@ export PYTHONPATH=${PYTHONPATH:-$PWD} NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 W1=${W1_ARGS:-"--config configs/w1.toml --steps 30 --train.eval_batches 0 --checkpoint.enabled false --logging.log_every 1 \
     --logging.progress false"}
 START=$SECONDS
+# The GPUs' SM clock and power every 250 ms while the runs go (read-only queries), summarised per run at the end:
+# does a GPU that also runs NCCL clock lower?
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits -lms 250 \
+  > "$WORK/clocks.csv" 2>/dev/null &
+CLOCKS_PID=$!
 run() {  # name, nproc, args...
   local name=$1 nproc=$2; shift 2
   if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="name ...": these runs alone
   local left=$((DEADLINE - (SECONDS - START)))
   if ((left < 45)); then echo "== $name skipped: ${left}s left of DEADLINE" | tee -a "$OUT/skipped.txt"; return; fi
   echo "== $name (nproc $nproc) at $((SECONDS - START))s"
+  local t0; t0=$(date +%s.%N)
   timeout $((left < 900 ? left : 900)) torchrun --nproc-per-node "$nproc" -m elbowroom train $W1 \
     --out "$WORK/$name" "$@" > "$WORK/$name.log" 2>&1
   echo "   rc=$? in $((SECONDS - START))s: $(tail -1 "$WORK/$name.log" | cut -c1-160)"
+  echo "$name $nproc $t0 $(date +%s.%N)" >> "$WORK/times.txt"  # for the clocks below
 }
 # 1. the link, and single-GPU W1: plain and the planner at 24 GiB (per-GPU budgets below are the same)
 if part 1; then
@@ -133,5 +140,7 @@ cp "$WORK"/nccl.txt "$OUT"/ 2>/dev/null
 for t in "$WORK"/*/profile/trace.json; do  # each traced run's idle compute, beside its name
   [ -f "$t" ] && { echo "== $(basename "$(dirname "$(dirname "$t")")")"; python3 benchmarks/idle_gaps.py "$t"; }
 done > "$OUT/idle_gaps.txt" 2>&1
+kill $CLOCKS_PID 2>/dev/null
 python3 benchmarks/multi_gpu_summary.py "$WORK" "$N" | tee "$OUT/summary.md"
+python3 benchmarks/gpu_clocks.py "$WORK/clocks.csv" "$WORK/times.txt" 2>&1 | tee "$OUT/clocks.md"
 tar czf "$OUT/runs.tar.gz" -C "$WORK" --exclude=trace.json --exclude='*.pickle' --exclude='*.pt' --exclude='*.safetensors' .
