@@ -1,7 +1,8 @@
 """Each run's GPU SM clock, power and utilisation, from ``nvidia-smi --query-gpu=timestamp,index,clocks.sm,
 power.draw,utilization.gpu --format=csv,noheader,nounits -lms 250`` sampled while ``benchmarks/multi_gpu.sh`` ran
-and its ``times.txt`` (name, processes, start and end in epoch seconds). Over the last two thirds of each run
-(after start-up and warm-up), the median over the run's GPUs (the first ``processes`` of them): one Markdown row.
+and its ``times.txt`` (name, processes, start and end in epoch seconds). Over the samples of each run where its GPUs
+(the first ``processes`` of them) were busy (utilisation >= 90%: the training steps, not start-up), the median and
+the 10th percentile of the SM clock and the median power: one Markdown row.
 
     python3 benchmarks/gpu_clocks.py WORK/clocks.csv WORK/times.txt
 """
@@ -30,18 +31,18 @@ def read_samples(path: str) -> list[tuple[float, int, float, float, float]]:
 
 def main(clocks: str, times: str) -> None:
     samples = read_samples(clocks)
-    print("| run | GPUs | SM MHz (median) | power W (median) | utilisation % (median) | samples |")
+    print("| run | GPUs | SM MHz (median) | SM MHz (10th percentile) | power W (median) | busy samples |")
     print("|---|---|---|---|---|---|")
     for line in open(times):
         name, nproc, start, end = line.split()
         n, t0, t1 = int(nproc), float(start), float(end)
-        t0 += (t1 - t0) / 3
-        inside = [s for s in samples if t0 <= s[0] <= t1 and s[1] < n]
-        if not inside:
+        busy = [s for s in samples if t0 <= s[0] <= t1 and s[1] < n and s[4] >= 90]
+        if not busy:
             print(f"| {name} | {n} | | | | 0 |")
             continue
-        mhz, watts, util = (statistics.median(s[k] for s in inside) for k in (2, 3, 4))
-        print(f"| {name} | {n} | {mhz:.0f} | {watts:.0f} | {util:.0f} | {len(inside)} |")
+        mhz = sorted(s[2] for s in busy)
+        watts = statistics.median(s[3] for s in busy)
+        print(f"| {name} | {n} | {statistics.median(mhz):.0f} | {mhz[len(mhz) // 10]:.0f} | {watts:.0f} | {len(busy)} |")
 
 
 if __name__ == "__main__":
