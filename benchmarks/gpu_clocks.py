@@ -42,7 +42,8 @@ def main(clocks: str, times: str) -> None:
             continue
         mhz = sorted(s[2] for s in busy)
         watts = statistics.median(s[3] for s in busy)
-        print(f"| {name} | {n} | {statistics.median(mhz):.0f} | {mhz[len(mhz) // 10]:.0f} | {watts:.0f} | {len(busy)} |")
+        p10 = mhz[len(mhz) // 10]
+        print(f"| {name} | {n} | {statistics.median(mhz):.0f} | {p10:.0f} | {watts:.0f} | {len(busy)} |")
 
 
 if __name__ == "__main__":
