@@ -83,14 +83,9 @@ run ddp-bf16 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --optimizer.
 # - the trainer's garbage collection every 50 steps, and DDP without its buffer broadcast: no change
 run ddp-gc50 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.gc_every 50
 run ddp-nobcast "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.ddp_broadcast_buffers false
-# - the backward's matmuls told to leave SMs to NCCL (parallel.sm_carveout: cuBLASLt's SM count target), so that a
-#   matmul starting beside NCCL's kernels runs in the waves it planned; ddp-lt: cuBLASLt alone, without carveout
-for sms in 16 32; do
-  run "ddp-carve$sms" "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.sm_carveout $sms
-  run "ddp-carve$sms-bf16" "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.sm_carveout $sms \
-    --optimizer.param_dtype bfloat16
-done
-TORCH_BLAS_PREFER_CUBLASLT=1 run ddp-lt "$N" --data.batch_size $B --parallel.dp_replicate "$N"
+# - tried and reverted (2026-11-28, 2 and 4 H200s): the backward's cuBLASLt matmuls told to leave 16 or 32 SMs to NCCL
+#   (torch's experimental SM carveout): 90.1 / 87.0% of 2x one GPU and 89.1 / 85.3% of 4x, against 93.1 and 91.8%
+#   without; cuBLASLt alone 92.4%. The SM clocks under DDP and on one GPU were alike (both at the 700 W cap).
 run ddp-engines "$N" --data.batch_size $B --parallel.dp_replicate "$N" --activations.checkpoint full \
   --activations.offload_checkpoint_inputs true --optimizer.offload_fraction 0.5
 run fsdp-engines "$N" --data.batch_size $B --parallel.dp_shard "$N" --activations.checkpoint full \

@@ -44,7 +44,6 @@ def test_round_trip_through_toml(tmp_path) -> None:
         (["--train.fused_loss", "yes please"], "--train.fused_loss takes true or false"),
         (["--train.gc_every", "-5"], r"train.gc_every must be >= 0 \(0: Python's automatic collection\), got -5"),
         (["--parallel.ddp_broadcast_buffers", "sometimes"], "--parallel.ddp_broadcast_buffers takes true or false"),
-        (["--parallel.sm_carveout", "-4"], r"parallel.sm_carveout must be an integer >= 0 \(0: none\), got -4"),
         (["--model.preset", "huge"], "model.preset must be one of tiny, w1, w2, 7b"),
         (["--optimizer.offload_param_dtype", "bfloat16"], "offload_param_dtype needs optimizer.offload_fraction > 0"),
         (["--optimizer.offload_param_dtype", "fp8"], "offload_param_dtype must be one of float32, bfloat16"),

@@ -38,10 +38,8 @@ CASES = {
     "hsdp_2x1": DDP + HSDP, "hsdp_1x2_offload": FSDP + HSDP + OFFLOAD,
     # the fused head + loss reads the head weight after DDP's forward: its gradient is all-reduced as any other
     "ddp_fused": DDP + ACCUM + ["--train.fused_loss"],
-    # rotary tables alike on every rank: no broadcast needed; garbage collected on the trainer's schedule; the
-    # matmul SM carveout (CUDA's; on CPU the backward's context is entered and changes nothing)
-    "ddp_options": DDP + ["--parallel.ddp_broadcast_buffers", "false", "--train.gc_every", "2",
-                          "--parallel.sm_carveout", "16"],
+    # rotary tables alike on every rank: no broadcast needed; garbage collected on the trainer's schedule
+    "ddp_no_broadcast_gc": DDP + ["--parallel.ddp_broadcast_buffers", "false", "--train.gc_every", "2"],
 }
 
 

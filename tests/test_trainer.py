@@ -93,45 +93,6 @@ def test_accumulation_equals_one_big_batch(variable: bool, arch: str) -> None:
         assert max(float((a - b).norm() / b.norm()) for a, b in zip(naive, big)) > 1e-3
 
 
-def test_each_backward_runs_inside_its_own_backward_context() -> None:
-    """``backward_context`` (data parallel's matmul SM carveout) is entered once per micro-batch, around that
-    micro-batch's backward only: active while autograd runs, not during any forward."""
-    import contextlib
-
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(dim=32, n_heads=2, ffn_dim=64, n_layers=2, max_seq_len=24))
-    inside = [False]
-    entered: list[int] = []
-    seen: list[tuple[str, bool]] = []
-
-    @contextlib.contextmanager
-    def context():
-        entered.append(len(seen))
-        inside[0] = True
-        try:
-            yield
-        finally:
-            inside[0] = False
-
-    model.blocks[0].register_forward_hook(lambda *_: seen.append(("forward", inside[0])))
-    model.blocks[0].register_full_backward_hook(lambda *_: seen.append(("backward", inside[0])))
-    samples = _batches(False, 6, 24)
-    micro = [D.collate(samples[i : i + 2]) for i in range(0, 6, 2)]
-    accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False), backward_context=context)
-    assert seen == [("forward", False), ("backward", True)] * 3
-    assert entered == [1, 3, 5]  # each entry after its micro-batch's forward
-
-
-def test_matmul_sm_carveout_changes_nothing_off_cuda() -> None:
-    """Off CUDA (and at 0 SMs) the carveout context leaves torch's global matmul settings as they are."""
-    from elbowroom.distributed.data_parallel import matmul_sm_carveout
-
-    before = (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library())
-    for sms, device in ((16, torch.device("cpu")), (0, torch.device("cuda", 0))):
-        with matmul_sm_carveout(sms, device):
-            assert (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()) == before
-
-
 # ---------------------------------------------------------------- resume
 @pytest.mark.parametrize("extra", [[], ["--model.arch", "gpt2", "--model.dropout", "0.1", "--data.num_workers", "1",
                                         "--train.gradient_accumulation_steps", "2"],

@@ -49,11 +49,6 @@ class ParallelConfig:
     """DDP: broadcast rank 0's buffers before every forward (torch's default), which buffers that training changes
     need (batch norm's running statistics); a decoder's rotary tables are alike on every rank without it. Off, W1
     on 2 H200s ran as fast (92.7-93.3% of 2x one GPU either way)."""
-    sm_carveout: int = 0
-    """SMs that cuBLAS matmuls leave free during backward under data parallel (0: none), for the gradient
-    collectives that run beside them. A persistent matmul sized for every SM that starts while NCCL's kernels hold
-    some of them runs in more waves than planned; told the smaller count (cuBLASLt's SM count target, through
-    torch's experimental carveout), it runs in one. CUDA only; the forward keeps every SM."""
     fsdp_cpu_offload: bool = False
     """FSDP2's own CPUOffloadPolicy (parameters, gradients and the step on the host); elbowroom's optimizer
     offload (optimizer.offload_fraction) is the faster engine for the same job."""
@@ -82,8 +77,6 @@ class ParallelConfig:
                 f"parallel.comm_hook {self.comm_hook} compresses DDP's all-reduce, but this mesh runs "
                 f"{self.mode}; set --parallel.dp_shard 1 or --parallel.comm_hook none"
             )
-        if not isinstance(self.sm_carveout, int) or isinstance(self.sm_carveout, bool) or self.sm_carveout < 0:
-            raise ValueError(f"parallel.sm_carveout must be an integer >= 0 (0: none), got {self.sm_carveout!r}")
         if self.powersgd_rank < 1:
             raise ValueError(f"parallel.powersgd_rank must be >= 1, got {self.powersgd_rank}")
         if not 0.0 < self.topk_ratio <= 1.0:

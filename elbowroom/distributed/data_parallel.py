@@ -232,33 +232,6 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     yield
 
 
-@contextlib.contextmanager
-def matmul_sm_carveout(sms: int, device: torch.device) -> Iterator[None]:
-    """cuBLAS matmuls launched inside leave ``sms`` SMs free (``parallel.sm_carveout``), for the collectives of a
-    backward under data parallel; outside, they are as before. Nothing changes for ``sms`` 0 or off CUDA.
-
-    The carveout is torch's experimental global one, which only cuBLASLt reads (its SM count target), so cuBLASLt
-    is also the preferred BLAS library inside. Both are process-wide and read when an op is launched, so they hold
-    for the autograd engine's device thread too, and ``backward()`` has launched all its ops when it returns.
-    """
-    if sms == 0 or device.type != "cuda":
-        yield
-        return
-    total = torch.cuda.get_device_properties(device).multi_processor_count
-    if sms >= total:
-        raise ValueError(f"parallel.sm_carveout {sms} leaves the matmuls no SM of the {total} this GPU has; "
-                         f"give fewer than {total} (the collectives need a few: 8 to 32)")
-    carveout = torch._C._get_sm_carveout_experimental()
-    library = torch.backends.cuda.preferred_blas_library()
-    torch._C._set_sm_carveout_experimental(sms)
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(carveout)
-        torch.backends.cuda.preferred_blas_library(library)
-
-
 def loss_scale(topo: Topology) -> float:
     """Factor on each rank's loss (already divided by the global step's tokens) so that the averaged
     gradients equal a single process's over the global batch: the data-parallel size."""

@@ -33,7 +33,6 @@ reads the same either way.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -52,7 +51,6 @@ from elbowroom.distributed.data_parallel import (
     gradient_sync,
     init_distributed,
     loss_scale,
-    matmul_sm_carveout,
     shutdown,
 )
 from elbowroom.train.checkpoint import CheckpointError, CheckpointManager, Loaded
@@ -343,9 +341,6 @@ class DistributedRun:
             return pipeline_accumulate(self, micro, args[0], global_tokens)  # args[0]: the autocast
         share = global_tokens / loss_scale(self.topo)
         micro = [{**b, "num_tokens": share if i == 0 else 0} for i, b in enumerate(micro)]
-        carveout = self.topo.parallel.sm_carveout
-        if carveout and self.dp_size > 1 and self.device is not None:
-            kwargs["backward_context"] = functools.partial(matmul_sm_carveout, carveout, self.device)
         if self.mp is None:
             with self._sync_on_last(model, len(micro)):
                 return fn(model, micro, *args, **kwargs)
@@ -534,10 +529,6 @@ def start_run(cfg: Config, launch: Launch | None) -> Iterator[DistributedRun]:
     device = torch.device("cuda", launch.local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if p.sm_carveout >= sms:
-            raise ConfigError(f"--parallel.sm_carveout {p.sm_carveout} leaves the matmuls no SM of the {sms} this "
-                              f"GPU has; give fewer than {sms} (the collectives need a few: 8 to 32)")
     owns = not dist.is_initialized()
     if owns and launch.world_size == 1 and not launch.rendezvous:
         # FSDP2 at world size 1 (e.g. its CPUOffloadPolicy, for comparison) needs a group of one: no rendezvous
@@ -555,8 +546,6 @@ def start_run(cfg: Config, launch: Launch | None) -> Iterator[DistributedRun]:
         log.info("data parallel: %s over %d processes (mesh pp %d x dp_replicate %d x dp_shard %d x tp %d), %s",
                  p.mode.upper() if p.mode != "single" else "none", launch.world_size, p.pp, p.dp_replicate,
                  p.dp_shard, p.tp, device)
-        if p.sm_carveout and not cuda:
-            log.info("parallel.sm_carveout %d: a CUDA matmul setting, nothing to do on %s", p.sm_carveout, device)
     t0 = time.perf_counter()
     try:
         yield run

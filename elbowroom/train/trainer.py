@@ -76,7 +76,7 @@ from elbowroom.train.schedule import build_scheduler, sync_lr
 from elbowroom.train.state import _restored_global_state, _StopSignal, rng_state, set_rng_state
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    pass
 
 log = logging.getLogger("elbowroom.train")
 
@@ -231,7 +231,6 @@ def accumulate_gradients(
     optimizer: Any = None,
     fused_loss: bool = False,
     distill: Distillation | None = None,
-    backward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> torch.Tensor:
     """Forward and backward over the micro-batches of one optimizer step; returns the step's loss (detached).
 
@@ -241,7 +240,6 @@ def accumulate_gradients(
     an ``accumulating()`` context (the CPU-offloaded one) is told which backward passes are not the last,
     so that it moves gradients to the host only once they are final. The loss of a micro-batch is
     :func:`~elbowroom.train.objectives.micro_batch_loss`'s: cross-entropy, fused or not, or distillation.
-    Each backward runs inside a fresh ``backward_context()`` (data parallel's matmul SM carveout).
     """
     step_tokens = sum(b["num_tokens"] for b in micro_batches)
     total = None
@@ -250,8 +248,7 @@ def accumulate_gradients(
         with autocast:
             loss_sum = micro_batch_loss(model, b, optimizer, fused_loss=fused_loss, distill=distill)
         loss = loss_sum / step_tokens
-        with marks(i < len(micro_batches) - 1) if marks is not None else contextlib.nullcontext(), \
-                backward_context():
+        with marks(i < len(micro_batches) - 1) if marks is not None else contextlib.nullcontext():
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
