@@ -38,6 +38,9 @@ CASES = {
     "hsdp_2x1": DDP + HSDP, "hsdp_1x2_offload": FSDP + HSDP + OFFLOAD,
     # the fused head + loss reads the head weight after DDP's forward: its gradient is all-reduced as any other
     "ddp_fused": DDP + ACCUM + ["--train.fused_loss"],
+    # ... and in the head's own forward, where FSDP2 gathers its weight (and the offloading optimizer, whose late
+    # half holds the head, waits for it)
+    "fsdp_fused": FSDP + ACCUM + ["--train.fused_loss"], "fsdp_fused_offload": FSDP + OFFLOAD + ["--train.fused_loss"],
     # rotary tables alike on every rank: no broadcast needed; garbage collected on the trainer's schedule
     "ddp_no_broadcast_gc": DDP + ["--parallel.ddp_broadcast_buffers", "false", "--train.gc_every", "2"],
 }
@@ -231,7 +234,7 @@ def test_sharded_checkpoint_verification_finds_a_flipped_byte(tmp_path: Path) ->
         ("2", ["--parallel.dp_shard", "4"], "the world size is 2; launch with `torchrun --nproc-per-node 4`"),
         ("2", [], "set --parallel.dp_replicate 2 (DDP) or --parallel.dp_shard 2 (FSDP2)"),
         ("2", [*DDP, "--data.batch_size", "3"], "must divide by the data-parallel size 2"),
-        ("2", [*FSDP, "--train.fused_loss"], "drop --train.fused_loss under FSDP"),
+        ("2", [*FSDP, "--distill.teacher", "runs/teacher"], "drop --distill.teacher under FSDP"),
         ("2", [*DDP, *OFFLOAD, "--optimizer.offload_gradients"], "DDP keeps them in its own buckets"),
         ("2", [*FSDP, "--parallel.fsdp_cpu_offload", *OFFLOAD], "choose one"),
         ("2", [*FSDP, "--parallel.fsdp_cpu_offload", "--budget", "1GiB"], "drop --parallel.fsdp_cpu_offload"),

@@ -331,3 +331,29 @@ def test_trainer_plans_per_rank_under_fsdp2(tmp_path: Path, trainer_budgets: tup
         code, err = r["other"]
         assert code == 2 and "made for a model that is not sharded and this run shards over 2 ranks" in err, err
         assert r["written"] == [False, False]
+
+
+def test_per_rank_plan_may_fuse_the_head_and_loss(tmp_path: Path) -> None:
+    """Under FSDP2 the fused head and loss runs in the head's forward (where FSDP2 gathers its weight), so a per-rank
+    plan may choose it: with a large vocabulary, a budget between the fused and the unfused minimum is met only
+    fused, and without the fused loss it is refused (exit 2's ConfigError) naming the per-rank minimum."""
+    from elbowroom.config import ConfigError
+    from elbowroom.train.planning import plan_for_budget
+
+    model_cfg = ModelConfig(vocab_size=8192, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=64)
+    rank = per_rank_profile(_whole_profile(model_cfg, 2, 64), 2, ranks_per_host=2)
+    minimum = {}
+    for fused in (False, True):
+        with pytest.raises(BudgetError) as e:
+            plan_for(rank, 1, fused_loss_allowed=fused)
+        minimum[fused] = e.value.minimum_bytes
+    assert minimum[True] < 0.8 * minimum[False]  # the logits dominate the unfused minimum
+    budget = (minimum[True] + minimum[False]) // 2
+    cfg = trainer_config([*TINY_RUN, *FSDP, "--budget", str(budget)], tmp_path)
+    torch.manual_seed(0)
+    ids = torch.randint(0, model_cfg.vocab_size, (2, 64))
+    _, _, plan = plan_for_budget(build_model(model_cfg), {"input_ids": ids, "targets": ids}, cfg, True,
+                                 torch.float32)
+    assert plan.fused_loss and plan.profile.shard_factor == 2 and plan.predicted_peak_bytes <= budget
+    with pytest.raises(ConfigError, match="minimum per rank"):
+        plan_for_budget(build_model(model_cfg), {"input_ids": ids, "targets": ids}, cfg, False, torch.float32)

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from elbowroom.ops.linear_cross_entropy import linear_cross_entropy
 from elbowroom.ops.rope import RotaryEmbedding
 from elbowroom.ops.swiglu import swiglu
 
@@ -179,6 +180,21 @@ class GPT2Block(nn.Module):
         return x + h
 
 
+class OutputHead(nn.Linear):
+    """The output head: logits, or with ``targets`` the fused head and cross-entropy summed over the target tokens
+    (:func:`~elbowroom.ops.linear_cross_entropy`: chunk by chunk, the logits never whole).
+
+    The fused loss runs inside this module's forward so that a wrapper that hooks the module sees its weight used:
+    FSDP2 all-gathers the head's weight only around its own forward and backward, and an optimizer that waits for
+    offloaded weights in forward pre-hooks waits for it here.
+    """
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return linear_cross_entropy(x, self.weight, targets, reduction="sum")
+
+
 class DecoderLM(nn.Module):
     """Token embedding -> ``blocks`` -> final norm -> output projection (logits)."""
 
@@ -199,7 +215,7 @@ class DecoderLM(nn.Module):
                 # a plain attribute: blocks share one table without registering it n_layers times
                 object.__setattr__(blk, "rope", self.rope)
             self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = OutputHead(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_emb.weight
         self.reset_parameters()

@@ -112,15 +112,14 @@ def check_setup(cfg: Config, launch: Launch | None) -> None:
     mode = p.mode
     if mode == "single":
         return
-    # the fused loss reads the head weight after DDP's forward, whose reducer then takes its gradient as any other;
-    # FSDP2 frees the head's unsharded weight when the head's own forward ends
-    for flag, on in (("--train.fused_loss", cfg.train.fused_loss and mode != "ddp"),
-                     ("--distill.teacher", cfg.distill.teacher)):
-        if on:
-            raise ConfigError(
-                f"{flag} reads the output head outside the model's forward, which {mode.upper()} does not see (no "
-                f"gradient sync); drop {flag} under {mode.upper()}"
-            )
+    # the fused loss runs in the head's own forward (DDP's reducer takes the head's gradient as any other, FSDP2
+    # gathers the head's weight for it); distillation reads the head weight outside it, where FSDP2 has freed the
+    # unsharded weight
+    if cfg.distill.teacher:
+        raise ConfigError(
+            f"--distill.teacher reads the output head outside the model's forward, which {mode.upper()} does not see "
+            f"(no gradient sync); drop --distill.teacher under {mode.upper()}"
+        )
     if mode == "ddp" and cfg.optimizer.offload_gradients:
         raise ConfigError(
             "optimizer.offload_gradients frees device gradients, but DDP keeps them in its own buckets; drop "

@@ -28,7 +28,6 @@ from torch import nn
 
 from elbowroom.config import ConfigError, DistillSection
 from elbowroom.distributed.data_parallel import unwrap
-from elbowroom.ops.linear_cross_entropy import linear_cross_entropy
 
 if TYPE_CHECKING:
     from elbowroom.export.distill import Teacher
@@ -61,11 +60,12 @@ def micro_batch_loss(model: nn.Module, batch: dict[str, Any], optimizer: Any = N
     """The student's loss summed over the target tokens of one micro-batch (call it under the run's autocast).
 
     Args:
-        model: the student, or the DDP wrapper around it; the fused head and distillation need its
-            ``hidden_states`` (``forward(ids, head=False)`` under DDP) and ``output`` head.
+        model: the student, or the DDP or FSDP2 wrapper around it; the fused head and distillation need its
+            ``forward(ids, head=False)`` (the hidden states) and ``output`` head (the fused loss runs in the
+            head's forward: :class:`~elbowroom.models.decoder.OutputHead`).
         batch: ``{"input_ids", "targets", ...}`` on the model's device.
-        optimizer: an optimizer with ``wait_for`` (the CPU-offloaded one) is asked for the head weight before it
-            is read outside the head's forward.
+        optimizer: an optimizer with ``wait_for`` (the CPU-offloaded one) is asked for the head weight before
+            distillation reads it outside the head's forward.
         fused_loss: the head and cross-entropy chunk by chunk (the logits never exist whole).
         distill: mix in the teacher's soft targets (always chunk by chunk; ``fused_loss`` is then implied).
     """
@@ -73,14 +73,15 @@ def micro_batch_loss(model: nn.Module, batch: dict[str, Any], optimizer: Any = N
     if distill is None and not fused_loss:
         return token_loss_sum(model(ids), targets)
     inner = unwrap(model)
-    # under DDP through its forward (its reducer then expects this step's gradients, the head's included, which
-    # the loss's backward gives it); the head weight is read outside the head's forward
-    h = model(ids, head=False) if inner is not model else model.hidden_states(ids)
-    head = inner.output.weight
+    # through the wrapper's forward (DDP's reducer then expects this step's gradients, the head's included, which
+    # the loss's backward gives it; FSDP2's root prepares the step there)
+    h = model(ids, head=False)
+    if distill is None:
+        # the head's own forward: FSDP2 all-gathers its weight there, an offloading optimizer waits for it there
+        return inner.output(h, targets)
+    head = inner.output.weight  # read outside the head's forward (not under FSDP2: the trainer refuses it)
     if hasattr(optimizer, "wait_for"):
         optimizer.wait_for(head)
-    if distill is None:
-        return linear_cross_entropy(h, head, targets, reduction="sum")
     from elbowroom.export.distill import distillation_loss
 
     # the teacher's body runs once here (no grad); its head per chunk, inside the loss, twice (forward, recompute)

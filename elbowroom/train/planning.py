@@ -8,10 +8,10 @@ every rank holds the whole model, so one process's plan is each rank's. Under FS
 S``) the plan is one rank's: the profile of the whole model on the rank's micro-batch is turned into the rank's
 (:func:`~elbowroom.plan.ranks.per_rank_profile`: 1/S of the parameters, gradients and optimizer state, plus
 FSDP2's all-gathered parameters and unsharded gradients), planned with fp32 weights or, where
-``--optimizer.param_dtype bfloat16`` allows, bf16 shards with fp32 masters, and without the fused loss, and
-applied in two steps around ``fully_shard``: the activation policies before it wraps the blocks
-(:func:`apply_plan`), the optimizer over the local shards after
-(:func:`plan_optimizer`). ``--budget`` is then per rank, and a saved plan applies only at its own shard factor.
+``--optimizer.param_dtype bfloat16`` allows, bf16 shards with fp32 masters, and applied in two steps around
+``fully_shard``: the activation policies before it wraps the blocks (:func:`apply_plan`), the optimizer over the
+local shards after (:func:`plan_optimizer`). ``--budget`` is then per rank, and a saved plan applies only at its own
+shard factor.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def plan_for_budget(
     from elbowroom.plan import BudgetError, fit
 
     if sharded(cfg):
-        return _plan_for_rank(model, sample, cfg, amp_dtype)
+        return _plan_for_rank(model, sample, cfg, fused_loss, amp_dtype)
     # measuring the machine draws random matrices from the global RNG (the profile itself restores it): the
     # run's dropout stream must be the one an unplanned run with this seed draws
     rng = torch.get_rng_state()
@@ -207,7 +207,7 @@ def _one_process(cfg: Config) -> bool:
     return not cfg.parallel.enabled and cfg.parallel.mode == "single"
 
 
-def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
+def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool,
                    amp_dtype: torch.dtype) -> tuple[nn.Module, None, Plan]:
     """``--budget`` under FSDP2: the whole model profiled (before ``fully_shard``, leaving nothing behind), its
     per-rank profile planned, the plan's policies installed; the optimizer comes after sharding."""
@@ -225,8 +225,8 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config,
             rank = with_host_memory(rank, parse_budget(cfg.host_budget))
         # FSDP2 shards fp32 weights (cast to --train.dtype by its MixedPrecisionPolicy) or, where
         # --optimizer.param_dtype bfloat16 allows, bf16 weights with fp32 masters; no bf16 device copies of fp32
-        # shards, no fused loss (data parallel)
-        plan = plan_for(rank, parse_budget(cfg.budget), fused_loss_allowed=False,
+        # shards
+        plan = plan_for(rank, parse_budget(cfg.budget), fused_loss_allowed=fused_loss,
                         precision="bf16" if cfg.optimizer.param_dtype == "bfloat16" else "fp32",
                         weight_layouts=("fp32", "bf16"), grad_clipping=bool(cfg.train.max_grad_norm),
                         gradient_offload_allowed=True, offload_config=cfg.offload,
@@ -274,10 +274,7 @@ _CLI_HINTS = {
 }
 """The BudgetError hints in the trainer's terms."""
 
-_NOT_UNDER_DATA_PARALLEL = (
-    "--optimizer.param_dtype bfloat16 allows bf16 device weights",
-    "--train.fused_loss true shrinks the head and loss",
-)
+_NOT_UNDER_DATA_PARALLEL = ("--optimizer.param_dtype bfloat16 allows bf16 device weights",)
 """Hints of flags that data parallel refuses (check_setup): left out of its BudgetError."""
 
 

@@ -616,9 +616,9 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
                                                plan, first, amp_dtype)
         fwd_model = model
     elif planned_here:  # the plan is made for the run's own first micro-batch, which step 1 then trains on
-        # the fused head + loss needs our own models' head, and runs outside torch.compile
-        # (under DDP through its forward, micro_batch_loss; FSDP2 frees the head's weight after the head's forward)
-        fused_ok = model_cfg is not None and not cfg.train.compile and cfg.parallel.mode in ("single", "ddp")
+        # the fused head + loss needs our own models' head (it runs in the head's forward, which DDP and FSDP2
+        # see: micro_batch_loss), and runs outside torch.compile
+        fused_ok = model_cfg is not None and not cfg.train.compile
         model, optimizer, plan = run.plan_once(plan_for_budget, apply_plan, model, first, cfg, fused_loss=fused_ok,
                                                amp_dtype=amp_dtype)  # rank 0 plans; every rank follows its plan
         fwd_model, optimizer = run.wrap(model, optimizer=optimizer, plan=plan)  # (FSDP2: the plan's, over shards)
