@@ -142,7 +142,7 @@ def test_fsdp2_bf16_shards_with_fp32_masters(tmp_path: Path) -> None:
     # head may run behind the blocks' forward), except when tied; every unit's first pre-forward hook is the
     # optimizer's wait, ahead of FSDP2's all-gather
     units = r0["units"]
-    assert units[False]["units"].count("FSDPEmbedding") == 1 and units[False]["units"].count("FSDPLinear") == 1
+    assert units[False]["units"].count("FSDPEmbedding") == 1 and units[False]["units"].count("FSDPOutputHead") == 1
     assert "FSDPEmbedding" not in units[True]["units"]
     assert units[False]["ours_first"] == [False] + [True] * 5  # the root holds no weight of its own then
     assert all(units[True]["ours_first"]), units[True]  # the root holds the tied embedding
