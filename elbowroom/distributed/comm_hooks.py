@@ -53,8 +53,6 @@ class CompressionState:
     """This process's rank (its noise is its own)."""
     draws: dict[str, int] = field(default_factory=dict)
     """int8: parameter name -> draws so far."""
-    scale_indices: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
-    """int8: :func:`scale_index` of each bucket layout met (made once, not every step)."""
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)
     """Parameter name -> its flat error carried to the next step (the part of ``g + e`` not sent). Kept per
     parameter, not per bucket: DDP rebuilds its buckets after the first step, in the order gradients arrived."""
@@ -124,14 +122,19 @@ def int8_decompress(q: torch.Tensor, scale: torch.Tensor, block: int = INT8_BLOC
     return (padded * scale.float()[:, None]).view(-1)[:n]
 
 
-def scale_index(sizes: list[int], block: int = INT8_BLOCK, device: Any = None) -> torch.Tensor:
-    """For pieces of ``sizes`` quantised one after another (:func:`int8_compress` each), the index of each entry's
-    scale in their concatenated scales."""
-    parts, first = [], 0
+def int8_decompress_pieces(q: torch.Tensor, scale: torch.Tensor, sizes: list[int],
+                           block: int = INT8_BLOCK) -> torch.Tensor:
+    """The flat fp32 values of pieces of ``sizes`` quantised one after another (:func:`int8_compress` each, their
+    ``q`` and scales concatenated), piece by piece: no per-entry index of scales (8 bytes an entry, for a whole
+    bucket) and no whole-bucket temporaries beyond the result."""
+    out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
+    at = first = 0
     for n in sizes:
-        parts.append(first + torch.arange(n, device=device) // block)
-        first += -(-n // block)
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+        blocks = -(-n // block)
+        out[at:at + n] = int8_decompress(q[at:at + n], scale[first:first + blocks], block)
+        at += n
+        first += blocks
+    return out
 
 
 def _draw_seed(seed: int, rank: int, key: str, count: int) -> int:
@@ -221,11 +224,10 @@ def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures
         return int8_compress(x, generator)
 
     def dense_sum(qs: list[torch.Tensor], scales: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
-        layout = (tuple(sizes), str(qs[0].device))
-        where = state.scale_indices.get(layout)
-        if where is None:
-            where = state.scale_indices[layout] = scale_index(sizes, device=qs[0].device)
-        return sum(q.float() * s.float()[where] for q, s in zip(qs, scales))
+        total = int8_decompress_pieces(qs[0], scales[0], sizes)
+        for q, scale in zip(qs[1:], scales[1:]):
+            total += int8_decompress_pieces(q, scale, sizes)
+        return total
 
     return _error_fed(state, bucket, compress, dense_sum)
 
