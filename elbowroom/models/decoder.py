@@ -242,7 +242,8 @@ class DecoderLM(nn.Module):
 
     def forward(self, idx: torch.Tensor, head: bool = True) -> torch.Tensor:
         """Logits ``(b, s, vocab)`` for token ids ``(b, s)``; with ``head=False`` the hidden states the head would
-        read (:meth:`hidden_states`), through ``forward`` so that a wrapper such as DDP sees the call."""
+        read (:meth:`hidden_states`), through ``forward`` so that a wrapper such as DDP or FSDP2 sees the call. The
+        fused loss then calls the head itself: ``model.output(h, targets)`` (:class:`OutputHead`)."""
         h = self.hidden_states(idx)
         return self.output(h) if head else h
 
