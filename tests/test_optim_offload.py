@@ -1586,3 +1586,25 @@ def test_fsdp2_layers_sharded_without_a_mesh_step_like_plain(monkeypatch: pytest
         opt.close()
         for a, b in zip(plain.parameters(), model.parameters()):
             torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_finished_step_keeps_no_gradient_alive() -> None:
+    """Gradients edited after their hand-over (torch's clip_grad_norm_) are copied again from the step's plan; once
+    that step's updates have landed nothing of the optimizer's may keep them alive. (Under DDP they are views of its
+    buckets: a plan that held them kept DDP's first buckets allocated through the step that rebuilt them.) The 24 x
+    24 weight is bigger than a 2 kB bucket: it steps piece by piece, the others whole."""
+    import weakref
+
+    m = make_model()
+    o = make_opt(m.parameters(), torch.optim.AdamW, offload_fraction=1.0, lr=1e-2)
+    assert o._placement.hp_of[m[2].weight].bucket.piece_numel
+    for x in batches(3):
+        loss_of(m, x).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)  # edits every gradient in place
+        grads = [weakref.ref(p.grad) for p in m.parameters()]
+        o.step()
+        o.wait_for_weights()
+        o.zero_grad(set_to_none=True)
+        gc.collect()
+        assert [r() is None for r in grads] == [True] * len(grads)
+    assert o._engine.counters()["recopy_bytes"] > 0  # the edited gradients went through the plan

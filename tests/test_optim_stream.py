@@ -219,3 +219,24 @@ def test_a_streamed_job_does_not_wait_behind_host_copies_that_wait_for_staging_s
     assert sorted(order) == ["host 2", "host 3", "host 4", "stream 0", "stream 1"]
     # the backward hands over 4, 3, 2 (host) and then 1, 0 (streamed): the streamed ones go ahead of the host's last
     assert order.index("stream 1") < order.index("host 2"), order
+
+
+def test_a_finished_streamed_step_keeps_no_gradient_alive() -> None:
+    """The streamed parameters' gradients, edited after their hand-over (torch's clip_grad_norm_), are read from the
+    step's plan; once the step's updates have landed the plan holds none of them (see the same check for host-stepped
+    parameters in test_optim_offload)."""
+    import gc
+    import weakref
+
+    m = _model()
+    opt = _offload(m)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        m(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)  # edits every gradient in place
+        grads = [weakref.ref(p.grad) for p in m.parameters()]
+        opt.step()
+        opt.wait_for_weights()
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        assert [r() is None for r in grads] == [True] * len(grads)

@@ -80,7 +80,10 @@ class StepPlan:
     hyper: list[dict[str, Any]]
     mults: list[torch.Tensor] = dataclasses.field(default_factory=list)  # CPU fp32 scalars, in order
     skip: bool = False
-    recopy: dict[int, torch.Tensor | None] = dataclasses.field(default_factory=dict)  # param index -> edited grad
+    recopy: dict[int, torch.Tensor | None] = dataclasses.field(default_factory=dict)
+    """Param index -> its gradient as edited after the hand-over (None: dropped). The step thread sets each value
+    to None once it has read it: a finished step's plan must not keep device gradients alive (under DDP they are
+    views of its buckets, and DDP's rebuilt buckets at step 2 then came on top of the old ones)."""
     ready: Any = None  # compute-stream event after which re-copies may read
 
 

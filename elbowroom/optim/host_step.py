@@ -72,6 +72,8 @@ class HostStep:
                             g.record_stream(s.d2h)  # lifetime extension, as for the first copy
                 ev = s.record(s.d2h)
             s.host_wait(ev)  # host wait (this thread) for the re-copy
+            for i in recopy:
+                plan.recopy[job.params[i].index] = None  # read once: the plan must not keep the device grad alive
         t0 = time.perf_counter()
         chunked = self.chunked and bucket.chunked
         stepped: list[HostParam] = []
@@ -164,6 +166,7 @@ class HostStep:
         if hp.index in plan.recopy:  # edited after it was handed over (clipping by torch, GradScaler.unscale_)
             assert not streamed  # (never streamed: see Engine._streamable)
             g, ready = plan.recopy[hp.index], plan.ready
+            plan.recopy[hp.index] = None  # read once (held here while its pieces copy)
         job.grads = [None]
         if g is None and not streamed:
             return

@@ -89,6 +89,7 @@ class DeviceStep:
             for i, hp in enumerate(job.params):
                 if hp.index in plan.recopy:
                     grad, ready = plan.recopy[hp.index], plan.ready  # edited after its hand-over: the edited one
+                    plan.recopy[hp.index] = None  # read once (held here while it steps)
                 else:
                     grad, ready = job.grads[i], job.ready
                 job.grads[i] = None
