@@ -35,6 +35,8 @@ CASES = {
     "ddp_recompute": DDP + RECOMPUTE + ["--parallel.ddp_bucket_mb", "0.01"],  # many small buckets
     "fsdp_recompute": FSDP + RECOMPUTE + ACCUM,
     "ddp_offload": DDP + OFFLOAD + ACCUM, "fsdp_offload": FSDP + OFFLOAD,
+    # FSDP2's reduced shards straight to host buffers during backward (the step, clipped, waits for the norm only)
+    "fsdp_offload_gradients": FSDP + OFFLOAD + ACCUM + ["--optimizer.offload_gradients"],
     "hsdp_2x1": DDP + HSDP, "hsdp_1x2_offload": FSDP + HSDP + OFFLOAD,
     # the fused head + loss reads the head weight after DDP's forward: its gradient is all-reduced as any other
     "ddp_fused": DDP + ACCUM + ["--train.fused_loss"],
