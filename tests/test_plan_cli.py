@@ -191,23 +191,31 @@ def test_one_rank_of_fsdp2(profile_file: str, capsys: pytest.CaptureFixture[str]
         states = float(err.split("model states need ")[1].split(" GiB")[0])
         return float(err.split("below the minimum ")[1].split(" GiB")[0]), states
 
-    # against one process with the plain loss, as the sharded runs must use
-    (one, s1), (two, s2), (_, s8) = minimum("--no-fused-loss"), minimum("--dp-shard", "2"), minimum(
-        "--dp-shard", "8")
+    # all with the plain loss
+    (one, s1), (two, s2), (_, s8) = (minimum("--no-fused-loss"), minimum("--dp-shard", "2", "--no-fused-loss"),
+                                     minimum("--dp-shard", "8", "--no-fused-loss"))
     assert two < one and s2 == pytest.approx(s1 / 2, rel=0.02) and s8 == pytest.approx(s1 / 8, rel=0.02)
     # (from 2 ranks on the head, loss and working memory dominate, and the 8 ranks of one host share its memory, so
     # each offloads less: 8 need not go lower than 2, nor than one process that has the whole host to offload to)
+    # ... which the fused head and loss shrinks under FSDP2 too (it runs in the head's forward, where FSDP2 gathers
+    # the weight): a budget between the two minimums is met, fused
+    fused, _ = minimum("--dp-shard", "2")
+    assert fused < 0.9 * two
+    assert cmd_plan(["--profile", profile_file, "--budget", f"{(fused + two) / 2:.2f}GiB", "--precision", "bf16",
+                     "--dp-shard", "2", "--json"]) == 0
+    plan = Plan.from_dict(json.loads(capsys.readouterr().out))
+    assert plan.profile.shard_factor == 2 and plan.fused_loss
     assert cmd_plan(["--profile", profile_file, "--budget", "24GiB", "--precision", "bf16", "--dp-shard", "8",
                      "--json"]) == 0
     plan = Plan.from_dict(json.loads(capsys.readouterr().out))
-    assert plan.profile.shard_factor == 8 and not plan.fused_loss  # (the fused loss is refused under data parallel)
+    assert plan.profile.shard_factor == 8
     assert plan.memory["FSDP2 gathered parameters and gradients"] > 0
     assert (plan.weight_dtype, plan.offload_param_dtype) != ("float32", "bfloat16")
 
 
 def test_one_rank_of_ddp(profile_file: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``--dp-replicate N`` plans one DDP rank as the trainer does: every gradient held all step (DDP's buckets),
-    the host's memory and optimizer rate shared by the ranks on it, no fused loss."""
+    the host's memory and optimizer rate shared by the ranks on it."""
     def run(*extra: str) -> Plan:
         assert cmd_plan(["--profile", profile_file, "--budget", "24GiB", "--no-fused-loss", "--json", *extra]) == 0
         return Plan.from_dict(json.loads(capsys.readouterr().out))
@@ -236,6 +244,7 @@ def test_budget_hints_name_this_commands_flags(profile_file: str, capsys: pytest
     assert cmd_plan(["--profile", profile_file, "--budget", "1GiB", "--no-fused-loss"]) == 2
     err = capsys.readouterr().err
     assert "the fused head and loss (no --no-fused-loss) shrinks" in err and "fused_loss=" not in err
-    # under data parallel the fused loss is refused: not offered as a way out
-    assert cmd_plan(["--profile", profile_file, "--budget", "1GiB", "--dp-replicate", "2", "--no-fused-loss"]) == 2
-    assert "fused" not in capsys.readouterr().err
+    # under data parallel too (the trainer runs the fused loss in the head's forward, which DDP and FSDP2 see)
+    for extra in (["--dp-replicate", "2"], ["--dp-shard", "2"]):
+        assert cmd_plan(["--profile", profile_file, "--budget", "1GiB", "--no-fused-loss", *extra]) == 2
+        assert "the fused head and loss (no --no-fused-loss) shrinks" in capsys.readouterr().err

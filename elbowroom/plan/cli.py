@@ -251,8 +251,8 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                 budget,
                 global_batch=args.global_batch,
                 precision=args.precision,
-                # (refused under FSDP2, which frees the head's unsharded weight after the head's forward)
-                fused_loss_allowed=not args.no_fused_loss and args.dp_shard == 1,
+                # (under data parallel too: the trainer's fused loss runs in the head's forward, which FSDP2 sees)
+                fused_loss_allowed=not args.no_fused_loss,
                 grad_clipping=not args.no_clip,
                 # (in one process only: the optimizer does not stream under DDP, nor FSDP2's shards)
                 stream_allowed=not args.no_stream and args.dp_shard == args.dp_replicate == 1,
@@ -261,8 +261,7 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                 **sharded,
             )
         except BudgetError as e:
-            refused = (_HINTS[_FUSED],) if args.dp_shard * args.dp_replicate > 1 else ()  # data parallel refuses it
-            raise _UsageError(f"elbowroom plan: {e.reworded(_HINTS, refused)}") from None
+            raise _UsageError(f"elbowroom plan: {e.reworded(_HINTS)}") from None
     except _UsageError as e:
         print(str(e).replace("\n", " "), file=sys.stderr)
         return 2
