@@ -72,8 +72,9 @@ class HostStep:
                             g.record_stream(s.d2h)  # lifetime extension, as for the first copy
                 ev = s.record(s.d2h)
             s.host_wait(ev)  # host wait (this thread) for the re-copy
-            for i in recopy:
-                plan.recopy[job.params[i].index] = None  # read once: the plan must not keep the device grad alive
+        for hp in job.params:  # read (or not needed: a host gradient): the plan must not keep the device grad alive
+            if hp.index in plan.recopy:
+                plan.recopy[hp.index] = None
         t0 = time.perf_counter()
         chunked = self.chunked and bucket.chunked
         stepped: list[HostParam] = []
