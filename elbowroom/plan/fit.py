@@ -112,6 +112,8 @@ def fit(
       ``elbowroom.linear_cross_entropy(hidden_states, head.weight, targets)``; if the plan also offloads the
       parameters outside the blocks (``plan.offload_other_params``), call ``optimizer.wait_for(head.weight)``
       before it: that weight is read outside its module's forward, where the optimizer cannot see the read.
+      elbowroom's own models need neither: ``model.output(hidden_states, targets)`` computes the fused loss
+      (summed over the target tokens) inside the head's forward, where the optimizer (and FSDP2) see it.
     - ``precision="bf16"``: the plan may keep the offloaded weights in bf16 on the device
       (``plan.offload_param_dtype``) or the whole model (``plan.weight_dtype == "bfloat16"``), always with fp32
       masters in the optimizer; the loop keeps running under bf16 autocast, as it was profiled (with the whole
