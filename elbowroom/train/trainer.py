@@ -34,7 +34,7 @@ import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -75,11 +75,7 @@ from elbowroom.train.qat import apply_qat, resolve_qat
 from elbowroom.train.schedule import build_scheduler, sync_lr
 from elbowroom.train.state import _restored_global_state, _StopSignal, rng_state, set_rng_state
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger("elbowroom.train")
-
 
 
 @dataclass
