@@ -57,6 +57,9 @@ if part 1; then
         | tee -a "$WORK/nccl.txt"
     done
   fi
+  if [[ -z "${ONLY:-}" || " $ONLY " == *" link "* ]]; then  # pinned copies, one GPU alone and all at once
+    timeout 120 torchrun --nproc-per-node "$N" benchmarks/host_link.py 2>&1 | grep '^|' | tee "$WORK/link.txt"
+  fi
   run single-plain 1 --data.batch_size 4
   run single-budget24 1 --data.batch_size 4 --budget 24GiB --optimizer.param_dtype bfloat16
 fi
@@ -84,6 +87,11 @@ run ddp-bf16 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --optimizer.
 #   tokens (at 1024 on 4 GPUs: 75.3% against 71.7% uncompressed)
 run ddp-commbf16 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.comm_hook bf16
 # - the trainer's garbage collection every 50 steps, and DDP without its buffer broadcast: no change
+# - gradient accumulation (DDP all-reduces on the last micro-batch only, no_sync before it): the communication per
+#   token falls by the number of micro-batches, against one GPU running the same accumulation
+run single-plain-acc4 1 --data.batch_size 4 --train.gradient_accumulation_steps 4 --steps 15
+run ddp-acc2 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.gradient_accumulation_steps 2 --steps 20
+run ddp-acc4 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.gradient_accumulation_steps 4 --steps 15
 run ddp-gc50 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.gc_every 50
 run ddp-nobcast "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.ddp_broadcast_buffers false
 # - tried and reverted (2026-11-28, 2 and 4 H200s): the backward's cuBLASLt matmuls told to leave 16 or 32 SMs to NCCL
@@ -96,7 +104,11 @@ run fsdp-engines "$N" --data.batch_size $B --parallel.dp_shard "$N" --activation
 # the planner at a per-GPU budget (FSDP2: each rank plans its own 1/N of the model states)
 run ddp-budget24 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --budget 24GiB \
   --optimizer.param_dtype bfloat16
-run fsdp-budget16 "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB --optimizer.param_dtype bfloat16
+run fsdp-budget16 "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB --optimizer.param_dtype bfloat16 \
+  --profile.steps 20-21
+# its plan recomputes every block, 13 of them selectively (2026-11-28, 4 GPUs: 1.58x its step): FSDP2 with selective
+# recompute in every block and nothing else, against fsdp-engines (full recompute, inputs offloaded)
+run fsdp-selective "$N" --data.batch_size $B --parallel.dp_shard "$N" --activations.checkpoint selective
 fi
 # 3. FSDP2 with our optimizer offload against FSDP2's CPUOffloadPolicy (peak per GPU in metrics.jsonl)
 if part 3; then
@@ -115,6 +127,14 @@ run "fsdp-cpu-offload-policy-clip$clip" "$N" --data.batch_size $B --parallel.dp_
 run "fsdp-our-offload-og-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
   --optimizer.offload_fraction 1.0 --optimizer.offload_gradients true --optimizer.param_dtype bfloat16 \
   --activations.checkpoint full --activations.offload_checkpoint_inputs true --train.max_grad_norm $clip --steps 20
+# the host step's threads: each rank's share of the cores less two by default (14 of 64 on 4 ranks), beside each
+# rank's training, autograd and copy threads
+for threads in 12 10; do
+run "fsdp-our-offload-og-t$threads-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
+  --optimizer.offload_fraction 1.0 --optimizer.offload_gradients true --optimizer.param_dtype bfloat16 \
+  --activations.checkpoint full --activations.offload_checkpoint_inputs true --train.max_grad_norm $clip --steps 20 \
+  --offload.cpu_threads $threads
+done
 run "fsdp-our-offload-selective-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
   --optimizer.offload_fraction 1.0 --optimizer.param_dtype bfloat16 --activations.checkpoint selective \
   --train.max_grad_norm $clip --steps 20
@@ -141,7 +161,7 @@ if part 5; then
       --parallel.comm_hook $hook --steps 300
   done
 fi
-cp "$WORK"/nccl.txt "$OUT"/ 2>/dev/null
+cp "$WORK"/nccl.txt "$WORK"/link.txt "$OUT"/ 2>/dev/null
 for t in "$WORK"/*/profile/trace.json; do  # each traced run's idle compute, beside its name
   [ -f "$t" ] && { echo "== $(basename "$(dirname "$(dirname "$t")")")"; python3 benchmarks/idle_gaps.py "$t"; }
 done > "$OUT/idle_gaps.txt" 2>&1

@@ -28,6 +28,7 @@ def main(out: str, n: int) -> None:
         base = single.get("7b-single" if name.startswith("7b") else
                           "single-plain-1024" if name.startswith("ddp-hook") else
                           "single-log10" if name.endswith("-log10") else
+                          "single-plain-acc4" if "-acc" in name and "single-plain-acc4" in single else
                           "single-bf16" if name.endswith("-bf16") else "single-plain")
         return f"{tps / (base * (1 if 'single' in name else n)):.1%}" if base else ""
 
