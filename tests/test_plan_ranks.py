@@ -188,6 +188,41 @@ def test_ranks_of_one_host_share_its_memory_and_its_host_optimizer() -> None:
 
 
 
+def test_ranks_of_one_host_may_share_its_link() -> None:
+    # measured on 4 H200s (benchmarks/host_link.py): 55 GB/s each way for one GPU alone, 40 to the device, 33 from
+    # it and 21 each way at once with all four copying. The rates every rank sees replace the single process's
+    # where lower (never where higher), and a plan that offloads activations prices its copies at them
+    from test_plan_support import GiB, make_profile
+
+    from elbowroom.plan.ranks import host_share, per_rank_profile
+
+    p = make_profile(n_layers=6)
+    m = p.machine
+    link = (m.h2d_bandwidth * 0.7, m.d2h_bandwidth * 0.6, m.duplex_bandwidth * 0.4)
+    four = host_share(m, 4, link)
+    assert (four.h2d_bandwidth, four.d2h_bandwidth, four.duplex_bandwidth) == link
+    assert four.host_adam_params_per_s == m.host_adam_params_per_s / 4  # the rest as without a link
+    faster = host_share(m, 4, (m.h2d_bandwidth * 2, m.d2h_bandwidth * 2, m.duplex_bandwidth * 2))
+    assert faster.h2d_bandwidth == m.h2d_bandwidth and faster.duplex_bandwidth == m.duplex_bandwidth
+    assert host_share(m, 1, link) is m  # one rank: its link alone
+    assert per_rank_profile(p, 4, ranks_per_host=4, link=link).machine == four
+    for bad in ((1.0, 2.0), (1.0, 0.0, 1.0)):
+        with pytest.raises(ValueError, match="three positive rates"):
+            host_share(m, 2, bad)
+    # every block offloads its activations: the copies take longer on the shared link, and the plan says so
+    d = dataclasses.replace(plan_for(p, 60 * GiB).decisions(), options=(Option("none", 1.0),) * len(p.blocks))
+    shared = dataclasses.replace(p, machine=dataclasses.replace(four, host_adam_params_per_s=m.host_adam_params_per_s))
+    alone, slow = predict(p, d, 60 * GiB), predict(shared, d, 60 * GiB)
+    assert slow.step_seconds > alone.step_seconds
+
+
+def test_measuring_the_shared_link_needs_a_gpu_and_a_process_group() -> None:
+    from elbowroom.plan.machine import measure_shared_link
+
+    with pytest.raises(ValueError, match="CUDA device"):
+        measure_shared_link("cpu")
+
+
 def test_fit_plans_one_rank_of_a_shared_host(monkeypatch) -> None:
     # fit(ranks_per_host=N), as a DDP loop of N ranks on one host calls it: the plan is priced on the host's share
     import torch

@@ -25,6 +25,7 @@ _LAZY = {
     "get_device": "elbowroom.plan.devices",
     "DEVICES": "elbowroom.plan.devices",
     "measure_machine": "elbowroom.plan.machine",
+    "measure_shared_link": "elbowroom.plan.machine",
     "BlockProfile": "elbowroom.plan.types",
     "HeadProfile": "elbowroom.plan.types",
     "MachineProfile": "elbowroom.plan.types",
@@ -34,7 +35,8 @@ _LAZY = {
 
 __all__ = [
     "DEVICES", "BlockPlan", "BlockProfile", "BudgetError", "HeadProfile", "MachineProfile", "Plan", "Profile",
-    "apply", "fit", "get_device", "measure_machine", "parse_budget", "plan_for", "profile", "profile_from_dict",
+    "apply", "fit", "get_device", "measure_machine", "measure_shared_link", "parse_budget", "plan_for", "profile",
+    "profile_from_dict",
 ]  # fmt: skip
 
 

@@ -94,6 +94,7 @@ def fit(
     gradient_offload: bool | None = None,
     persistent_gradients: bool = False,
     ranks_per_host: int = 1,
+    shared_link: tuple[float, float, float] | None = None,
     reentrant: bool | None = None,
     stream: bool | None = None,
     host_memory: str | int | None = None,
@@ -153,6 +154,9 @@ def fit(
             DDP, whose buckets hold them from its construction on): priced in the forward too, none offloaded.
         ranks_per_host: data-parallel ranks on this host that plan alike: each gets that share of the host's
             memory and of its host optimizer rate (they step at once, bound by its memory bandwidth).
+        shared_link: with ``ranks_per_host`` above 1, the link's rates (bytes/s: to the device, from it, each way
+            at once) while every rank of the host copies, from the collective
+            :func:`~elbowroom.plan.machine.measure_shared_link`; None: each GPU's link is its own.
         selective: allow selective recompute (False for blocks whose forward changes state a recompute would
             see differently; a Hugging Face KV cache is switched off by :func:`~elbowroom.plan.apply` instead).
         reentrant: recompute whole blocks with torch's reentrant checkpoint (less host work per block; profiled
@@ -205,7 +209,7 @@ def fit(
     from elbowroom.plan.ranks import host_share, with_host_memory
 
     if ranks_per_host > 1:
-        prof = dataclasses.replace(prof, machine=host_share(prof.machine, ranks_per_host))
+        prof = dataclasses.replace(prof, machine=host_share(prof.machine, ranks_per_host, shared_link))
     prof = with_host_memory(prof, host_bytes)
     bf16_prof = None
     if precision == "bf16" and prof.param_dtype != "bfloat16" and prof.compute_dtype == "bfloat16":

@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from elbowroom.plan.devices import host_memory_bytes
 from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM
 from elbowroom.plan.types import MachineProfile
 
-__all__ = ["measure_machine", "machine_for"]
+__all__ = ["measure_machine", "measure_shared_link", "machine_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +250,58 @@ def _measure_cuda(dev: torch.device, name: str, n: int, copy_bytes: int, adam_nu
         host_adam_params_per_s=host_adam, host_memory_bytes=host_memory_bytes(),
         pinned_alloc_s_per_gib=alloc_s, source="measured",
     )
+
+
+def measure_shared_link(device: str | torch.device, *, copy_bytes: int = 256 << 20, repeats: int = 3,
+                        group: Any = None) -> tuple[float, float, float]:
+    """This host's link as each rank of ``group`` sees it while every rank copies at once: the rates (bytes/s) of
+    pinned copies to the device, from it, and each way with both running, the slowest rank's of each.
+
+    A collective: every rank of ``group`` (default: the whole world) must call it, each on its own GPU. Data-parallel
+    ranks copy at the same time (activations, optimizer traffic), and the GPUs of one host need not each have a
+    link of their own: on the lent 4-GPU H200 host, 55 GB/s each way for one GPU alone fell to 40 to the device and
+    33 from it per GPU with all four copying, and to 21 each way with both ways busy (``benchmarks/host_link.py``).
+    Each measurement starts after a barrier, so that all ranks copy together; the best of ``repeats`` counts.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device, or the process group is not initialised.
+    """
+    import torch.distributed as dist
+
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"measure_shared_link measures a CUDA device's link, got {dev}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("measure_shared_link is a collective: initialise the process group first")
+    numel = copy_bytes // 4
+    with torch.cuda.device(dev):
+        d_in, d_out = torch.empty(numel, device=dev), torch.empty(numel, device=dev)
+        h_in, h_out = torch.empty(numel, pin_memory=True), torch.empty(numel, pin_memory=True)
+        up, down = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+        def h2d() -> None:
+            with torch.cuda.stream(up):
+                d_in.copy_(h_in, non_blocking=True)
+
+        def d2h() -> None:
+            with torch.cuda.stream(down):
+                h_out.copy_(d_out, non_blocking=True)
+
+        def both() -> None:
+            h2d()
+            d2h()
+
+        def together() -> None:  # host-device sync, then every rank starts at once
+            torch.cuda.synchronize(dev)
+            dist.barrier(group)
+
+        rates = [copy_bytes / _best_time(fn, together, repeats) for fn in (h2d, d2h, both)]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, rates, group=group)
+    h2d_bw, d2h_bw, duplex_bw = (min(r[i] for r in everyone) for i in range(3))
+    logger.info("link with every rank copying: %.1f GB/s to the device, %.1f from it, %.1f each way at once "
+                "(slowest of %d ranks)", h2d_bw / 1e9, d2h_bw / 1e9, duplex_bw / 1e9, len(everyone))
+    return h2d_bw, d2h_bw, duplex_bw
 
 
 def machine_for(device: str | torch.device, *, cache_dir: str | Path | None = None) -> MachineProfile:

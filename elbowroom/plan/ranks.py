@@ -290,25 +290,35 @@ def with_host_memory(profile: Any, host_bytes: int | None) -> Any:
     return dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, host_memory_bytes=int(host_bytes)))
 
 
-def host_share(machine: Any, ranks_per_host: int) -> Any:
+def host_share(machine: Any, ranks_per_host: int, link: tuple[float, float, float] | None = None) -> Any:
     """One rank's share of the host that ``ranks_per_host`` data-parallel ranks share: its memory, and its host
     optimizer rate. The host AdamW step is bound by the host's memory bandwidth, and every rank steps at the same
     time (2 H200s under DDP: 0.31 B parameters in 0.20 s, 1.55 G params/s per rank, where the plan had priced the
-    single process's rate and predicted a 374 ms step that took 516). The link is each GPU's own.
+    single process's rate and predicted a 374 ms step that took 516). The link too may be shared: ``link``, the
+    rates every rank sees while all copy at once (``elbowroom.plan.machine.measure_shared_link``), replaces the
+    single process's where lower (4 H200s: 21 GB/s each way with both ways busy, against 49 for one GPU alone).
 
     Args:
         machine: the ``MachineProfile`` measured by one process (or the device table's).
         ranks_per_host: ranks on this host that plan and step alike (1: the machine unchanged).
+        link: to the device, from it, each way at once (bytes/s) with every rank copying; None: each GPU's own.
     """
     if ranks_per_host < 1:
         raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host}")
     if ranks_per_host == 1:
         return machine
+    if link is not None:
+        if len(link) != 3 or any(not r > 0 for r in link):
+            raise ValueError(f"link must be three positive rates (bytes/s), got {link!r}")
+        machine = dataclasses.replace(machine, h2d_bandwidth=min(machine.h2d_bandwidth, link[0]),
+                                      d2h_bandwidth=min(machine.d2h_bandwidth, link[1]),
+                                      duplex_bandwidth=min(machine.duplex_bandwidth, link[2]))
     return dataclasses.replace(machine, host_memory_bytes=machine.host_memory_bytes // ranks_per_host,
                                host_adam_params_per_s=machine.host_adam_params_per_s / ranks_per_host)
 
 
-def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, ranks_per_host: int = 1) -> Any:
+def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, ranks_per_host: int = 1,
+                     link: tuple[float, float, float] | None = None) -> Any:
     """The profile one rank plans under FSDP2 (or HSDP) sharding over ``shard_factor`` ranks.
 
     Each rank holds ``1 / shard_factor`` of every parameter (fp32), of its gradient (the reduce-scatter's fp32
@@ -324,6 +334,7 @@ def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, 
         shard_factor: ranks each parameter is sharded over (``parallel.dp_shard``).
         accumulation: micro-batches per optimizer step (``train.gradient_accumulation_steps``).
         ranks_per_host: ranks sharing the host's memory and cores.
+        link: the link's rates with every rank of the host copying (:func:`host_share`); None: each GPU's own.
 
     Returns:
         The per-rank profile (a new frozen object; ``extra["shard_factor"]`` records the factor, which the plan
@@ -340,6 +351,7 @@ def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, 
                    for b in profile.blocks)
     head = dataclasses.replace(profile.head, num_params=shard(profile.head.num_params),
                                param_bytes=shard(profile.head.param_bytes))
-    return dataclasses.replace(profile, blocks=blocks, head=head, machine=host_share(profile.machine, ranks_per_host),
+    machine = host_share(profile.machine, ranks_per_host, link)
+    return dataclasses.replace(profile, blocks=blocks, head=head, machine=machine,
                                rank_transient_bytes=profile.rank_transient_bytes + sum(held.values()),
                                extra={**profile.extra, "shard_factor": shard_factor, "fsdp_held_bytes": held})

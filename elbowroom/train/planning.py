@@ -148,9 +148,11 @@ def check_plan(plan: Plan, cfg: Config, amp_dtype: torch.dtype) -> None:
 
 
 def plan_for_budget(
-    model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool, amp_dtype: torch.dtype
+    model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool, amp_dtype: torch.dtype,
+    shared_link: tuple[float, float, float] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, Plan]:
     """Profile ``model`` on ``sample`` (a training micro-batch), plan it into ``--budget`` and apply the plan.
+    ``shared_link``: the link with every rank of the host copying (``DistributedRun.plan_once`` measures it).
 
     Under FSDP2 the plan is one rank's and only its first half is applied here: the optimizer is None, built after
     sharding (:func:`plan_optimizer`). The budget too small for any plan is a ConfigError whose one line names the
@@ -159,7 +161,7 @@ def plan_for_budget(
     from elbowroom.plan import BudgetError, fit
 
     if sharded(cfg):
-        return _plan_for_rank(model, sample, cfg, fused_loss, amp_dtype)
+        return _plan_for_rank(model, sample, cfg, fused_loss, amp_dtype, shared_link)
     # measuring the machine draws random matrices from the global RNG (the profile itself restores it): the
     # run's dropout stream must be the one an unplanned run with this seed draws
     rng = torch.get_rng_state()
@@ -176,6 +178,7 @@ def plan_for_budget(
             gradient_offload=True,
             persistent_gradients=cfg.parallel.mode == "ddp",  # DDP's buckets keep every gradient, all step long
             ranks_per_host=_ranks_per_host(cfg),  # DDP: they share the host's memory and its optimizer rate
+            shared_link=shared_link,  # and perhaps its link
             # the machine's numbers, measured once per machine and torch, beside the corpus cache
             cache_dir=str(cfg.data.cache_dir or default_cache_dir()),
             compute_dtype=amp_dtype,  # the profile runs the step as the training loop will
@@ -208,7 +211,8 @@ def _one_process(cfg: Config) -> bool:
 
 
 def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool,
-                   amp_dtype: torch.dtype) -> tuple[nn.Module, None, Plan]:
+                   amp_dtype: torch.dtype, shared_link: tuple[float, float, float] | None = None
+                   ) -> tuple[nn.Module, None, Plan]:
     """``--budget`` under FSDP2: the whole model profiled (before ``fully_shard``, leaving nothing behind), its
     per-rank profile planned, the plan's policies installed; the optimizer comes after sharding."""
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
@@ -220,7 +224,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
         whole = profile(model, (sample["input_ids"], sample["targets"]), cache_dir=str(cfg.data.cache_dir or
                         default_cache_dir()), dtype=amp_dtype, reentrant=False)
         rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
-                                ranks_per_host=_ranks_per_host(cfg))
+                                ranks_per_host=_ranks_per_host(cfg), link=shared_link)
         if cfg.host_budget is not None:  # this rank's host memory
             rank = with_host_memory(rank, parse_budget(cfg.host_budget))
         # FSDP2 shards fp32 weights (cast to --train.dtype by its MixedPrecisionPolicy) or, where
@@ -244,6 +248,16 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
 
 
 _FSDP_TIME_NOTE = "one rank's plan under FSDP2: the predicted step leaves out FSDP2's all-gathers and reduce-scatters"
+
+
+def shared_link_for(cfg: Config, device: torch.device) -> tuple[float, float, float] | None:
+    """The link's rates with every rank copying at once, when several ranks share this host's GPUs and the run
+    plans (a collective: every rank calls it); None on one process, without CUDA, or without ``--budget``."""
+    if cfg.budget is None or _ranks_per_host(cfg) < 2 or device.type != "cuda":
+        return None
+    from elbowroom.plan.machine import measure_shared_link
+
+    return measure_shared_link(device)
 
 
 def _ranks_per_host(cfg: Config) -> int:

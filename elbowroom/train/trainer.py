@@ -69,6 +69,7 @@ from elbowroom.train.planning import (
     plan_for_budget,
     plan_to_follow,
     replan_after_oom,
+    shared_link_for,
     uncap_memory,
 )
 from elbowroom.train.qat import apply_qat, resolve_qat
@@ -615,8 +616,11 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
         # the fused head + loss needs our own models' head (it runs in the head's forward, which DDP and FSDP2
         # see: micro_batch_loss), and runs outside torch.compile
         fused_ok = model_cfg is not None and not cfg.train.compile
+        # the link as the ranks of this host share it, every rank copying at once (a collective, before rank 0
+        # plans alone)
+        link = shared_link_for(cfg, device) if run.enabled else None
         model, optimizer, plan = run.plan_once(plan_for_budget, apply_plan, model, first, cfg, fused_loss=fused_ok,
-                                               amp_dtype=amp_dtype)  # rank 0 plans; every rank follows its plan
+                                               amp_dtype=amp_dtype, shared_link=link)  # rank 0 plans; all follow
         fwd_model, optimizer = run.wrap(model, optimizer=optimizer, plan=plan)  # (FSDP2: the plan's, over shards)
         if device.type == "cuda":  # the logged peak is the training steps', not the profile's (an unplanned step)
             torch.cuda.empty_cache()
