@@ -63,6 +63,10 @@ def test_table_and_out(profile_file: str, tmp_path: Path, capsys: pytest.Capture
         (["--budget", "24GiB", "--precision", "fp8"], "invalid choice"),
         (["--budget", "24GiB", "--dp-shard", "0"], "--dp-shard must be a positive number of ranks"),
         (["--budget", "24GiB", "--dp-replicate", "0"], "--dp-replicate must be a positive number of ranks"),
+        (["--budget", "24GiB", "--shared-link", "37,32,19"], "--shared-link is the link of several ranks"),
+        (["--budget", "24GiB", "--dp-shard", "4", "--shared-link", "37,32"], "--shared-link takes three positive"),
+        (["--budget", "24GiB", "--dp-shard", "4", "--shared-link", "37,x,19"], "--shared-link takes three positive"),
+        (["--budget", "24GiB", "--dp-replicate", "2", "--shared-link", "37,0,19"], "--shared-link takes three"),
     ],
 )
 def test_bad_input_returns_2_with_one_line(
@@ -235,6 +239,13 @@ def test_one_rank_of_ddp(profile_file: str, capsys: pytest.CaptureFixture[str]) 
     again = predict(shared, ddp.decisions(), 24 * 2**30)
     assert again.peak_bytes == ddp.predicted_peak_bytes
     assert abs(again.step_seconds - ddp.predicted_step_seconds) < 1e-9
+    # priced at one GPU's link alone unless told the shared one, and it says so
+    assert any("--shared-link" in n for n in ddp.notes) and not any("--shared-link" in n for n in one.notes)
+    linked = run("--dp-replicate", "4", "--shared-link", "37,32,19")
+    assert not any("--shared-link" in n for n in linked.notes)
+    link = replace(shared, machine=host_share(prof.machine, 4, (37e9, 32e9, 19e9)))
+    again = predict(link, linked.decisions(), 24 * 2**30)
+    assert abs(again.step_seconds - linked.predicted_step_seconds) < 1e-9
 
 
 def test_budget_hints_name_this_commands_flags(profile_file: str, capsys: pytest.CaptureFixture[str]) -> None:

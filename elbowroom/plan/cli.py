@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-replicate", type=int, default=1, help="plan one rank of DDP over this many replicas (the "
                    "trainer's --parallel.dp_replicate; with --dp-shard, HSDP): DDP's buckets hold every gradient "
                    "all step, and up to 8 ranks share the host's memory and optimizer rate")
+    p.add_argument("--shared-link", default=None, metavar="TO,FROM,BOTH", help="with --dp-shard or --dp-replicate: "
+                   "the host link's rates in GB/s with every rank of the host copying at once (to the device, from "
+                   "it, each way with both busy), as the trainer's log prints them or benchmarks/host_link.py "
+                   "measures them; default: each GPU's link alone (the trainer measures the shared one itself)")
     p.add_argument("--profile", default=None, help="plan from a saved profile (JSON of Profile.to_dict()) instead "
                    "of profiling --model")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -74,7 +78,7 @@ def _presets() -> list[str]:
     return list(PRESETS)
 
 
-_VALUED = ("--budget", "--host-memory", "--batch", "--global-batch", "--dp-shard", "--dp-replicate")
+_VALUED = ("--budget", "--host-memory", "--batch", "--global-batch", "--dp-shard", "--dp-replicate", "--shared-link")
 """Options whose value may begin with a minus sign."""
 
 
@@ -203,6 +207,7 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
         if args.dp_replicate < 1:
             raise _UsageError(f"elbowroom plan: --dp-replicate must be a positive number of ranks, got "
                               f"{args.dp_replicate}")
+        link = _shared_link(args.shared_link, args.dp_shard * args.dp_replicate)
         if args.profile is not None:
             from elbowroom.config import file_kind
 
@@ -236,14 +241,14 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
         if args.dp_shard > 1:  # as the trainer plans a rank under FSDP2 (elbowroom.train.planning)
             from elbowroom.plan.ranks import per_rank_profile
 
-            prof = per_rank_profile(prof, args.dp_shard, ranks_per_host=per_host)
+            prof = per_rank_profile(prof, args.dp_shard, ranks_per_host=per_host, link=link)
             sharded = {"weight_layouts": ("fp32", "bf16")}  # no bf16 device copies of fp32 shards
         elif args.dp_replicate > 1:  # as the trainer plans a rank under DDP
             from dataclasses import replace
 
             from elbowroom.plan.ranks import host_share
 
-            prof = replace(prof, machine=host_share(prof.machine, per_host))
+            prof = replace(prof, machine=host_share(prof.machine, per_host, link))
             sharded = {"persistent_gradients": True}
         try:
             plan = plan_for(
@@ -262,6 +267,10 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
             )
         except BudgetError as e:
             raise _UsageError(f"elbowroom plan: {e.reworded(_HINTS)}") from None
+        if per_host > 1 and link is None:
+            from dataclasses import replace
+
+            plan = replace(plan, notes=(*plan.notes, _LINK_ALONE_NOTE))
     except _UsageError as e:
         print(str(e).replace("\n", " "), file=sys.stderr)
         return 2
@@ -285,6 +294,28 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool that a closed pipe stopped
     return 0
+
+
+_LINK_ALONE_NOTE = ("copies priced at one GPU's link alone: the ranks of a host may share it (4 H200s: 21 GB/s each "
+                    "way with all copying, 49 alone); --shared-link gives the shared rates, which the trainer "
+                    "measures itself")
+
+
+def _shared_link(value: str | None, ranks: int) -> tuple[float, float, float] | None:
+    """``--shared-link TO,FROM,BOTH`` (GB/s) as bytes/s, or None; a usage error names what is wrong."""
+    if value is None:
+        return None
+    if ranks < 2:
+        raise _UsageError("elbowroom plan: --shared-link is the link of several ranks on one host: pass it with "
+                          "--dp-shard or --dp-replicate above 1")
+    try:
+        rates = tuple(float(x) for x in value.split(","))
+    except ValueError:
+        rates = ()
+    if len(rates) != 3 or not all(0 < r < float("inf") for r in rates):
+        raise _UsageError(f"elbowroom plan: --shared-link takes three positive rates in GB/s, TO,FROM,BOTH (e.g. "
+                          f"37,32,19), got {value!r}")
+    return rates[0] * 1e9, rates[1] * 1e9, rates[2] * 1e9
 
 
 _FUSED = "fused_loss=True (elbowroom.linear_cross_entropy) shrinks the head and loss"  # search.FUSED_LOSS_HINT
