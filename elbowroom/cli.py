@@ -49,9 +49,10 @@ EXIT_BAD_INPUT = 2
 
 def _setup_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
+    logging.basicConfig(  # the other ranks' warnings (their own memory, their own faults) say whose they are
         level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(levelname).1s %(message)s",
+        format="%(asctime)s %(levelname).1s %(message)s" if rank == 0 else
+        f"%(asctime)s %(levelname).1s [rank {rank}] %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )

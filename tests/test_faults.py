@@ -432,3 +432,18 @@ def test_the_memory_estimate_lets_the_tiny_model_through(tmp_path: Path, monkeyp
     monkeypatch.setattr(T, "available_host_memory", lambda: 2 * 2**30, raising=False)
     assert run(tmp_path / "run", "--steps", "1") == 0
     assert math.isfinite(rows(tmp_path / "run" / "metrics.jsonl")[0]["loss"])
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_the_other_ranks_warnings_say_whose_they_are(rank: str) -> None:
+    # under torchrun every rank writes to the one stderr: rank 0 logs as one process does, the others only warnings
+    # and errors, each marked with its rank (4 ranks' budget warnings read alike without it)
+    code = ("import logging; from elbowroom.cli import _setup_logging; _setup_logging(); "
+            "log = logging.getLogger('elbowroom.x'); log.info('said'); log.warning('warned')")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, RANK=rank), capture_output=True,
+                          text=True, timeout=120, check=True)
+    lines = done.stderr.strip().splitlines()
+    if rank == "0":
+        assert [x.split(" ", 1)[1] for x in lines] == ["I said", "W warned"]
+    else:
+        assert [x.split(" ", 1)[1] for x in lines] == ["W [rank 1] warned"]

@@ -638,6 +638,10 @@ def test_budget_watch_warns_once_when_reserved_passes_the_budget(caplog) -> None
     assert msg in caplog.text
     assert watch.check({"step": 4, "peak_memory_bytes": 7 << 30, "peak_reserved_bytes": 10 << 30}) is None  # once
     assert BudgetWatch(None).check({"step": 1, "peak_reserved_bytes": 1 << 40}) is None  # unplanned run
+    # a few MiB over (4 H200s under DDP: 24.02 of 24 GiB) read in MiB, not as "0.00 GiB above"
+    row = {"step": 2, "peak_memory_bytes": 7 << 30, "peak_reserved_bytes": (8 << 30) + (20 << 20)}
+    msg = BudgetWatch(plan).check(row)
+    assert msg is not None and "20 MiB above the plan's budget of 8.00 GiB" in msg
 
 
 def test_budget_watch_warns_once_when_the_allocator_keeps_retrying(caplog) -> None:

@@ -133,7 +133,9 @@ class BudgetWatch:
             return None
         self.warned = True
         over = reserved - self.budget
-        msg = (f"step {row.get('step')}: the allocator reserved {reserved / 2**30:.2f} GiB, {over / 2**30:.2f} GiB "
+        # (an overshoot of a few MiB, an expandable segment's granule, reads in MiB: "0.00 GiB above" said nothing)
+        by = f"{over / 2**20:.0f} MiB" if over < 2**30 // 10 else f"{over / 2**30:.2f} GiB"
+        msg = (f"step {row.get('step')}: the allocator reserved {reserved / 2**30:.2f} GiB, {by} "
                f"above the plan's budget of {self.budget / 2**30:.2f} GiB (predicted peak "
                f"{(self.predicted or 0) / 2**30:.2f} GiB, allocated {row.get('peak_memory_bytes', 0) / 2**30:.2f}); "
                f"on a device of the budget's size plan for about {max(self.budget - over, 0) / 2**30:.2f} GiB")

@@ -643,7 +643,8 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
         fused_loss = cfg.train.fused_loss
     metrics = run.metrics(out, resume_step=loaded.step if loaded else None, tensorboard=cfg.logging.tensorboard)
     progress = recorder = None
-    watch, pace = BudgetWatch(plan), PaceWatch(plan)  # (no plan: they watch nothing)
+    # (no plan: they watch nothing; the step's pace is every rank's alike, so rank 0 alone says it)
+    watch, pace = BudgetWatch(plan), PaceWatch(plan if run.is_main else None)
     # a plan searched here for --budget (one process) is searched again, tighter, if its first step runs out of
     # memory: nothing is written before that step ends
     replannable, started = may_replan and planned_here and not run.enabled, False
