@@ -161,6 +161,10 @@ def test_int8_scales_follow_each_parameter() -> None:
     values = int8_decompress_pieces(q, scales, [3000, 10], block=2048)
     torch.testing.assert_close(values + torch.cat([p[2] for p in pieces]), x, rtol=0, atol=1e-4)
     assert (x - values)[:2048].abs().max() < 0.05 and (x - values)[3000:].abs().max() < 0.05
+    # added into a running sum in place (every rank's bucket into one tensor): the same values, the same tensor
+    total = torch.full((3010,), 0.5)
+    assert int8_decompress_pieces(q, scales, [3000, 10], block=2048, add_to=total) is total
+    torch.testing.assert_close(total, values + 0.5, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- bad set-ups
