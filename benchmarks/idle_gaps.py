@@ -1,5 +1,8 @@
 """Where the GPU's compute waits in a recorded step: the gaps between compute kernels (NCCL's kernels not counted as
-compute), largest first, each with the kernels on either side and the host ranges running on the CPU meanwhile.
+compute), largest first, each with the kernels on either side and the host ranges running on the CPU meanwhile;
+then the idle time summed by phase (forward, backward, optimizer step: from the host's first backward and step
+ranges) and by the innermost named host range under each gap (FSDP2's hooks, an optimizer's step, an autograd
+function, ...), so that a step's idle can be read without the trace.
 
     python3 benchmarks/idle_gaps.py OUT/profile/trace.json [--min-ms 0.2] [--top 15]
 
@@ -55,6 +58,41 @@ def main() -> None:
                    if e["ts"] < at + dur and e["ts"] + e["dur"] > at)
         print(f"  {dur / 1e3:6.2f} ms at {(at - t0) / 1e3:7.1f} ms  after {(before or {}).get('name', '-')[:36]!r} "
               f"before {(after or {}).get('name', 'step end')[:36]!r}; NCCL {nccl / 1e3:.2f} ms; host: {names}")
+    phases, ranges = attribute([(g[0], g[1]) for g in gaps], host, (t0, t1))
+    print("  idle by phase: " + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in phases.items()))
+    print("  idle by host range: " + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in
+                                             sorted(ranges.items(), key=lambda kv: -kv[1])[:8]))
+
+
+_NAMED = ("FSDP::", "Optimizer.", "autograd::engine::evaluate_function", "DistributedDataParallel.",
+          "CheckpointFunction", "elbowroom")
+"""Host ranges an idle gap is put down to (the innermost of them running at its middle), by name up to " (" or "#"."""
+
+
+def _label(name: str) -> str:
+    for cut in (" (", "#"):
+        name = name.split(cut)[0]
+    return name.removeprefix("autograd::engine::evaluate_function: ")
+
+
+def attribute(gaps: list[tuple[float, float]], host: list[dict], window: tuple[float, float]
+              ) -> tuple[dict[str, float], dict[str, float]]:
+    """Idle microseconds by phase and by host range: ``gaps`` as (duration, start), ``host`` the trace's host ranges
+    (``name``, ``ts``, ``dur``). Phases: forward until the first autograd range, backward until the first optimizer
+    step range after it, the step after that. A gap under no named range counts as "(no named host range)"."""
+    t0, t1 = window
+    back = min((h["ts"] for h in host if h["name"].startswith("autograd::engine::evaluate_function")), default=t1)
+    step = min((h["ts"] for h in host if h["name"].startswith("Optimizer.step") and h["ts"] >= back), default=t1)
+    phases: dict[str, float] = {"forward": 0.0, "backward": 0.0, "optimizer step": 0.0}
+    ranges: dict[str, float] = {}
+    for dur, at in gaps:
+        mid = at + dur / 2
+        phases["forward" if mid < back else "backward" if mid < step else "optimizer step"] += dur
+        under = [h for h in host if h["ts"] <= mid < h["ts"] + h["dur"] and h["name"].startswith(_NAMED)
+                 and h["dur"] < (t1 - t0) * 0.5]
+        key = _label(min(under, key=lambda h: h["dur"])["name"]) if under else "(no named host range)"
+        ranges[key] = ranges.get(key, 0.0) + dur
+    return phases, ranges
 
 
 if __name__ == "__main__":

@@ -108,3 +108,37 @@ def test_memory_peak_names_what_was_alive_at_the_peak() -> None:
     text = memory_peak.summarize({"device_traces": [trace]}, baseline=100 * M)
     assert "made since and alive at the peak: 0.088 GiB in 2 allocations" in text
     assert "| 0.088 | 2 | 40.0 x 1, 50.0 x 1 | elbowroom/optim/engine.py:7 _copy <- _tensor.py:1 to |" in text
+
+
+def test_idle_gaps_put_a_steps_idle_down_to_phases_and_host_ranges(tmp_path: Path) -> None:
+    # a synthetic trace of one step: forward kernels with a 3 us gap under FSDP2's pre-forward hook, backward
+    # kernels with a 5 us gap under an autograd function, then 7 us idle at the end under the optimizer's step
+    def x(name: str, cat: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+    events = [
+        x("elbowroom step 1", "user_annotation", 0, 100),
+        x("fwd_a", "kernel", 0, 20), x("fwd_b", "kernel", 23, 27),
+        x("FSDP::pre_forward (blocks.1)", "cpu_op", 19, 5),
+        x("autograd::engine::evaluate_function: MmBackward0", "cpu_op", 50, 30),
+        x("bwd_a", "kernel", 50, 20), x("bwd_b", "kernel", 75, 18),
+        x("Optimizer.step#AdamW.step", "cpu_op", 90, 10),
+        x("ncclKernel_AllReduce", "kernel", 60, 30),  # communication: not compute
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "idle_gaps.py"), str(trace), "--min-ms", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "compute idle 0.0 ms in 3 gaps" in out  # 15 us
+    assert "idle by phase: forward 0.0 ms, backward 0.0 ms, optimizer step 0.0 ms" in out  # (ms, rounded)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from idle_gaps import attribute
+    finally:
+        sys.path.pop(0)
+    host = [e for e in events if e["cat"] == "cpu_op"]
+    phases, ranges = attribute([(3, 20), (5, 70), (7, 93)], host, (0, 100))
+    assert phases == {"forward": 3, "backward": 5, "optimizer step": 7}
+    assert ranges == {"FSDP::pre_forward": 3, "MmBackward0": 5, "Optimizer.step": 7}
