@@ -1608,3 +1608,60 @@ def test_a_finished_step_keeps_no_gradient_alive() -> None:
         gc.collect()
         assert [r() is None for r in grads] == [True] * len(grads)
     assert o._engine.counters()["recopy_bytes"] > 0  # the edited gradients went through the plan
+
+
+# ------------------------------------------------------------------------------------------ scale_in_kernel
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_scale_in_kernel_clips_like_torch_within_rounding(offload_gradients: bool, monkeypatch) -> None:
+    # CPUOffloadConfig.scale_in_kernel: the clip coefficient goes into torch's fused kernel (its grad_scale) instead
+    # of a scaling pass over the host gradients. The results match torch's clip_grad_norm_ + AdamW within rounding
+    # (the kernel divides by the inverse), and the scaling pass is gone: no host gradient is multiplied
+    knobs(scale_in_kernel=True)
+    scaled = []
+    real = _host_adam.step_scaled
+    monkeypatch.setattr(_host_adam, "step_scaled", lambda opt, mults: (scaled.append(len(mults)), real(opt, mults)))
+    m1, m2 = make_model(), make_model()
+    o1 = make_opt(m1.parameters(), torch.optim.AdamW, offload_fraction=1.0, offload_gradients=offload_gradients,
+                  lr=1e-2, weight_decay=0.1)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    data = batches(6)
+    n1, n2 = train(m1, o1, data, clip=0.05), train(m2, o2, data, clip=0.05)
+    for a, b in zip(n1, n2):
+        torch.testing.assert_close(a, b, atol=0, rtol=1e-6)
+    assert any(float(n) > 0.05 for n in n2)  # clipping did something
+    assert_same(m1, m2, atol=1e-5, rtol=1e-4)
+    assert scaled and set(scaled) == {1}  # every host bucket stepped through the kernel's scale
+    # off (the default), the same run is bitwise torch's
+    knobs(scale_in_kernel=False)
+    scaled.clear()
+    m3 = make_model()
+    o3 = make_opt(m3.parameters(), torch.optim.AdamW, offload_fraction=1.0, offload_gradients=offload_gradients,
+                  lr=1e-2, weight_decay=0.1)
+    train(m3, o3, data, clip=0.05)
+    assert not scaled
+    assert_same(m3, m2)
+
+
+def test_scale_in_kernel_host_paths_agree_bitwise() -> None:
+    # bf16 device weights, clipping: with the scale in the kernel, the casts on the device, chunked or whole-bucket
+    # casts on the host still agree bitwise with each other (all divide by the same grad_scale)
+    knobs(host_chunk_numel=128, scale_in_kernel=True)
+    results = []
+    for kind in ("device", "chunked", "whole"):
+        knobs(cast_on_device=kind == "device", chunked_host_step=kind == "chunked")
+        m = make_model()
+        o = make_opt(m.parameters(), offload_fraction=0.7, param_dtype=torch.bfloat16, lr=1e-2, weight_decay=0.1)
+        for x in batches(4):
+            _autocast_loss(m, x).backward()
+            o.clip_grad_norm_(0.05)
+            o.step()
+            o.zero_grad()
+        results.append([hp.master.clone() for hp in o._placement.hps])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_scale_in_kernel_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="scale_in_kernel must be True or False"):
+        CPUOffloadConfig(scale_in_kernel=1)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from test_plan_support import GiB, make_profile
 
+from elbowroom.optim import CPUOffloadConfig
 from elbowroom.plan import BudgetError, Plan, apply, cost, phases, plan_for, streaming
 from elbowroom.plan import host_pipeline as pipeline
 from elbowroom.plan.cli import cmd_plan
@@ -98,6 +99,10 @@ def test_a_streamed_block_is_a_job_of_the_link_alone() -> None:
         assert host_exposed_seconds(q, host, 0.0) == (pytest.approx(P / h), pytest.approx(8 * P / bw + P / h))
         unclipped = dataclasses.replace(host, grad_clipping=False)
         assert host_exposed_seconds(q, unclipped, 0.0)[0] == pytest.approx(P / rate)
+        # the clip coefficient inside the fused kernel (CPUOffloadConfig.scale_in_kernel): no scaling pass to price
+        in_kernel = dataclasses.replace(host, offload_config=CPUOffloadConfig(scale_in_kernel=True))
+        assert host_rate(rate, True, in_kernel.offload_config) == rate
+        assert host_exposed_seconds(q, in_kernel, 0.0)[0] == pytest.approx(P / rate)
     # no host at all: streaming still works, host stepping cannot
     none = with_machine(p, host_adam_params_per_s=0.0)
     assert host_exposed_seconds(none, streamed, 0.0)[1] == pytest.approx(stream_link_seconds(P, bw))

@@ -53,6 +53,29 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
+def grad_scale(mults: list[torch.Tensor]) -> torch.Tensor | None:
+    """What torch's fused Adam/AdamW divides the gradients by so that they come out multiplied by ``mults`` (CPU
+    scalars, multiplied in order), or None for none: one over their product. Dividing by it is not bitwise
+    multiplying by each (``CPUOffloadConfig.scale_in_kernel``)."""
+    if not mults:
+        return None
+    factor = mults[0].to(torch.float32)
+    for m in mults[1:]:
+        factor = factor * m
+    return 1.0 / factor
+
+
+def step_scaled(optimizer: torch.optim.Optimizer, mults: list[torch.Tensor]) -> None:
+    """``optimizer.step()`` on its gradients times ``mults``, the scale applied inside torch's fused kernel (its
+    ``grad_scale``, as torch's GradScaler hands it over; the kernel writes the scaled gradients back): one pass over
+    host memory instead of a scaling pass and then the step. ``optimizer`` must pass :func:`supports`."""
+    optimizer.grad_scale = grad_scale(mults)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
+
+
 def adam_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, torch.Tensor]:
     """The parameter's state in torch's own layout (created as torch's fused Adam does), so that
     ``state_dict()`` and torch's own step see the same thing."""
@@ -92,6 +115,7 @@ def step_chunked(
     *,
     span: tuple[int, int] | None = None,
     count_step: bool = True,
+    in_kernel: bool = False,
 ) -> None:
     """One Adam(W) step of ``master`` (fp32) on ``grad`` (any float dtype) times ``mults``; ``out`` (if given)
     gets the new master in its own dtype. ``scratch``: fp32, at least ``min(chunk, numel)`` elements (unused,
@@ -100,7 +124,8 @@ def step_chunked(
 
     ``span=(a, e)`` steps only the flat elements ``[a, e)`` of the master and its moments, with ``grad`` and
     ``out`` holding just those ``e - a`` elements: a parameter stepped piece by piece (its step count is
-    advanced by the first piece only, ``count_step``). ``a`` must be a multiple of 64, as chunk ends are."""
+    advanced by the first piece only, ``count_step``). ``a`` must be a multiple of 64, as chunk ends are.
+    ``in_kernel``: ``mults`` go into torch's kernel as its ``grad_scale`` (:func:`step_scaled`), not bitwise."""
     chunk = chunk or CHUNK_NUMEL
     if chunk % 64:
         raise ValueError(f"chunk must be a multiple of 64 elements, got {chunk}")
@@ -119,6 +144,7 @@ def step_chunked(
         raise ValueError(f"grad has {g.numel()} elements for a span of {e - a}")
     o = out.view(-1) if out is not None else None
     steps = [st["step"]]
+    scale = grad_scale(mults) if in_kernel else None
     n = p.numel()
     for s in range(0, n, chunk):
         t = min(n, s + chunk)
@@ -128,9 +154,10 @@ def step_chunked(
             assert scratch is not None
             up = scratch[: t - s]
             up.copy_(g[s:t])
-        for mult in mults:
-            up.mul_(mult)  # in cache: the same order of multiplications as the unchunked path
-        fused([p[s:t]], [up], [m[s:t]], [v[s:t]], [], steps, **kw)
+        if scale is None:
+            for mult in mults:
+                up.mul_(mult)  # in cache: the same order of multiplications as the unchunked path
+        fused([p[s:t]], [up], [m[s:t]], [v[s:t]], [], steps, grad_scale=scale, **kw)
         if o is not None:
             o[s:t].copy_(p[s:t])
 

@@ -132,6 +132,7 @@ class Engine(HostStep, DeviceStep):
         # autograd's device thread and the copy thread need cores of their own)
         self.cpu_threads = config.cpu_threads or default_step_threads()
         self.chunked = staging.chunked
+        self.scale_in_kernel = config.scale_in_kernel
         self.host_chunk_numel = config.host_chunk_numel
         self.pool = SlotPool(staging.slots)
         # two pinned buffers of the step thread's own for parameters stepped piece by piece whose pieces it

@@ -39,6 +39,7 @@ class HostStep:
     streams: Streams
     pool: SlotPool
     chunked: bool
+    scale_in_kernel: bool
     host_chunk_numel: int | None
     piece_slots: list[torch.Tensor]
     h2d_buffers: list[torch.Tensor]
@@ -77,6 +78,8 @@ class HostStep:
                 plan.recopy[hp.index] = None
         t0 = time.perf_counter()
         chunked = self.chunked and bucket.chunked
+        # CPUOffloadConfig.scale_in_kernel: the clip coefficient goes into torch's fused kernel, not a pass of its own
+        in_kernel = self.scale_in_kernel and bool(plan.mults) and _host_adam.supports(bucket.optimizer)
         stepped: list[HostParam] = []
         in_chunks: list[tuple[HostParam, torch.Tensor]] = []
         for i, hp in enumerate(job.params):
@@ -96,8 +99,9 @@ class HostStep:
                 up = self.scratch[hp.elem_offset : hp.elem_offset + g.numel()].view(g.shape)
                 up.copy_(g)
                 g = up
-            for m in plan.mults:
-                g.mul_(m)
+            if not in_kernel:
+                for m in plan.mults:
+                    g.mul_(m)
             hp.master.grad = g
         if not stepped:
             self.count(cpu_s=time.perf_counter() - t0)
@@ -117,9 +121,13 @@ class HostStep:
                 group = opt.param_groups[bucket.inner_of[hp.group]]
                 # the device-dtype copy for the way back, unless the cast runs on the device
                 out = None if hp.device_cast else hp.staging(self.h2d_buffers[buf_i], hp.param.dtype)
-                _host_adam.step_chunked(opt, group, hp.master, g, out, self.scratch, plan.mults, self.host_chunk_numel)
-        if len(in_chunks) < len(stepped):
-            bucket.optimizer.step()  # torch's kernel for the rest (only masters with a .grad step)
+                _host_adam.step_chunked(opt, group, hp.master, g, out, self.scratch, plan.mults, self.host_chunk_numel,
+                                        in_kernel=in_kernel)
+        if len(in_chunks) < len(stepped):  # torch's kernel for the rest (only masters with a .grad step)
+            if in_kernel:
+                _host_adam.step_scaled(bucket.optimizer, plan.mults)
+            else:
+                bucket.optimizer.step()
         for hp in job.params:
             hp.master.grad = None  # the slot and accumulators are not the masters' grads beyond this step
         t1 = time.perf_counter()
@@ -202,7 +210,8 @@ class HostStep:
             # only add a fork and join of the step threads per chunk)
             chunk = -(-(e - a) // 64) * 64 if dest.dtype == torch.float32 else self.host_chunk_numel
             _host_adam.step_chunked(
-                opt, group, hp.master, dest, out, self.scratch, plan.mults, chunk, span=(a, e), count_step=k == 0
+                opt, group, hp.master, dest, out, self.scratch, plan.mults, chunk, span=(a, e), count_step=k == 0,
+                in_kernel=self.scale_in_kernel and bool(plan.mults),
             )
             self.note("piece_wait", hp.index, tw, tc)
             self.note("piece_step", hp.index, tc, time.perf_counter())

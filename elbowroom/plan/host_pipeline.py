@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -80,9 +80,10 @@ against 4.60 unscaled (0.76). Scaled chunk by chunk in cache it ran at 3.42: the
 saves."""
 
 
-def host_rate(machine_rate: float, grad_clipping: bool) -> float:
-    """Parameters per second the host steps: the measured fused AdamW rate, less the scaling pass with clipping."""
-    if grad_clipping:
+def host_rate(machine_rate: float, grad_clipping: bool, offload_config: Any = None) -> float:
+    """Parameters per second the host steps: the measured fused AdamW rate, less the scaling pass with clipping (none
+    where ``offload_config.scale_in_kernel`` puts the scale into the fused kernel)."""
+    if grad_clipping and not getattr(offload_config, "scale_in_kernel", False):
         return machine_rate * HOST_ADAM_BYTES_PER_PARAM / (HOST_ADAM_BYTES_PER_PARAM + SCALE_BYTES_PER_PARAM)
     return machine_rate
 
@@ -199,7 +200,7 @@ def host_lateness(profile: Profile, d: Decisions, rate_scale: float = 1.0,
                                          in enumerate(zip(profile.blocks, d.offload_blocks, d.streamed)) if o or st]
     if not jobs and not d.offload_other:
         return 0.0, 0.0
-    rate, bw = host_rate(m.host_adam_params_per_s, d.grad_clipping) * rate_scale, m.duplex_bandwidth
+    rate, bw = host_rate(m.host_adam_params_per_s, d.grad_clipping, d.offload_config) * rate_scale, m.duplex_bandwidth
     host_jobs = d.offload_other or not all(st for _, _, st in jobs)
     if bw <= 0 or (host_jobs and rate <= 0):
         return math.inf, math.inf

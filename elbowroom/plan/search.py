@@ -139,7 +139,8 @@ def _placement(n: int, k: int, streamed: int) -> tuple[tuple[bool, ...], tuple[b
     return host, stream
 
 
-def _stream_counts(profile: Profile, k: int, other: bool, host_ok: bool, grad_clipping: bool) -> list[int]:
+def _stream_counts(profile: Profile, k: int, other: bool, host_ok: bool, grad_clipping: bool,
+                   offload_config: Any = None) -> list[int]:
     """How many of the last ``k`` blocks the search tries to stream (the earliest of them; the later ones, needed last,
     step on the host): none, all, and around the split where the link's work (12 B per streamed parameter and 4 per
     host-stepped one, each way) takes as long as the host's (at the mean of its measured pace and the slow end of its
@@ -155,7 +156,8 @@ def _stream_counts(profile: Profile, k: int, other: bool, host_ok: bool, grad_cl
     host = streamed[-1] - streamed + (profile.head.num_params if other else 0)
     bw = m.duplex_bandwidth
     link = stream_link_seconds(streamed, bw) + OPTIMIZER_LINK_BYTES_PER_PARAM * host / bw
-    pace = 0.5 * (1.0 + 1.0 / cost.HOST_STEP_SPREAD) / host_rate(m.host_adam_params_per_s, grad_clipping)
+    rate = host_rate(m.host_adam_params_per_s, grad_clipping, offload_config)
+    pace = 0.5 * (1.0 + 1.0 / cost.HOST_STEP_SPREAD) / rate
     split = int(np.argmin(np.maximum(link, host * pace)))
     # the crossing lies between the best and its neighbour on the side where the other resource is the longer
     other_side = split - 1 if link[split] > host[split] * pace else split + 1
@@ -379,8 +381,8 @@ def plan_for(
         if og and not (gradient_offload_allowed and (k or other)):
             continue
         # how many of the k blocks stream (their gradients stay on the device: offloaded gradients need a host one)
-        splits = [st for st in (_stream_counts(profile, k, other, opt_ok, grad_clipping) if stream_ok else [0])
-                  if not og or k > st or other]
+        counts = _stream_counts(profile, k, other, opt_ok, grad_clipping, offload_config) if stream_ok else [0]
+        splits = [st for st in counts if not og or k > st or other]
         for mb in mbs:
             s = mb / profile.micro_batch
             acc = gb // mb
