@@ -124,15 +124,18 @@ run "fsdp-cpu-offload-policy-clip$clip" "$N" --data.batch_size $B --parallel.dp_
 # copies run in the backward and only the host step waits for the norm (without it the jobs are held, uncopied,
 # until step()): on 4 GPUs, clipped, ours stepped 0.50 s a step (1.68x the policy) where the host's rate would give
 # 0.14-0.26 s
+# (with the optimizer's timeline in each metrics row, --offload.trace_steps: the summary's host table shows whether
+# the step thread computed or waited)
 run "fsdp-our-offload-og-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
   --optimizer.offload_fraction 1.0 --optimizer.offload_gradients true --optimizer.param_dtype bfloat16 \
-  --activations.checkpoint full --activations.offload_checkpoint_inputs true --train.max_grad_norm $clip --steps 20
+  --activations.checkpoint full --activations.offload_checkpoint_inputs true --train.max_grad_norm $clip --steps 20 \
+  --offload.trace_steps true
 # ... and with the clip coefficient inside torch's fused kernel (--offload.scale_in_kernel: no scaling pass over
 # the host gradients, 28 B a parameter instead of 36; within rounding of torch's clipped step, not bitwise)
 run "fsdp-our-offload-og-kscale-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
   --optimizer.offload_fraction 1.0 --optimizer.offload_gradients true --optimizer.param_dtype bfloat16 \
   --activations.checkpoint full --activations.offload_checkpoint_inputs true --train.max_grad_norm $clip --steps 20 \
-  --offload.scale_in_kernel true
+  --offload.scale_in_kernel true --offload.trace_steps true
 # the host step's threads: each rank's share of the cores less two by default (14 of 64 on 4 ranks), beside each
 # rank's training, autograd and copy threads
 for threads in 12 10; do

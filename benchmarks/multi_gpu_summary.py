@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from elbowroom.report.trace import comm_overlap, read_trace
@@ -38,6 +39,7 @@ def main(out: str, n: int) -> None:
     for name, tps, peak, reserved, loss, comm in rows:
         print(f"| {name} | {tps:,.0f} | {of_ideal(name, tps)} | {peak:.2f} / {reserved:.2f} | {loss:.4f} | "
               f"{f'{comm / 2**20:,.1f} MiB' if comm else ''} |")
+    host_table(Path(out))
     traces = sorted(Path(out).glob("*/profile/trace.json"))
     if traces:
         print("\n| run | step | window ms | compute ms (busy) | NCCL ms | NCCL under compute |")
@@ -49,6 +51,35 @@ def main(out: str, n: int) -> None:
             print(f"| {path.parent.parent.name} | {ov.step} | {ov.window_s * 1e3:.1f} | "
                   f"{ov.compute_s * 1e3:.1f} ({busy:.0%}) | "
                   f"{ov.comm_s * 1e3:.1f} | {ov.hidden:.0%} |")
+
+
+def _median(rows: list[dict], field: Callable[[dict], float | None]) -> str:
+    """The median of ``field`` over ``rows`` where it is given, to the millisecond, or empty."""
+    vals = [v for v in map(field, rows) if v is not None]
+    return f"{statistics.median(vals):.3f}" if vals else ""
+
+
+def host_table(out: Path) -> None:
+    """The runs with a host optimizer: medians over the last two thirds of their steps of the host step's CPU time,
+    the step's wait for it, the step thread's waits for gradient copies, and (``--offload.trace_steps``) the busy
+    seconds of the timeline's main kinds of event."""
+    kinds = ("step", "copied", "fwd_wait", "piece_wait")
+    lines = []
+    for run in sorted(p for p in out.iterdir() if (p / "metrics.jsonl").is_file()):
+        ms = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        steps = [m for m in ms if "host_step_s" in m]
+        tail = steps[len(steps) // 3:]
+        if not tail:
+            continue
+
+        cells = [_median(tail, lambda m: m["host_step_s"]), _median(tail, lambda m: m["host_wait_s"]),
+                 _median(tail, lambda m: m.get("host_copy_wait_s"))]
+        cells += [_median(tail, lambda m, k=k: (m.get("host_trace") or {}).get(k, {}).get("busy_s")) for k in kinds]
+        lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
+    if lines:
+        print("\n| run | host step s | step waited s | copy waits s | busy: " + " | ".join(kinds) + " |")
+        print("|---|---|---|---|" + "---|" * len(kinds))
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -116,7 +116,8 @@ def test_resume_continues_the_exact_loss_curve(tmp_path: Path, extra: list[str])
     # the host optimizer's own figures are logged where there is one: the CPU time of its step is real work
     assert all(("host_step_s" in r) == offloaded for r in train_rows)
     if offloaded:
-        assert all(r["host_step_s"] >= 0 and r["host_wait_s"] >= 0 and r["host_threads"] >= 1 for r in train_rows)
+        assert all(r["host_step_s"] >= 0 and r["host_wait_s"] >= 0 and r["host_threads"] >= 1
+                   and r["host_copy_wait_s"] >= 0 and "host_trace" not in r for r in train_rows)
         assert sum(r["host_step_s"] for r in train_rows) > 0  # (a lazy step's figures lag one step)
 
 
@@ -477,6 +478,24 @@ def test_schedules() -> None:
     one = lrs("onecycle")
     assert max(one) == pytest.approx(1.0, rel=1e-3) and one[0] < 0.1 and one[-1] < 0.01
     assert one.index(max(one)) in range(8, 12)
+
+
+def test_the_host_optimizers_timeline_goes_into_the_metrics(tmp_path: Path) -> None:
+    # --offload.trace_steps: each row sums the optimizer's timeline per kind of event, so that a slow host step
+    # shows whether the step thread computed or waited (4 H200s: the same host step took 0.25 s and 0.60 s)
+    from elbowroom.train.metrics import trace_summary
+
+    out = tmp_path / "run"
+    assert run(out, "--steps", "4", "--optimizer.offload_fraction", "0.5", "--offload.trace_steps", "true") == 0
+    traced = [r["host_trace"] for r in rows(out) if "loss" in r]
+    assert len(traced) == 4
+    steps = [t["step"] for t in traced if "step" in t]
+    assert steps and all(k["count"] >= 1 and k["busy_s"] >= 0 and k["last_s"] >= k["first_s"] for k in steps)
+    assert all("step_call" in t for t in traced)
+    assert trace_summary([("step", 0, 0.5, 0.75), ("copied", 3, 0.0, 0.25), ("step", 3, 1.0, 1.5)]) == {
+        "step": {"count": 2, "busy_s": 0.75, "first_s": 0.5, "last_s": 1.5},
+        "copied": {"count": 1, "busy_s": 0.25, "first_s": 0.0, "last_s": 0.25},
+    }
 
 
 def test_grad_norm_logged_without_clipping(tmp_path: Path) -> None:

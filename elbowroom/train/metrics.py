@@ -67,18 +67,37 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     return {"peak_memory_bytes": rss if sys.platform == "darwin" else rss * 1024}
 
 
-def host_step(optimizer: Any) -> dict[str, float]:
+def host_step(optimizer: Any) -> dict[str, Any]:
     """The last step's host optimizer figures, for a CPU-offloaded optimizer (none for torch's own): the CPU
-    time of its host work (``host_step_s``) and how long the step waited for it (``host_wait_s``); a host step
-    longer than the GPU's work is the step's floor."""
+    time of its host work (``host_step_s``), how long the step waited for it (``host_wait_s``) and how long the
+    step thread waited for gradient copies (``host_copy_wait_s``); a host step longer than the GPU's work is the
+    step's floor. With ``--offload.trace_steps`` also ``host_trace``: per kind of event of the optimizer's timeline
+    (``CPUOffloadConfig.trace_steps``: ``step``, ``copied``, ``fwd_wait``, ...) its count, busy seconds, and first
+    start and last end in seconds from the previous ``step()``, so that a slow host step shows whether it computed
+    or waited."""
     stats = getattr(optimizer, "stats", None)
     if not callable(stats):
         return {}
     s = stats()
     if not s.get("offloaded_params"):
         return {}
-    return {"host_step_s": float(s["cpu_step_s"]), "host_wait_s": float(s["cpu_wait_s"]),
-            "host_threads": int(s["cpu_threads"])}
+    out: dict[str, Any] = {"host_step_s": float(s["cpu_step_s"]), "host_wait_s": float(s["cpu_wait_s"]),
+                           "host_copy_wait_s": float(s.get("copy_wait_s", 0.0)), "host_threads": int(s["cpu_threads"])}
+    if s.get("trace") is not None:
+        out["host_trace"] = trace_summary(s["trace"])
+    return out
+
+
+def trace_summary(events: list[tuple[str, int, float, float]]) -> dict[str, dict[str, float]]:
+    """The optimizer's timeline (``(kind, parameter index, start, end)``) per kind: count, busy seconds (the sum of
+    the events' lengths), first start, last end."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, _, a, b in events:
+        k = out.setdefault(kind, {"count": 0, "busy_s": 0.0, "first_s": a, "last_s": b})
+        k["count"] += 1
+        k["busy_s"] = round(k["busy_s"] + (b - a), 5)
+        k["first_s"], k["last_s"] = min(k["first_s"], a), max(k["last_s"], b)
+    return out
 
 
 class BudgetWatch:
