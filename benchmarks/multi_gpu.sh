@@ -74,6 +74,11 @@ run ddp-bucket100 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --paral
 # - NCCL with fewer CTAs, to leave the backward its SMs: slower (8 CTAs 91.6%, 2 CTAs 89.0%)
 NCCL_MAX_CTAS=8 run ddp-ctas8 "$N" --data.batch_size $B --parallel.dp_replicate "$N"
 NCCL_MAX_CTAS=2 run ddp-ctas2 "$N" --data.batch_size $B --parallel.dp_replicate "$N"
+# - NCCL's protocol: for buckets of tens of MiB over NVLink NCCL may pick LL128, whose CTAs spin on flags as the data
+#   lands; Simple moves the same bytes with less SM work per byte (not run yet)
+NCCL_PROTO=Simple run ddp-proto-simple "$N" --data.batch_size $B --parallel.dp_replicate "$N"
+NCCL_PROTO=Simple run ddp-proto-simple-bucket100 "$N" --data.batch_size $B --parallel.dp_replicate "$N" \
+  --parallel.ddp_bucket_mb 100
 # - the idle compute beside one GPU's (benchmarks/idle_gaps.py on both traces): the compute kernels themselves run
 #   longer beside NCCL's (busy 329 against 314 ms), the idle grows by 7 ms only
 run single-trace 1 --data.batch_size 4 --profile.steps 20-21
