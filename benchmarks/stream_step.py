@@ -18,6 +18,7 @@ import time
 import torch
 
 from elbowroom.optim import CPUOffloadConfig, CPUOffloadOptimizer
+from elbowroom.optim.stats import trace_summary
 
 
 def main() -> None:
@@ -71,14 +72,7 @@ def main() -> None:
         st = opt.stats()
         opt.close()
         s = statistics.median(times)
-        kinds: dict[str, list[float]] = {}
-        for kind, _, a, b in st.get("trace", []):
-            k_ = kinds.setdefault(kind, [0, 0.0, float("inf"), 0.0])
-            k_[0] += 1
-            k_[1] += b - a
-            k_[2], k_[3] = min(k_[2], a), max(k_[3], b)
-        trace = {k: {"count": v[0], "busy_s": round(v[1], 4), "first_s": round(v[2], 4), "last_s": round(v[3], 4)}
-                 for k, v in kinds.items()}
+        trace = trace_summary(st.get("trace", []))
         print(json.dumps({
             "share_streamed": share, "tensors_streamed": k, "params": numel, "step_s": round(s, 4),
             "g_params_per_s": round(numel / s / 1e9, 2), "steps_s": [round(t, 4) for t in times],

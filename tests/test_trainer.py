@@ -483,7 +483,7 @@ def test_schedules() -> None:
 def test_the_host_optimizers_timeline_goes_into_the_metrics(tmp_path: Path) -> None:
     # --offload.trace_steps: each row sums the optimizer's timeline per kind of event, so that a slow host step
     # shows whether the step thread computed or waited (4 H200s: the same host step took 0.25 s and 0.60 s)
-    from elbowroom.train.metrics import trace_summary
+    from elbowroom.optim.stats import trace_summary
 
     out = tmp_path / "run"
     assert run(out, "--steps", "4", "--optimizer.offload_fraction", "0.5", "--offload.trace_steps", "true") == 0

@@ -16,7 +16,7 @@ from elbowroom.optim.buffers import HostMemory, nbytes
 from elbowroom.optim.engine import Engine
 from elbowroom.optim.placement import Placement
 
-__all__ = ["StepStats"]
+__all__ = ["StepStats", "trace_summary"]
 
 
 class StepStats:
@@ -82,3 +82,15 @@ class StepStats:
         }
         out.update(self.figures)
         return out
+
+
+def trace_summary(events: list[tuple[str, int, float, float]]) -> dict[str, dict[str, float]]:
+    """The optimizer's timeline (``(kind, parameter index, start, end)``) per kind: count, busy seconds (the sum of
+    the events' lengths), first start, last end."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, _, a, b in events:
+        k = out.setdefault(kind, {"count": 0, "busy_s": 0.0, "first_s": a, "last_s": b})
+        k["count"] += 1
+        k["busy_s"] = round(k["busy_s"] + (b - a), 5)
+        k["first_s"], k["last_s"] = min(k["first_s"], a), max(k["last_s"], b)
+    return out

@@ -39,13 +39,17 @@ logger = logging.getLogger(__name__)
 _GIB = 1 << 30
 
 
-def _best_time(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
-    """Shortest wall time of ``repeats`` calls of ``fn`` (after one warm-up), each bracketed by ``sync``."""
+def _best_time(fn: Callable[[], None], sync: Callable[[], None], repeats: int,
+               start: Callable[[], None] | None = None) -> float:
+    """Shortest wall time of ``repeats`` calls of ``fn`` (after one warm-up), each bracketed by ``sync``; ``start``
+    runs before each timed call, untimed (a barrier that starts every rank at once)."""
     fn()
     sync()
     best = float("inf")
     for _ in range(repeats):
         sync()
+        if start is not None:
+            start()
         t0 = time.perf_counter()
         fn()
         sync()
@@ -291,20 +295,12 @@ def measure_shared_link(device: str | torch.device, *, copy_bytes: int = 256 << 
             h2d()
             d2h()
 
-        def best(fn: Callable[[], None]) -> float:
-            """Shortest time of ``fn`` and a host-device sync, each repeat started by every rank at once (a barrier,
-            outside the timing); the first call warms up."""
-            times = []
-            for _ in range(repeats + 1):
-                torch.cuda.synchronize(dev)
-                dist.barrier(group)
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize(dev)  # host-device sync: a wall-clock rate
-                times.append(time.perf_counter() - t0)
-            return min(times[1:])
+        def sync() -> None:
+            torch.cuda.synchronize(dev)  # host-device sync: wall-clock rates
 
-        rates = [copy_bytes / best(fn) for fn in (h2d, d2h, both)]
+        # every timed repeat starts after a barrier (untimed), so that all ranks copy at once
+        rates = [copy_bytes / _best_time(fn, sync, repeats, start=lambda: dist.barrier(group))
+                 for fn in (h2d, d2h, both)]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, rates, group=group)
     h2d_bw, d2h_bw, duplex_bw = (min(r[i] for r in everyone) for i in range(3))

@@ -84,19 +84,9 @@ def host_step(optimizer: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"host_step_s": float(s["cpu_step_s"]), "host_wait_s": float(s["cpu_wait_s"]),
                            "host_copy_wait_s": float(s.get("copy_wait_s", 0.0)), "host_threads": int(s["cpu_threads"])}
     if s.get("trace") is not None:
+        from elbowroom.optim.stats import trace_summary
+
         out["host_trace"] = trace_summary(s["trace"])
-    return out
-
-
-def trace_summary(events: list[tuple[str, int, float, float]]) -> dict[str, dict[str, float]]:
-    """The optimizer's timeline (``(kind, parameter index, start, end)``) per kind: count, busy seconds (the sum of
-    the events' lengths), first start, last end."""
-    out: dict[str, dict[str, float]] = {}
-    for kind, _, a, b in events:
-        k = out.setdefault(kind, {"count": 0, "busy_s": 0.0, "first_s": a, "last_s": b})
-        k["count"] += 1
-        k["busy_s"] = round(k["busy_s"] + (b - a), 5)
-        k["first_s"], k["last_s"] = min(k["first_s"], a), max(k["last_s"], b)
     return out
 
 
