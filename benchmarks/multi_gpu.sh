@@ -42,7 +42,8 @@ run() {  # name, nproc, args...
   if ((left < 45)); then echo "== $name skipped: ${left}s left of DEADLINE" | tee -a "$OUT/skipped.txt"; return; fi
   echo "== $name (nproc $nproc) at $((SECONDS - START))s"
   local t0; t0=$(date +%s.%N)
-  timeout $((left < 900 ? left : 900)) torchrun --nproc-per-node "$nproc" -m elbowroom train $W1 \
+  # shellcheck disable=SC2086  # LAUNCH: how torchrun starts the trainer (a wrapper that binds it to CPUs, below)
+  timeout $((left < 900 ? left : 900)) torchrun --nproc-per-node "$nproc" ${LAUNCH:--m elbowroom} train $W1 \
     --out "$WORK/$name" "$@" > "$WORK/$name.log" 2>&1
   echo "   rc=$? in $((SECONDS - START))s: $(tail -1 "$WORK/$name.log" | cut -c1-160)"
   echo "$name $nproc $t0 $(date +%s.%N)" >> "$WORK/times.txt"  # for the clocks below
@@ -56,6 +57,9 @@ if part 1; then
       NCCL_MAX_CTAS=$ctas timeout 60 torchrun --nproc-per-node "$N" benchmarks/nccl_bandwidth.py 2>&1 \
         | tee -a "$WORK/nccl.txt"
     done
+  fi
+  if [[ -z "${ONLY:-}" || " $ONLY " == *" numa "* ]]; then  # the host's NUMA nodes and each GPU's affinity
+    { lscpu | grep -i -E "^(model name|socket|numa|core|thread)"; nvidia-smi topo -m; which numactl taskset; } > "$WORK/numa.txt" 2>&1
   fi
   if [[ -z "${ONLY:-}" || " $ONLY " == *" link "* ]]; then  # pinned copies, one GPU alone and all at once
     timeout 120 torchrun --nproc-per-node "$N" benchmarks/host_link.py 2>&1 | grep '^|' | tee "$WORK/link.txt"
@@ -149,6 +153,16 @@ run "fsdp-our-offload-og-t$threads-clip$clip" "$N" --data.batch_size $B --parall
   --activations.checkpoint full --activations.offload_checkpoint_inputs true --train.max_grad_norm $clip --steps 20 \
   --offload.cpu_threads $threads
 done
+# each rank bound to its GPU's NUMA node (benchmarks/numa_bind.sh): the host step's threads and the pages they
+# first touch (masters, moments, pinned buffers) on the node of the GPU they copy to. Unbound, the clipped host step
+# for the same 341M parameters a rank took 0.17 to 0.60 s from run to run; both sides bound
+BIND="--no-python benchmarks/numa_bind.sh python3 -m elbowroom"
+LAUNCH=$BIND run "fsdp-our-offload-og-numa-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
+  --optimizer.offload_fraction 1.0 --optimizer.offload_gradients true --optimizer.param_dtype bfloat16 \
+  --activations.checkpoint full --activations.offload_checkpoint_inputs true --train.max_grad_norm $clip --steps 20 \
+  --offload.trace_steps true
+LAUNCH=$BIND run "fsdp-cpu-offload-policy-numa-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
+  --parallel.fsdp_cpu_offload --activations.checkpoint full --train.max_grad_norm $clip --steps 20
 # the planner at the policy's own allocated peak (7.55 GiB per GPU on 4 H200s): what `--budget` gives a user who
 # asks for that memory, with room to keep some shards' optimizer on the device and shorten the clipped host step
 run "fsdp-budget7.5-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 7.5GiB \
@@ -179,7 +193,7 @@ if part 5; then
       --parallel.comm_hook $hook --steps 300
   done
 fi
-cp "$WORK"/nccl.txt "$WORK"/link.txt "$OUT"/ 2>/dev/null
+cp "$WORK"/nccl.txt "$WORK"/link.txt "$WORK"/numa.txt "$OUT"/ 2>/dev/null
 for t in "$WORK"/*/profile/trace.json; do  # each traced run's idle compute, beside its name
   [ -f "$t" ] && { echo "== $(basename "$(dirname "$(dirname "$t")")")"; python3 benchmarks/idle_gaps.py "$t"; }
 done > "$OUT/idle_gaps.txt" 2>&1

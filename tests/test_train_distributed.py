@@ -314,6 +314,16 @@ def test_ranks_of_one_host_share_its_cores(monkeypatch) -> None:
     monkeypatch.setattr(optim_config.os, "sched_getaffinity", lambda _: set(range(32)), raising=False)
     assert optim_config.default_step_threads() == 30
     assert optim_config.default_step_threads(2) == 14 and optim_config.default_step_threads(64) == 1
+    # bound to their GPU's NUMA node (torchrun --numa-binding node): 4 ranks on 64 cores, two nodes of 32, each
+    # rank sees 32 cores shared with one other rank -> 14; bound exclusively (16 cores each) -> 14 too
+    cores = {0: set(range(32))}
+    monkeypatch.setattr(optim_config.os, "sched_getaffinity",
+                        lambda pid: cores.get(pid, set(range(64))), raising=False)
+    assert optim_config.default_step_threads(4) == 14
+    cores[0] = set(range(16))
+    assert optim_config.default_step_threads(4) == 14
+    cores[0] = set(range(64))  # unbound: a quarter of the launcher's cores
+    assert optim_config.default_step_threads(4) == 14
     env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h"}
     from elbowroom.cli import launch_from_environment
 

@@ -49,19 +49,30 @@ __all__ = ["CPUOffloadConfig", "default_step_threads"]
 
 
 def default_step_threads(processes: int = 1) -> int:
-    """Threads for the host optimizer step: the cores this process may run on, less two, at least one.
+    """Threads for the host optimizer step: this process's share of the cores it may run on, less two, at least one.
 
     The training thread (kernel launches), autograd's device thread and the copy thread need cores of their own.
     torch's own thread count is not read: a DataLoader with ``pin_memory=True`` sets it to 1 for the whole
     process from its pinning thread, which left the trainer's host step on one thread (W1, 12 GiB plan: the host
     AdamW at 0.76 G params/s against 2.0 on 16 threads, and a 2.3 s step, ``BENCHMARKS.md``).
-    ``processes`` ranks on one host share its cores (each gets its share less two).
+    ``processes`` ranks on one host share its cores. A rank bound to some of them (``torchrun --numa-binding``:
+    its GPU's NUMA node) shares them with the ranks bound alike, about ``processes`` x its cores / all cores.
     """
+    mine = _affinity(0)
+    if mine is None:  # not on Linux
+        return max(1, (os.cpu_count() or 1) // max(1, processes) - 2)
+    allowed = _affinity(os.getppid()) or mine  # the launcher's cores: every rank's together, unbound
+    allowed = max(allowed, mine)
+    sharing = max(1, round(max(1, processes) * mine / allowed))
+    return max(1, mine // sharing - 2)
+
+
+def _affinity(pid: int) -> int | None:
+    """How many cores process ``pid`` may run on (None where that cannot be read)."""
     try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, processes) - 2)
+        return len(os.sched_getaffinity(pid))
+    except (AttributeError, OSError):
+        return None
 
 
 def _is_int(v: Any) -> bool:
