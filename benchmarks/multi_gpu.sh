@@ -166,7 +166,7 @@ LAUNCH=$BIND run "fsdp-cpu-offload-policy-numa-clip$clip" "$N" --data.batch_size
 # the planner at the policy's own allocated peak (7.55 GiB per GPU on 4 H200s): what `--budget` gives a user who
 # asks for that memory, with room to keep some shards' optimizer on the device and shorten the clipped host step
 run "fsdp-budget7.5-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 7.5GiB \
-  --optimizer.param_dtype bfloat16 --train.max_grad_norm $clip --steps 20
+  --optimizer.param_dtype bfloat16 --train.max_grad_norm $clip --steps 20 --profile.steps 15-16
 run "fsdp-our-offload-selective-clip$clip" "$N" --data.batch_size $B --parallel.dp_shard "$N" \
   --optimizer.offload_fraction 1.0 --optimizer.param_dtype bfloat16 --activations.checkpoint selective \
   --train.max_grad_norm $clip --steps 20
