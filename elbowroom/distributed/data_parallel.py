@@ -195,6 +195,20 @@ def _outer_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     return [c for c in children if all(holders[id(p)] == 1 for p in c.parameters())]
 
 
+def root_units_untied(model: nn.Module, blocks: list[nn.Module] | None = None) -> bool:
+    """Whether every parameter outside the blocks goes into a unit of its own under :func:`apply_data_parallel`
+    (nothing of them stays with the root's ``fully_shard``): the planner then counts their gathers around the head
+    alone (``elbowroom.plan.ranks.per_rank_profile(root_units=...)``). False where a weight is tied across two of the
+    root's children (it stays with the root, gathered all step)."""
+    from elbowroom.activations.recompute import find_blocks
+
+    units = list(blocks if blocks is not None else find_blocks(model))
+    in_blocks = {id(p) for b in units for p in b.parameters()}
+    outside = {id(p) for p in model.parameters() if id(p) not in in_blocks}
+    covered = {id(p) for part in _outer_units(model, units) for p in part.parameters()}
+    return outside <= covered
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside a DDP wrapper (FSDP2 keeps the module itself)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model

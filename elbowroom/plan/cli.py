@@ -181,6 +181,14 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
         raise _UsageError(f"elbowroom plan: {e}") from None
 
 
+def _untied(args: argparse.Namespace) -> bool:
+    """The preset's parameters outside the blocks are FSDP2 units of their own (no tied embedding), as the trainer
+    wraps them; a profile read from a file does not say, and is planned with them gathered all step."""
+    from elbowroom.models import ModelConfig
+
+    return not ModelConfig.from_preset(args.model, arch=args.arch).tie_embeddings
+
+
 def cmd_plan(argv: Sequence[str] | None = None) -> int:
     """Run ``elbowroom plan`` with ``argv`` (without the program and command names).
 
@@ -241,7 +249,8 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
         if args.dp_shard > 1:  # as the trainer plans a rank under FSDP2 (elbowroom.train.planning)
             from elbowroom.plan.ranks import per_rank_profile
 
-            prof = per_rank_profile(prof, args.dp_shard, ranks_per_host=per_host, link=link)
+            prof = per_rank_profile(prof, args.dp_shard, ranks_per_host=per_host, link=link,
+                                    root_units=args.profile is None and _untied(args))
             sharded = {"weight_layouts": ("fp32", "bf16")}  # no bf16 device copies of fp32 shards
         elif args.dp_replicate > 1:  # as the trainer plans a rank under DDP
             from dataclasses import replace

@@ -77,7 +77,8 @@ what it kept is ``e_i = S_i - k_i``. Phases (``M`` model states and staging; com
     optimizer step:     M
 
 (``M`` includes ``Profile.rank_transient_bytes``: under FSDP2 a rank's all-gathered parameters and unsharded
-gradients, held from the first forward to the last backward; 0 for a model that is not sharded.)
+gradients, held from the first forward to the last backward; 0 for a model that is not sharded. ``H`` includes
+``Profile.rank_head_transient_bytes``: the root's parts gathered around the head where they are units of their own.)
 (``f_i``: ``o_p`` of the nearest block ``p < i`` that offloads while its copies have not left by the end of block
 ``i - 1`` at the plan's slowest copy rate; ``o_last`` the last such block's unless its copies left under the forward
 after it; ``b_i = min(o_p, W)`` when ``i - p <= PREFETCH_LEAD_BLOCKS``, on its way back, else 0:
@@ -395,7 +396,8 @@ class Globals:
     head_grads: int
     """``G_h`` when the gradients are transient (else 0): the resident gradients outside the blocks."""
     head: int
-    """Head and loss at the forward's end (saved + transient), scaled."""
+    """Head and loss at the forward's end (saved + transient), scaled; under FSDP2 with the root's parts in units of
+    their own, plus their gathered parameters and gradients (``Profile.rank_head_transient_bytes``)."""
     cache: int
     """Autocast's weight cache when no block has a policy."""
     backward_work: int
@@ -548,7 +550,7 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
         states=state_bytes(profile, d) + profile.rank_transient_bytes,
         transient_grads=g_head + sum(g_blocks) if transient else 0,
         head_grads=g_head if transient else 0,
-        head=int(math.ceil(head_b)),
+        head=int(math.ceil(head_b)) + profile.rank_head_transient_bytes,  # (FSDP2's root units: gathered here)
         cache=cache,
         backward_work=int(math.ceil(s * (2 * in_max + largest))) + grad_t + gradient_backlog_bytes(profile, d),
         largest=int(math.ceil(s * largest)),

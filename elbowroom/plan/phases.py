@@ -190,8 +190,9 @@ def phases(profile: Profile, g: cost.Globals, d: cost.Decisions, idx: np.ndarray
     cache = g.cache if not h.policy else 0  # OPTIONS[0] is Option(): no block has a policy
     grad_t = _grad_work(profile, g, s)
     fwd = h.before + h.work_fwd + h.inflight
-    end = {"activations kept": h.total_kept, "copies in flight": h.last_off, "head and loss": g.head,
-           "autocast weight cache": cache}
+    root = profile.rank_head_transient_bytes  # (in g.head)
+    end = {"activations kept": h.total_kept, "copies in flight": h.last_off, "head and loss": g.head - root,
+           **({"FSDP2 gathered root and its gradients": root} if root else {}), "autocast weight cache": cache}
     fwd_end = h.total_kept + h.last_off + g.head + cache
     work_bwd = h.work_bwd + grad_t
     if g.transient_grads:

@@ -168,6 +168,9 @@ class Profile:
     """Bytes one rank holds through the step beyond what the blocks and the model states count: under FSDP2 the
     all-gathered parameters and the unsharded gradients before their reduce-scatter
     (``elbowroom.plan.ranks.per_rank_profile``); 0 for a model that is not sharded."""
+    rank_head_transient_bytes: int = 0
+    """Bytes one rank holds around the head only (the forward's end): under FSDP2 with the parameters outside the
+    blocks in units of their own, their gathered parameters and unsharded gradients; 0 otherwise."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form details (the trace's kernel split, versions) that are shown, never planned on."""
 

@@ -217,6 +217,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
     per-rank profile planned, the plan's policies installed; the optimizer comes after sharding."""
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
+    from elbowroom.distributed.data_parallel import root_units_untied
     from elbowroom.plan.ranks import per_rank_profile, with_host_memory
 
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
@@ -224,7 +225,8 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
         whole = profile(model, (sample["input_ids"], sample["targets"]), cache_dir=str(cfg.data.cache_dir or
                         default_cache_dir()), dtype=amp_dtype, reentrant=False)
         rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
-                                ranks_per_host=_ranks_per_host(cfg), link=shared_link)
+                                ranks_per_host=_ranks_per_host(cfg), link=shared_link,
+                                root_units=root_units_untied(model))
         if cfg.host_budget is not None:  # this rank's host memory
             rank = with_host_memory(rank, parse_budget(cfg.host_budget))
         # FSDP2 shards fp32 weights (cast to --train.dtype by its MixedPrecisionPolicy) or, where
