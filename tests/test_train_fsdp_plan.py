@@ -27,7 +27,7 @@ import torch
 
 from elbowroom.models import ModelConfig, build_model
 from elbowroom.plan import BudgetError, Plan, cost, plan_for, profile
-from elbowroom.plan.ranks import fsdp_held_bytes, per_rank_profile
+from elbowroom.plan.ranks import as_fsdp_computes, fsdp_held_bytes, per_rank_profile
 from elbowroom.train.planning import shard_factor
 from tests.distributed_utils import TINY_RUN, assert_close_curves, run_ranks, train_losses, trainer_config
 
@@ -209,6 +209,12 @@ def test_predicted_peak_per_rank_bounds_fsdp2s_own_accounting() -> None:
     torch.manual_seed(0)
     whole = {dt: profile(build_model(cfg), (x[:, :-1], x[:, 1:]), source="measured", machine="cpu", dtype=dt)
              for dt in (torch.float32, torch.bfloat16)}
+    # FSDP2 gathers bf16 weights under bf16 autocast: the blocks save what a bf16 model saves (as the trainer plans)
+    autocast = whole[torch.bfloat16]
+    whole[torch.bfloat16] = as_fsdp_computes(build_model(cfg), (x[:, :-1], x[:, 1:]), autocast, torch.bfloat16)
+    assert sum(b.input_bytes for b in whole[torch.bfloat16].blocks) * 2 == sum(b.input_bytes for b in autocast.blocks)
+    assert as_fsdp_computes(build_model(cfg), (x[:, :-1], x[:, 1:]), whole[torch.float32], torch.float32) is \
+        whole[torch.float32]
     for S in (2, 4):
         dist.init_process_group("fake", rank=0, world_size=S, store=FakeStore())
         try:

@@ -176,7 +176,12 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
     model = build_model(cfg, device="meta")
     sample = torch.zeros((b, s), dtype=torch.long, device="meta")
     try:
-        return profile(model, sample, source="analytic", machine=get_device(args.device, host_memory=args.host_bytes))
+        prof = profile(model, sample, source="analytic", machine=get_device(args.device, host_memory=args.host_bytes))
+        if args.dp_shard > 1:  # FSDP2 gathers in the compute dtype: the blocks save what a bf16 model saves
+            from elbowroom.plan.ranks import as_fsdp_computes
+
+            prof = as_fsdp_computes(model, sample, prof, getattr(torch, prof.compute_dtype))
+        return prof
     except (KeyError, ValueError) as e:
         raise _UsageError(f"elbowroom plan: {e}") from None
 

@@ -296,6 +296,26 @@ HEAD_TERMS = ("gathered root", "root gradients")
 """The terms of :func:`fsdp_held_bytes` held only around the head when the root's parts are their own units."""
 
 
+def as_fsdp_computes(model: Any, sample: Any, whole: Any, amp_dtype: Any) -> Any:
+    """The whole model's profile with the bytes it saves under FSDP2, which all-gathers its shards in the autocast
+    dtype (``MixedPrecisionPolicy(param_dtype=...)``, :func:`elbowroom.train.distributed_run._fsdp_param_dtype`):
+    its blocks then compute as a bf16 model's do, the residual stream and the norms in bf16, where the profile of
+    fp32 weights under autocast keeps them in fp32 (W1 on 4 H200s: each kept block input 64 MiB in the memory
+    snapshot, 128 in the profile). The bytes come from a bf16 copy profiled as the bf16 layout's are
+    (:func:`elbowroom.plan.fit._bf16_profile`: measured on the device, else traced); the times stay the profile's
+    (autocast's casts stand in for the all-gather's). Unchanged when the run computes in fp32 or the weights are
+    already in the compute dtype."""
+    import torch
+
+    from elbowroom.plan.fit import _bf16_profile
+    from elbowroom.plan.profiler import profile
+    from elbowroom.plan.search import with_bytes_of
+
+    if amp_dtype not in (torch.bfloat16, torch.float16) or whole.param_dtype != "float32":
+        return whole
+    return with_bytes_of(whole, _bf16_profile(model, sample, whole, profile, None, reentrant=False))
+
+
 def with_host_memory(profile: Any, host_bytes: int | None) -> Any:
     """``profile`` planned for a process that may use ``host_bytes`` of host memory (``fit(host_memory=...)``,
     ``--host-budget``, ``elbowroom plan --host-memory``); None: unchanged."""

@@ -218,12 +218,13 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
     from elbowroom.distributed.data_parallel import root_units_untied
-    from elbowroom.plan.ranks import per_rank_profile, with_host_memory
+    from elbowroom.plan.ranks import as_fsdp_computes, per_rank_profile, with_host_memory
 
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
     try:
         whole = profile(model, (sample["input_ids"], sample["targets"]), cache_dir=str(cfg.data.cache_dir or
                         default_cache_dir()), dtype=amp_dtype, reentrant=False)
+        whole = as_fsdp_computes(model, (sample["input_ids"], sample["targets"]), whole, amp_dtype)
         rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
                                 ranks_per_host=_ranks_per_host(cfg), link=shared_link,
                                 root_units=root_units_untied(model))
@@ -249,7 +250,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
     return model, None, plan
 
 
-_FSDP_TIME_NOTE = "one rank's plan under FSDP2: the predicted step leaves out FSDP2's all-gathers and reduce-scatters"
+_FSDP_TIME_NOTE = _FSDP_TIME_NOTE = "one rank's plan under FSDP2: the predicted step leaves out FSDP2's all-gathers and reduce-scatters"
 
 
 def shared_link_for(cfg: Config, device: torch.device) -> tuple[float, float, float] | None:
