@@ -1,6 +1,7 @@
 """FSDP2 plans that ran on a GPU, priced again on CPU by the per-rank memory model three ways, beside the peak each
 measured: as the plans were made (the root's units gathered all step, fp32-autocast activation bytes), with the
-root's units gathered around the head alone, and with the activation bytes of the bf16 gathers too. The profile is
+root's units gathered around the head alone, and with the activation bytes of the bf16 gathers (and no autocast casts
+or weight cache) too. The profile is
 the analytic one of the device table (no GPU needed).
 
     python3 benchmarks/replay_fsdp_plans.py --shards 4 --device h200 --batch 4x4096 \\
@@ -12,6 +13,7 @@ Each argument is a run's prefix: ``PREFIX.plan.toml`` and ``PREFIX.metrics.jsonl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -42,9 +44,9 @@ def main() -> None:
     sample = torch.zeros((b, s), dtype=torch.long, device="meta")
     prof = profile(model, sample, source="analytic", machine=get_device(a.device, host_memory=0))
     bf16 = as_fsdp_computes(model, sample, prof, torch.bfloat16)
-    ways = {"as planned": per_rank_profile(prof, a.shards),
+    ways = {"as planned": dataclasses.replace(per_rank_profile(prof, a.shards), gathered_in_compute_dtype=False),
             "root around the head": per_rank_profile(prof, a.shards, root_units=True),
-            "+ bf16 activation bytes": per_rank_profile(bf16, a.shards, root_units=True)}
+            "+ bf16 gathers": per_rank_profile(bf16, a.shards, root_units=True)}
     print("| run | accounting | predicted GiB (no margin) | measured GiB | predicted / measured | terms (GiB) |")
     print("|---|---|---|---|---|---|")
     for prefix in a.runs:

@@ -162,6 +162,13 @@ def test_root_units_are_gathered_around_the_head_alone() -> None:
     ph = phases.phases(apart, g, d, np.zeros(len(apart.blocks), dtype=np.int64), 0)
     assert ph.end["FSDP2 gathered root and its gradients"] == root
     assert g.head == cost.globals_for(kept, d).head + root
+    # FSDP2 gathers the fp32 shards in bf16: autocast casts nothing and caches no weight copy
+    assert apart.gathered_in_compute_dtype and whole.compute_dtype == "bfloat16"
+    casting = dataclasses.replace(apart, gathered_in_compute_dtype=False)
+    assert g.cache == 0 < cost.globals_for(casting, d).cache
+    assert g.compute_s < cost.globals_for(casting, d).compute_s
+    fp32 = per_rank_profile(dataclasses.replace(whole, compute_dtype="float32"), 2)
+    assert not fp32.gathered_in_compute_dtype
     assert root_units_untied(build_model(SMALL))
     assert not root_units_untied(build_model(dataclasses.replace(SMALL, tie_embeddings=True)))
 
@@ -190,12 +197,10 @@ def _tracked_peak(model, opt, x: torch.Tensor, autocast: bool) -> int:
 def test_predicted_peak_per_rank_bounds_fsdp2s_own_accounting() -> None:
     """The per-rank prediction against a real FSDP2 step's memory, at shard factors 2 and 4 (one process over a fake
     process group: the collectives move nothing, the buffers are FSDP2's own; wrapped as the trainer wraps it), fp32
-    and bf16 compute, blocks kept or
-    recomputed, the root's parts gathered around the head alone (units of their own, as the trainer wraps them; 1.01
-    to 1.14 of the tracker's peak, against 1.04 to 1.14 with them counted all step): never below what FSDP2's tracker
-    counts, and at most 20% above it (this small model's root is a
-    large share of it; the prediction also keeps autocast's cast terms, 1/S of them, which FSDP2's bf16 gathers make
-    unneeded)."""
+    and bf16 compute, blocks kept or recomputed, priced as the trainer plans a rank: the root's parts gathered around
+    the head alone (units of their own), the activations a bf16 model's and no autocast casts or weight cache where
+    FSDP2 gathers in bf16. It came to 1.01-1.09x the tracker's peak (1.04-1.14x before those three; this small model's
+    root is a large share of it): never below what FSDP2's tracker counts, and at most 12% above it."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -235,7 +240,7 @@ def test_predicted_peak_per_rank_bounds_fsdp2s_own_accounting() -> None:
                 bf16 = dt == torch.bfloat16
                 apply_data_parallel(model, topo, param_dtype=dt if bf16 else None)  # as the trainer wraps it
                 tracked = _tracked_peak(model, torch.optim.AdamW(model.parameters()), x, autocast=bf16)
-                assert tracked <= predicted <= 1.2 * tracked, (S, dt, check, predicted, tracked)
+                assert tracked <= predicted <= 1.12 * tracked, (S, dt, check, predicted, tracked)
         finally:
             dist.destroy_process_group()
 

@@ -512,8 +512,10 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     weight, off_dtype = LAYOUTS[d.layout]
     p_res, p_off, p_str = _param_split(profile, d)
     autocast = profile.compute_dtype in ("bfloat16", "float16")
+    # autocast casts fp32 device weights every micro-batch, unless they arrive cast (FSDP2's all-gathers)
+    casts = autocast and not profile.gathered_in_compute_dtype
     # parameters in fp32 on the device that autocast casts every micro-batch
-    if not autocast or weight == "bfloat16":
+    if not casts or weight == "bfloat16":
         p32 = 0
     elif off_dtype == "bfloat16":
         p32 = p_res
@@ -530,12 +532,12 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     host_step_s, host_exposed_s = _host_step(profile, d, device_step_s)
 
     in_last = blocks[-1].input_bytes if blocks else 0
-    head_params_cast = 2 * head.num_params if (autocast and weight == "float32") else 0
+    head_params_cast = 2 * head.num_params if (casts and weight == "float32") else 0
     if d.fused_loss:
         head_b = s * 2 * in_last + fused_transient_bytes(profile, s) + 4 * head.num_params
     else:
         head_b = s * (head.saved_bytes + head.logits_transient_bytes) + head_params_cast
-    block_params_32 = 0 if (not autocast or weight == "bfloat16") else sum(
+    block_params_32 = 0 if (not casts or weight == "bfloat16") else sum(
         n for n, o, st in zip(sums.block_params, d.offload_blocks, d.streamed)
         if not ((o or st) and off_dtype == "bfloat16")
     )

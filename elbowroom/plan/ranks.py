@@ -393,4 +393,5 @@ def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, 
     return dataclasses.replace(profile, blocks=blocks, head=head, machine=machine,
                                rank_transient_bytes=profile.rank_transient_bytes + sum(held.values()) - around_head,
                                rank_head_transient_bytes=profile.rank_head_transient_bytes + around_head,
+                               gathered_in_compute_dtype=profile.compute_dtype in ("bfloat16", "float16"),
                                extra={**profile.extra, "shard_factor": shard_factor, "fsdp_held_bytes": held})

@@ -171,6 +171,10 @@ class Profile:
     rank_head_transient_bytes: int = 0
     """Bytes one rank holds around the head only (the forward's end): under FSDP2 with the parameters outside the
     blocks in units of their own, their gathered parameters and unsharded gradients; 0 otherwise."""
+    gathered_in_compute_dtype: bool = False
+    """The weights reach the blocks in the compute dtype whatever their stored dtype: FSDP2 all-gathers its shards in
+    the autocast dtype (``MixedPrecisionPolicy(param_dtype=...)``), so fp32 shards cost autocast no casts and no
+    weight cache (``elbowroom.plan.ranks.per_rank_profile`` sets it when the profile computes below fp32)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form details (the trace's kernel split, versions) that are shown, never planned on."""
 
