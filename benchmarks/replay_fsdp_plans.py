@@ -45,8 +45,8 @@ def main() -> None:
     prof = profile(model, sample, source="analytic", machine=get_device(a.device, host_memory=0))
     bf16 = as_fsdp_computes(model, sample, prof, torch.bfloat16)
     ways = {"as planned": dataclasses.replace(per_rank_profile(prof, a.shards), gathered_in_compute_dtype=False),
-            "root around the head": per_rank_profile(prof, a.shards, root_units=True),
-            "+ bf16 gathers": per_rank_profile(bf16, a.shards, root_units=True)}
+            "root around the head": per_rank_profile(prof, a.shards, root_apart=1.0),
+            "+ bf16 gathers": per_rank_profile(bf16, a.shards, root_apart=1.0)}
     print("| run | accounting | predicted GiB (no margin) | measured GiB | predicted / measured | terms (GiB) |")
     print("|---|---|---|---|---|---|")
     for prefix in a.runs:

@@ -71,7 +71,7 @@ def trainer_budgets() -> tuple[int, int, object]:
     whole = _whole_profile(model_cfg, cfg.data.batch_size // 2, cfg.data.seq_len)
     # as the trainer plans it: the embedding, final norm and head are units of their own unless tied (gathered
     # around the head alone, where the fused loss, which the trainer allows, lowers the minimum)
-    rank = per_rank_profile(whole, 2, root_units=not model_cfg.tie_embeddings)
+    rank = per_rank_profile(whole, 2, root_apart=0.0 if model_cfg.tie_embeddings else 1.0)
     return (*_minimum_and_plain(rank, fused_loss_allowed=True), whole)
 
 
@@ -142,13 +142,13 @@ def test_root_units_are_gathered_around_the_head_alone() -> None:
     them with the root, gathered all step."""
     from test_plan_support import make_profile
 
-    from elbowroom.distributed.data_parallel import root_units_untied
+    from elbowroom.distributed.data_parallel import root_apart_share
 
     whole = make_profile(n_layers=4, micro_batch=1, seq_len=512)
     held = fsdp_held_bytes(whole, 2)
     root = held["gathered root"] + held["root gradients"]
     assert root > 0
-    apart, kept = per_rank_profile(whole, 2, root_units=True), per_rank_profile(whole, 2)
+    apart, kept = per_rank_profile(whole, 2, root_apart=1.0), per_rank_profile(whole, 2)
     assert kept.rank_head_transient_bytes == 0 and kept.rank_transient_bytes == sum(held.values())
     assert apart.rank_transient_bytes == kept.rank_transient_bytes - root
     assert apart.rank_head_transient_bytes == root
@@ -169,8 +169,23 @@ def test_root_units_are_gathered_around_the_head_alone() -> None:
     assert g.compute_s < cost.globals_for(casting, d).compute_s
     fp32 = per_rank_profile(dataclasses.replace(whole, compute_dtype="float32"), 2)
     assert not fp32.gathered_in_compute_dtype
-    assert root_units_untied(build_model(SMALL))
-    assert not root_units_untied(build_model(dataclasses.replace(SMALL, tie_embeddings=True)))
+    half = per_rank_profile(whole, 2, root_apart=0.5)
+    assert half.rank_head_transient_bytes == root // 2 and half.rank_transient_bytes == kept.rank_transient_bytes - root // 2
+    with pytest.raises(ValueError, match="root_apart"):
+        per_rank_profile(whole, 2, root_apart=1.5)
+    # which parameters the trainer's wrap puts apart: ours untied all; tied the final norm; a Hugging Face causal LM
+    # the head
+    assert root_apart_share(build_model(SMALL)) == 1.0
+    tied = build_model(dataclasses.replace(SMALL, tie_embeddings=True))  # the shared weight stays with the root
+    assert root_apart_share(tied) == pytest.approx(tied.norm.weight.numel() / (tied.norm.weight.numel() +
+                                                                               tied.tok_emb.weight.numel()))
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+    llama = transformers.LlamaForCausalLM(hf_cfg)
+    head = llama.lm_head.weight.numel()
+    outside = head + llama.model.embed_tokens.weight.numel() + llama.model.norm.weight.numel()
+    assert root_apart_share(llama) == pytest.approx(head / outside)
 
 
 def _tracked_peak(model, opt, x: torch.Tensor, autocast: bool) -> int:
@@ -228,7 +243,7 @@ def test_predicted_peak_per_rank_bounds_fsdp2s_own_accounting() -> None:
             for dt, check in ((dt, c) for dt in whole for c in ("none", "full")):
                 # the trainer's wrap: the embedding, final norm and head each a unit of their own (gathered around the
                 # head alone)
-                rank = per_rank_profile(whole[dt], S, root_units=True)
+                rank = per_rank_profile(whole[dt], S, root_apart=1.0)
                 n = len(rank.blocks)
                 d = dataclasses.replace(_all_device(rank), options=(cost.Option(check),) * n)
                 predicted = sum(v for k, v in cost.predict(rank, d, 1 << 30).memory.items() if k != "allocator margin")

@@ -195,18 +195,25 @@ def _outer_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     return [c for c in children if all(holders[id(p)] == 1 for p in c.parameters())]
 
 
-def root_units_untied(model: nn.Module, blocks: list[nn.Module] | None = None) -> bool:
-    """Whether every parameter outside the blocks goes into a unit of its own under :func:`apply_data_parallel`
-    (nothing of them stays with the root's ``fully_shard``): the planner then counts their gathers around the head
-    alone (``elbowroom.plan.ranks.per_rank_profile(root_units=...)``). False where a weight is tied across two of the
-    root's children (it stays with the root, gathered all step)."""
+def root_apart_share(model: nn.Module, blocks: list[nn.Module] | None = None) -> float:
+    """The share of the parameters outside the blocks (by count) that :func:`apply_data_parallel` puts in FSDP2 units
+    of their own holding no block: each is gathered at its own forward and freed after its own backward, not while
+    the blocks run (``elbowroom.plan.ranks.per_rank_profile(root_apart=...)``). Our decoder untied: 1.0 (embedding,
+    final norm, head); a Hugging Face causal LM untied: the head's share (its inner ``model`` unit holds the blocks
+    too, so its embedding and final norm stay gathered through them); a weight tied across the root's children: 0
+    for those it ties (they stay with the root, gathered all step)."""
     from elbowroom.activations.recompute import find_blocks
 
     units = list(blocks if blocks is not None else find_blocks(model))
     in_blocks = {id(p) for b in units for p in b.parameters()}
-    outside = {id(p) for p in model.parameters() if id(p) not in in_blocks}
-    covered = {id(p) for part in _outer_units(model, units) for p in part.parameters()}
-    return outside <= covered
+    outside = {id(p): p.numel() for p in model.parameters() if id(p) not in in_blocks}
+    if not outside:
+        return 0.0
+    block_ids = {id(b) for b in units}
+    apart = {id(p) for part in _outer_units(model, units)
+             if not any(id(m) in block_ids for m in part.modules())
+             for p in part.parameters() if id(p) in outside}
+    return sum(outside[i] for i in apart) / sum(outside.values())
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -255,7 +255,7 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
             from elbowroom.plan.ranks import per_rank_profile
 
             prof = per_rank_profile(prof, args.dp_shard, ranks_per_host=per_host, link=link,
-                                    root_units=args.profile is None and _untied(args))
+                                    root_apart=float(args.profile is None and _untied(args)))
             sharded = {"weight_layouts": ("fp32", "bf16")}  # no bf16 device copies of fp32 shards
         elif args.dp_replicate > 1:  # as the trainer plans a rank under DDP
             from dataclasses import replace

@@ -247,8 +247,7 @@ REDUCE_BYTES = 4
 """Bytes per element of FSDP2's gradient reduction (``reduce_dtype`` float32, as the trainer wraps it)."""
 
 
-def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1, root_units: bool = False
-                    ) -> dict[str, int]:
+def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1) -> dict[str, int]:
     """What one rank of FSDP2 holds beyond its shards and its activations, by cause.
 
     - ``gathered blocks``: the unsharded parameters of the block in flight and of the next one, prefetched, in the
@@ -260,23 +259,14 @@ def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1, root
     - ``gathered root`` and ``root gradients``: the parameters outside the blocks (embeddings, final norm, head) in
       the compute dtype, and their unsharded gradients (an upper bound).
 
-    All but the root's terms are held, for the planner, from the first forward to the last backward (each is an
-    upper bound of the moment it names; the optimizer step holds less, and the peak is never there). The root's are
-    held as long where those parameters stay with the root ``fully_shard`` (a weight tied across two of them), but
-    only around the head where each part is its own unit (``root_units``; the trainer's wrap,
-    ``elbowroom.distributed.data_parallel``): the head's unit gathers at its forward and frees after its backward,
-    the embedding's at the first forward and the last backward, where little else is live. W1 on 4 H200s, the
-    memory snapshot at a budget plan's peak in backward: one block's reduce-scatter buffer and two blocks' gathers
-    (0.57 GiB) and none of the root's 0.49 GiB, which the plan had added to every phase.
+    All are held, for the planner, from the first forward to the last backward (each is an upper bound of the moment
+    it names; the optimizer step holds less, and the peak is never there), except the root's where its parts are
+    units of their own that hold no block (:func:`per_rank_profile`'s ``root_apart``).
 
     Args:
         profile: the whole model's profile (``elbowroom.plan.Profile``), before :func:`per_rank_profile`.
         shard_factor: ranks each parameter is sharded over (FSDP2 pads each to a multiple of it).
         accumulation: micro-batches per optimizer step.
-        root_units: the parameters outside the blocks are their own FSDP2 units (no weight tied across them).
-
-    Returns:
-        Bytes by cause; :func:`per_rank_profile` puts ``HEAD_TERMS`` around the head when ``root_units``.
     """
     item = 4 if profile.compute_dtype == "float32" else 2
 
@@ -292,8 +282,8 @@ def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1, root
             "root gradients": item * root}
 
 
-HEAD_TERMS = ("gathered root", "root gradients")
-"""The terms of :func:`fsdp_held_bytes` held only around the head when the root's parts are their own units."""
+ROOT_TERMS = ("gathered root", "root gradients")
+"""The terms of :func:`fsdp_held_bytes` that the root's own units hold only around the head."""
 
 
 def as_fsdp_computes(model: Any, sample: Any, whole: Any, amp_dtype: Any) -> Any:
@@ -352,14 +342,19 @@ def host_share(machine: Any, ranks_per_host: int, link: tuple[float, float, floa
 
 
 def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, ranks_per_host: int = 1,
-                     link: tuple[float, float, float] | None = None, root_units: bool = False) -> Any:
+                     link: tuple[float, float, float] | None = None, root_apart: float = 0.0) -> Any:
     """The profile one rank plans under FSDP2 (or HSDP) sharding over ``shard_factor`` ranks.
 
     Each rank holds ``1 / shard_factor`` of every parameter (fp32), of its gradient (the reduce-scatter's fp32
     output) and of its optimizer state (on the device, or on the host where the plan puts it), so the blocks' and
     the head's parameter counts and bytes are divided (rounded up: FSDP2 pads the last shard). On top it holds
-    :func:`fsdp_held_bytes` (``Profile.rank_transient_bytes``; with ``root_units`` the root's gathers and gradients
-    around the head alone, ``Profile.rank_head_transient_bytes``). The activations are those of the rank's own
+    :func:`fsdp_held_bytes` (``Profile.rank_transient_bytes``), less the root's share in units of its own, which
+    those hold around the head alone (``root_apart``, ``Profile.rank_head_transient_bytes``): a unit gathers at its
+    own forward and frees after its own backward, so an embedding or a head in a unit of its own is not gathered
+    while the blocks run (W1 on 4 H200s, the memory snapshot at a plan's peak in backward: one block's
+    reduce-scatter buffer and two blocks' gathers, 0.38 GiB, and none of the root's 0.49). A unit that holds blocks
+    too (a Hugging Face model's inner ``model``, wrapped for its embedding and final norm) gathers for all of them.
+    The activations are those of the rank's own
     micro-batch, which the profile measured. The host's memory and its optimizer rate are shared by the
     ``ranks_per_host`` ranks on it (:func:`host_share`).
     The step time is the profiled one: FSDP2's all-gathers and reduce-scatters are not counted in it.
@@ -370,8 +365,9 @@ def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, 
         accumulation: micro-batches per optimizer step (``train.gradient_accumulation_steps``).
         ranks_per_host: ranks sharing the host's memory and cores.
         link: the link's rates with every rank of the host copying (:func:`host_share`); None: each GPU's own.
-        root_units: the parameters outside the blocks are FSDP2 units of their own (untied; the trainer's wrap:
-            ``elbowroom.distributed.data_parallel.root_units_untied``); False counts them gathered all step.
+        root_apart: the share of the parameters outside the blocks in FSDP2 units of their own that hold no block
+            (the trainer's wrap: ``elbowroom.distributed.data_parallel.root_apart_share``); 0 counts them all
+            gathered all step.
 
     Returns:
         The per-rank profile (a new frozen object; ``extra["shard_factor"]`` records the factor, which the plan
@@ -383,8 +379,10 @@ def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, 
     def shard(n: int) -> int:
         return -(-n // shard_factor)
 
-    held = fsdp_held_bytes(profile, shard_factor, accumulation, root_units)
-    around_head = sum(v for k, v in held.items() if k in HEAD_TERMS) if root_units else 0
+    if not 0.0 <= root_apart <= 1.0:
+        raise ValueError(f"root_apart is a share of the parameters outside the blocks, in [0, 1]; got {root_apart}")
+    held = fsdp_held_bytes(profile, shard_factor, accumulation)
+    around_head = int(root_apart * sum(v for k, v in held.items() if k in ROOT_TERMS))
     blocks = tuple(dataclasses.replace(b, num_params=shard(b.num_params), param_bytes=shard(b.param_bytes))
                    for b in profile.blocks)
     head = dataclasses.replace(profile.head, num_params=shard(profile.head.num_params),

@@ -217,7 +217,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
     per-rank profile planned, the plan's policies installed; the optimizer comes after sharding."""
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
-    from elbowroom.distributed.data_parallel import root_units_untied
+    from elbowroom.distributed.data_parallel import root_apart_share
     from elbowroom.plan.ranks import as_fsdp_computes, per_rank_profile, with_host_memory
 
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
@@ -227,7 +227,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
         whole = as_fsdp_computes(model, (sample["input_ids"], sample["targets"]), whole, amp_dtype)
         rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
                                 ranks_per_host=_ranks_per_host(cfg), link=shared_link,
-                                root_units=root_units_untied(model))
+                                root_apart=root_apart_share(model))
         if cfg.host_budget is not None:  # this rank's host memory
             rank = with_host_memory(rank, parse_budget(cfg.host_budget))
         # FSDP2 shards fp32 weights (cast to --train.dtype by its MixedPrecisionPolicy) or, where
