@@ -173,8 +173,7 @@ def test_root_units_are_gathered_around_the_head_alone() -> None:
     assert half.rank_head_transient_bytes == root // 2 and half.rank_transient_bytes == kept.rank_transient_bytes - root // 2
     with pytest.raises(ValueError, match="root_apart"):
         per_rank_profile(whole, 2, root_apart=1.5)
-    # which parameters the trainer's wrap puts apart: ours untied all; tied the final norm; a Hugging Face causal LM
-    # the head
+    # which parameters the trainer's wrap puts apart: untied all (ours, a Hugging Face causal LM); tied the final norm
     assert root_apart_share(build_model(SMALL)) == 1.0
     tied = build_model(dataclasses.replace(SMALL, tie_embeddings=True))  # the shared weight stays with the root
     assert root_apart_share(tied) == pytest.approx(tied.norm.weight.numel() / (tied.norm.weight.numel() +
@@ -183,9 +182,14 @@ def test_root_units_are_gathered_around_the_head_alone() -> None:
     hf_cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
     llama = transformers.LlamaForCausalLM(hf_cfg)
-    head = llama.lm_head.weight.numel()
-    outside = head + llama.model.embed_tokens.weight.numel() + llama.model.norm.weight.numel()
-    assert root_apart_share(llama) == pytest.approx(head / outside)
+    assert root_apart_share(llama) == 1.0  # embedding and final norm inside its inner model, units of their own
+    from elbowroom.activations.recompute import find_blocks
+    from elbowroom.distributed.data_parallel import _outer_units
+
+    assert _outer_units(llama, find_blocks(llama)) == [llama.model.embed_tokens, llama.model.norm, llama.lm_head]
+    tied_llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**hf_cfg.to_dict(),
+                                                                          "tie_word_embeddings": True}))
+    assert _outer_units(tied_llama, find_blocks(tied_llama)) == [tied_llama.model.norm]
 
 
 def _tracked_peak(model, opt, x: torch.Tensor, autocast: bool) -> int:

@@ -182,26 +182,37 @@ def apply_data_parallel(
 
 
 def _outer_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """The root's children outside the blocks that hold parameters (embedding, final norm, head; a Hugging Face
-    model's inner model and head), each to be its own FSDP2 unit: each is all-gathered when its own forward
-    starts, not all at the root's, so the CPU-offloaded optimizer's step of the head may still run while the
-    blocks compute (the root would wait for every weight it holds before its first block). A child sharing a
+    """The modules outside the blocks that hold parameters (embedding, final norm, head), each to be its own FSDP2
+    unit: the root's children, and inside a child that holds blocks too (a Hugging Face model's inner ``model``) its
+    own such children. Each is all-gathered when its own forward starts and freed after it, not held all step by the
+    root or by a unit around the blocks, and the CPU-offloaded optimizer's step of the head may still run while the
+    blocks compute (the root would wait for every weight it holds before its first block). A module sharing a
     parameter with another (tied embeddings) stays with the root."""
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     block_ids = {id(b) for b in blocks}
-    children = [c for c in model.children()
-                if id(c) not in block_ids and any(id(p) not in in_blocks for p in c.parameters())]
-    holders = collections.Counter(id(p) for c in children for p in c.parameters())
-    return [c for c in children if all(holders[id(p)] == 1 for p in c.parameters())]
+
+    def holders(mod: nn.Module) -> list[nn.Module]:
+        out: list[nn.Module] = []
+        for c in mod.children():
+            if id(c) in block_ids or all(id(p) in in_blocks for p in c.parameters()):
+                continue
+            if any(id(m) in block_ids for m in c.modules()):
+                out.extend(holders(c))  # a container of blocks: the parts beside them
+            else:
+                out.append(c)
+        return out
+
+    children = holders(model)
+    owners = collections.Counter(id(p) for c in children for p in c.parameters())
+    return [c for c in children if all(owners[id(p)] == 1 for p in c.parameters())]
 
 
 def root_apart_share(model: nn.Module, blocks: list[nn.Module] | None = None) -> float:
     """The share of the parameters outside the blocks (by count) that :func:`apply_data_parallel` puts in FSDP2 units
     of their own holding no block: each is gathered at its own forward and freed after its own backward, not while
-    the blocks run (``elbowroom.plan.ranks.per_rank_profile(root_apart=...)``). Our decoder untied: 1.0 (embedding,
-    final norm, head); a Hugging Face causal LM untied: the head's share (its inner ``model`` unit holds the blocks
-    too, so its embedding and final norm stay gathered through them); a weight tied across the root's children: 0
-    for those it ties (they stay with the root, gathered all step)."""
+    the blocks run (``elbowroom.plan.ranks.per_rank_profile(root_apart=...)``). Untied (our decoder, a Hugging Face
+    causal LM): 1.0 (embedding, final norm, head); a weight tied across two of them is left out (it stays with the
+    root, gathered all step)."""
     from elbowroom.activations.recompute import find_blocks
 
     units = list(blocks if blocks is not None else find_blocks(model))
