@@ -5,7 +5,8 @@ or weight cache) too. The profile is
 the analytic one of the device table (no GPU needed).
 
     python3 benchmarks/replay_fsdp_plans.py --shards 4 --device h200 --batch 4x4096 \\
-        benchmarks/results/2026-11-28-s18/call4-fsdp-budget16 benchmarks/results/2026-11-28-s18/call4-fsdp-budget7.5-clip1.0
+        benchmarks/results/2026-11-28-s18/call4-fsdp-budget16 \\
+        benchmarks/results/2026-11-28-s18/call4-fsdp-budget7.5-clip1.0
 
 Each argument is a run's prefix: ``PREFIX.plan.toml`` and ``PREFIX.metrics.jsonl`` (its measured peak, allocated).
 """

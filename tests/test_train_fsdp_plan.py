@@ -170,7 +170,8 @@ def test_root_units_are_gathered_around_the_head_alone() -> None:
     fp32 = per_rank_profile(dataclasses.replace(whole, compute_dtype="float32"), 2)
     assert not fp32.gathered_in_compute_dtype
     half = per_rank_profile(whole, 2, root_apart=0.5)
-    assert half.rank_head_transient_bytes == root // 2 and half.rank_transient_bytes == kept.rank_transient_bytes - root // 2
+    assert half.rank_head_transient_bytes == root // 2
+    assert half.rank_transient_bytes == kept.rank_transient_bytes - root // 2
     with pytest.raises(ValueError, match="root_apart"):
         per_rank_profile(whole, 2, root_apart=1.5)
     # which parameters the trainer's wrap puts apart: untied all (ours, a Hugging Face causal LM); tied the final norm

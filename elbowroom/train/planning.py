@@ -215,9 +215,9 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
                    ) -> tuple[nn.Module, None, Plan]:
     """``--budget`` under FSDP2: the whole model profiled (before ``fully_shard``, leaving nothing behind), its
     per-rank profile planned, the plan's policies installed; the optimizer comes after sharding."""
+    from elbowroom.distributed.data_parallel import root_apart_share
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
-    from elbowroom.distributed.data_parallel import root_apart_share
     from elbowroom.plan.ranks import as_fsdp_computes, per_rank_profile, with_host_memory
 
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
@@ -250,7 +250,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
     return model, None, plan
 
 
-_FSDP_TIME_NOTE = _FSDP_TIME_NOTE = "one rank's plan under FSDP2: the predicted step leaves out FSDP2's all-gathers and reduce-scatters"
+_FSDP_TIME_NOTE = "one rank's plan under FSDP2: the predicted step leaves out FSDP2's all-gathers and reduce-scatters"
 
 
 def shared_link_for(cfg: Config, device: torch.device) -> tuple[float, float, float] | None:
