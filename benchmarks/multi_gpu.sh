@@ -7,6 +7,9 @@
 #   N=2 PARTS="3 4" DEADLINE=555 ...; N=2 PARTS="5" ...                      # ~9 and ~5 min
 #   N=2 PARTS="2 4 5" ONLY="ddp-budget24 fsdp-budget16 7b-tp2 ddp-hook-topk ddp-hook-int8" ...   # chosen runs
 #
+# Rounds, for arms whose speed varies from run to run (the clipped host step: 0.30 to 0.56 s in one call), interleaved
+# in one call: for r in 1 2; do SUFFIX=-r$r DEADLINE=270 ... bash benchmarks/multi_gpu.sh; done
+#
 # On a device call: DEADLINE keeps the call inside its limit (the runs that would not fit are listed in
 # OUT/skipped.txt), WORK keeps the run directories out of OUT, which gets summary.md, nccl.txt and runs.tar.gz
 # (logs and metrics, no traces). A warm machine keeps WORK between calls, so the summary covers them all.
@@ -38,6 +41,7 @@ CLOCKS_PID=$!
 run() {  # name, nproc, args...
   local name=$1 nproc=$2; shift 2
   if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="name ...": these runs alone
+  name=$name${SUFFIX:-}  # SUFFIX=-r2: a second round of the same runs beside the first (one WORK, one summary)
   local left=$((DEADLINE - (SECONDS - START)))
   if ((left < 45)); then echo "== $name skipped: ${left}s left of DEADLINE" | tee -a "$OUT/skipped.txt"; return; fi
   echo "== $name (nproc $nproc) at $((SECONDS - START))s"

@@ -4,6 +4,7 @@ bytes on the wire per step, one Markdown row per run (the single-GPU rows first,
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -25,12 +26,17 @@ def main(out: str, n: int) -> None:
                      steps[-1].get("comm_bytes_per_step") if steps else None))
     single = {name: tps for name, tps, *_ in rows if "single" in name}
 
-    def of_ideal(name: str, tps: float) -> str:  # against N x the same shape on one GPU
-        base = single.get("7b-single" if name.startswith("7b") else
-                          "single-plain-1024" if name.startswith("ddp-hook") else
-                          "single-log10" if name.endswith("-log10") else
-                          "single-plain-acc4" if "-acc" in name and "single-plain-acc4" in single else
-                          "single-bf16" if name.endswith("-bf16") else "single-plain")
+    def of_ideal(name: str, tps: float) -> str:  # against N x the same shape on one GPU (of the same round)
+        rnd = re.search(r"-r\d+$", name)  # multi_gpu.sh's SUFFIX=-rK: a round of the same runs
+        suffix = rnd.group(0) if rnd else ""
+        core = name[: len(name) - len(suffix)]
+        key = ("7b-single" if core.startswith("7b") else
+               "single-plain-1024" if core.startswith("ddp-hook") else
+               "single-log10" if core.endswith("-log10") else
+               "single-plain-acc4" if "-acc" in core and any(k.startswith("single-plain-acc4") for k in single) else
+               "single-bf16" if core.endswith("-bf16") else "single-plain")
+        base = single.get(key + suffix) or single.get(key) or statistics.median(
+            [v for k, v in single.items() if re.fullmatch(re.escape(key) + r"-r\d+", k)] or [0.0])
         return f"{tps / (base * (1 if 'single' in name else n)):.1%}" if base else ""
 
     print(f"| run | tokens/s | of {n} x one GPU | peak GiB/GPU (alloc / reserved) | last loss | "
