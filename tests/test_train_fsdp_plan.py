@@ -281,19 +281,21 @@ def test_per_rank_plans_keep_the_planners_promises() -> None:
     # FSDP2 at shard factor 1 still gathers (a copy in the compute dtype): more than the unsharded model
     assert ranks[1].rank_transient_bytes > 0 and minimum[1] > _minimum_and_plain(whole)[0]
 
+    # the root's parts gathered all step (tied) or around the head alone (units of their own, the trainer's wrap)
+    for rank in (ranks[2], per_rank_profile(whole, 2, root_apart=1.0)):
+        low, plain = _minimum_and_plain(rank)
+        times, offloaded = [], False
+        for b in [int(low + (1.3 * plain - low) * i / 15) for i in range(16)]:
+            plan = plan_for(rank, b, precision="fp32")
+            assert plan.predicted_peak_bytes <= b
+            assert plan.weight_dtype == "float32" and plan.profile.shard_factor == 2
+            assert "per rank: FSDP2 over 2 shards" in plan.table()
+            assert plan.memory["FSDP2 gathered parameters and gradients"] == rank.rank_transient_bytes
+            times.append(plan.predicted_step_seconds)
+            offloaded |= plan.offloads_optimizer
+        assert all(a >= b for a, b in zip(times, times[1:])), times
+        assert offloaded  # the tightest budgets put optimizer state on the host: the local shards'
     rank = ranks[2]
-    low, plain = _minimum_and_plain(rank)
-    times, offloaded = [], False
-    for b in [int(low + (1.3 * plain - low) * i / 15) for i in range(16)]:
-        plan = plan_for(rank, b, precision="fp32")
-        assert plan.predicted_peak_bytes <= b
-        assert plan.weight_dtype == "float32" and plan.profile.shard_factor == 2
-        assert "per rank: FSDP2 over 2 shards" in plan.table()
-        assert plan.memory["FSDP2 gathered parameters and gradients"] == rank.rank_transient_bytes
-        times.append(plan.predicted_step_seconds)
-        offloaded |= plan.offloads_optimizer
-    assert all(a >= b for a, b in zip(times, times[1:])), times
-    assert offloaded  # the tightest budgets put optimizer state on the host: the local shards'
     accumulating = per_rank_profile(whole, 2, accumulation=2)
     assert accumulating.rank_transient_bytes - rank.rank_transient_bytes == 4 * whole.num_params - 4 * max(
         b.num_params for b in whole.blocks)
