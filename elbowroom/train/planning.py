@@ -7,7 +7,9 @@ Under data parallel rank 0 plans and every rank applies the same plan (``Distrib
 every rank holds the whole model, so one process's plan is each rank's. Under FSDP2 and HSDP (``--parallel.dp_shard
 S``) the plan is one rank's: the profile of the whole model on the rank's micro-batch is turned into the rank's
 (:func:`~elbowroom.plan.ranks.per_rank_profile`: 1/S of the parameters, gradients and optimizer state, plus
-FSDP2's all-gathered parameters and unsharded gradients), planned with fp32 weights or, where
+FSDP2's all-gathered parameters and unsharded gradients, the embedding's and head's around the head alone where they
+are units of their own; the activations those of the compute dtype FSDP2 gathers in,
+:func:`~elbowroom.plan.ranks.as_fsdp_computes`), planned with fp32 weights or, where
 ``--optimizer.param_dtype bfloat16`` allows, bf16 shards with fp32 masters, and applied in two steps around
 ``fully_shard``: the activation policies before it wraps the blocks (:func:`apply_plan`), the optimizer over the
 local shards after (:func:`plan_optimizer`). ``--budget`` is then per rank, and a saved plan applies only at its own
