@@ -292,9 +292,9 @@ def as_fsdp_computes(model: Any, sample: Any, whole: Any, amp_dtype: Any) -> Any
     its blocks then compute as a bf16 model's do, the residual stream and the norms in bf16, where the profile of
     fp32 weights under autocast keeps them in fp32 (W1 on 4 H200s: each kept block input 64 MiB in the memory
     snapshot, 128 in the profile). The bytes come from a bf16 copy profiled as the bf16 layout's are
-    (:func:`elbowroom.plan.fit._bf16_profile`: measured on the device, else traced); the times stay the profile's
-    (autocast's casts stand in for the all-gather's). Unchanged when the run computes in fp32 or the weights are
-    already in the compute dtype."""
+    (:func:`elbowroom.plan.fit._bf16_profile`: measured on the device, else traced); the times stay the profile's,
+    less the casts of the rank's shard (``Profile.gathered_in_compute_dtype``: FSDP2 casts on its all-gather
+    stream). Unchanged when the run computes in fp32 or the weights are already in the compute dtype."""
     import torch
 
     from elbowroom.plan.fit import _bf16_profile
