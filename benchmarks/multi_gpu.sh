@@ -119,6 +119,10 @@ run ddp-budget24 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --budget
   --optimizer.param_dtype bfloat16
 run fsdp-budget16 "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB --optimizer.param_dtype bfloat16 \
   --profile.steps 20-21
+# ... logging every 10 steps (against single-log10): its traced step starts with ~12 ms of FSDP2's host work before
+# the first kernel (the embedding unit's pre_forward and all-gather), which a loss read every step leaves exposed
+run fsdp-budget16-log10 "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB \
+  --optimizer.param_dtype bfloat16 --steps 60 --logging.log_every 10
 # its plan recomputes every block, 13 of them selectively (2026-11-28, 4 GPUs: 1.58x its step): FSDP2 with selective
 # recompute in every block and nothing else, against fsdp-engines (full recompute, inputs offloaded)
 run fsdp-selective "$N" --data.batch_size $B --parallel.dp_shard "$N" --activations.checkpoint selective
