@@ -213,7 +213,7 @@ def fit(
     prof = with_host_memory(prof, host_bytes)
     bf16_prof = None
     if precision == "bf16" and prof.param_dtype != "bfloat16" and prof.compute_dtype == "bfloat16":
-        bf16_prof = _bf16_profile(model, sample_batch, prof, take_profile, loss_fn, reentrant)
+        bf16_prof = profile_bf16_copy(model, sample_batch, prof, take_profile, loss_fn, reentrant)
     plan = plan_for(
         prof,
         budget_bytes,
@@ -237,12 +237,13 @@ def fit(
     return model, opt, plan
 
 
-def _bf16_profile(model: nn.Module, sample_batch: Any, prof: Any, take_profile: Callable[..., Any],
-                  loss_fn: Callable[..., torch.Tensor] | None, reentrant: bool) -> Any:
+def profile_bf16_copy(model: nn.Module, sample_batch: Any, prof: Any, take_profile: Callable[..., Any],
+                      loss_fn: Callable[..., torch.Tensor] | None, reentrant: bool) -> Any:
     """The model with bf16 weights, profiled: measured on a bf16 copy on the device when the model was
     measured there (its bytes and its times: a bf16 model runs its norms and residuals in bf16 and casts no
     weights, W1 11% and GPT-2-XL 15% faster than fp32 weights under autocast on the H100, ``BENCHMARKS.md``),
-    else traced on a meta copy (its bytes only, in a second or two)."""
+    else traced on a meta copy (its bytes only, in a second or two). The bf16 layout's bytes and times here, and
+    under FSDP2, which gathers in bf16, a rank's activation bytes (``elbowroom.plan.ranks.as_fsdp_computes``)."""
     from elbowroom.plan.profiler import bf16_copy, meta_copy
 
     extra: dict[str, Any] = {"reentrant": reentrant}

@@ -292,18 +292,18 @@ def as_fsdp_computes(model: Any, sample: Any, whole: Any, amp_dtype: Any) -> Any
     its blocks then compute as a bf16 model's do, the residual stream and the norms in bf16, where the profile of
     fp32 weights under autocast keeps them in fp32 (W1 on 4 H200s: each kept block input 64 MiB in the memory
     snapshot, 128 in the profile). The bytes come from a bf16 copy profiled as the bf16 layout's are
-    (:func:`elbowroom.plan.fit._bf16_profile`: measured on the device, else traced); the times stay the profile's,
-    less the casts of the rank's shard (``Profile.gathered_in_compute_dtype``: FSDP2 casts on its all-gather
+    (:func:`elbowroom.plan.fit.profile_bf16_copy`: measured on the device, else traced); the times stay the
+    profile's, less the casts of the rank's shard (``Profile.gathered_in_compute_dtype``: FSDP2 casts on its all-gather
     stream). Unchanged when the run computes in fp32 or the weights are already in the compute dtype."""
     import torch
 
-    from elbowroom.plan.fit import _bf16_profile
+    from elbowroom.plan.fit import profile_bf16_copy
     from elbowroom.plan.profiler import profile
     from elbowroom.plan.search import with_bytes_of
 
     if amp_dtype not in (torch.bfloat16, torch.float16) or whole.param_dtype != "float32":
         return whole
-    return with_bytes_of(whole, _bf16_profile(model, sample, whole, profile, None, reentrant=False))
+    return with_bytes_of(whole, profile_bf16_copy(model, sample, whole, profile, None, reentrant=False))
 
 
 def with_host_memory(profile: Any, host_bytes: int | None) -> Any:
