@@ -46,6 +46,7 @@ def main(out: str, n: int) -> None:
         print(f"| {name} | {tps:,.0f} | {of_ideal(name, tps)} | {peak:.2f} / {reserved:.2f} | {loss:.4f} | "
               f"{f'{comm / 2**20:,.1f} MiB' if comm else ''} |")
     host_table(Path(out))
+    plan_table(Path(out))
     traces = sorted(Path(out).glob("*/profile/trace.json"))
     if traces:
         print("\n| run | step | window ms | compute ms (busy) | NCCL ms | NCCL under compute |")
@@ -85,6 +86,36 @@ def host_table(out: Path) -> None:
     if lines:
         print("\n| run | host step s | step waited s | copy waits s | busy: " + " | ".join(kinds) + " |")
         print("|---|---|---|---|" + "---|" * len(kinds))
+        print("\n".join(lines))
+
+
+def plan_table(out: Path) -> None:
+    """The planned runs (``plan.json`` beside the metrics): the predicted peak without the allocator margin against
+    the largest allocated, and with it against the largest reserved; the predicted step against the median step
+    (seconds per step over the last two thirds of the logged rows, each row's time over the steps it covers)."""
+    lines = []
+    for run in sorted(p for p in out.iterdir() if (p / "plan.json").is_file() and (p / "metrics.jsonl").is_file()):
+        plan = json.loads((run / "plan.json").read_text())
+        ms = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        steps = [m for m in ms if "tokens_per_s" in m]
+        if not steps:
+            continue
+        G = 2**30
+        memory = plan.get("memory", {})
+        margin = memory.get("allocator margin", 0)
+        predicted = plan["predicted_peak_bytes"]
+        alloc = max((m.get("peak_memory_bytes") or 0) for m in steps)
+        reserved = max((m.get("peak_reserved_bytes") or 0) for m in steps)
+        tail = steps[len(steps) // 3:] or steps
+        prev = {id(m): (steps[i - 1]["step"] if i else 0) for i, m in enumerate(steps)}
+        step_s = statistics.median(m["elapsed_s"] / max(1, m["step"] - prev[id(m)]) for m in tail if "elapsed_s" in m)
+        bare, step_p = predicted - margin, plan["predicted_step_seconds"]
+        lines.append(f"| {run.name} | {bare / G:.2f} / {alloc / G:.2f} ({bare / alloc:.2f}x) | {predicted / G:.2f} / "
+                     f"{reserved / G:.2f} | {step_p:.3f} / {step_s:.3f} ({step_s / step_p:.2f}x) |")
+    if lines:
+        print("\n| planned run | predicted peak less margin / allocated GiB | predicted peak / reserved GiB | "
+              "predicted / measured step s |")
+        print("|---|---|---|---|")
         print("\n".join(lines))
 
 

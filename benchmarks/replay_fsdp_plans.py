@@ -1,8 +1,8 @@
 """FSDP2 plans that ran on a GPU, priced again on CPU by the per-rank memory model three ways, beside the peak each
-measured: as the plans were made (the root's units gathered all step, fp32-autocast activation bytes), with the
-root's units gathered around the head alone, and with the activation bytes of the bf16 gathers (and no autocast casts
-or weight cache) too. The profile is
-the analytic one of the device table (no GPU needed).
+measured: by the accounting before the eighteenth session (the root's units gathered all step, fp32-autocast
+activation bytes), with the root's units gathered around the head alone, and with the activation bytes of the bf16
+gathers (and no autocast casts or weight cache) too. The profile is the analytic one of the device table (no GPU
+needed).
 
     python3 benchmarks/replay_fsdp_plans.py --shards 4 --device h200 --batch 4x4096 \\
         benchmarks/results/2026-11-28-s18/call4-fsdp-budget16 \\
@@ -45,7 +45,7 @@ def main() -> None:
     sample = torch.zeros((b, s), dtype=torch.long, device="meta")
     prof = profile(model, sample, source="analytic", machine=get_device(a.device, host_memory=0))
     bf16 = as_fsdp_computes(model, sample, prof, torch.bfloat16)
-    ways = {"as planned": dataclasses.replace(per_rank_profile(prof, a.shards), gathered_in_compute_dtype=False),
+    ways = {"before": dataclasses.replace(per_rank_profile(prof, a.shards), gathered_in_compute_dtype=False),
             "root around the head": per_rank_profile(prof, a.shards, root_apart=1.0),
             "+ bf16 gathers": per_rank_profile(bf16, a.shards, root_apart=1.0)}
     print("| run | accounting | predicted GiB (no margin) | measured GiB | predicted / measured | terms (GiB) |")
