@@ -102,6 +102,10 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
         train_losses(HF_BASE, tmp_path / "hf-fsdp", "--model.hf", str(hf), *FSDP, *FIRST_HALF)
         res["hf_fsdp_resumed"] = train_losses(HF_BASE, tmp_path / "hf-fsdp", "--model.hf", str(hf), *FSDP,
                                               "--resume")
+        # ... with its optimizer on the host: the embedding and final norm inside its inner model are FSDP2 units
+        # of their own, each waiting for its own shards' CPU steps before its all-gather
+        res["hf_fsdp_offload"] = train_losses(HF_BASE, tmp_path / "hf-fsdp-offload", "--model.hf", str(hf), *FSDP,
+                                              "--optimizer.offload_fraction", "1.0")
     # compression with error feedback: each rank's residuals (and int8's noise) travel with the checkpoint
     for hook in ("topk", "int8"):
         args = [*DDP, "--parallel.comm_hook", hook, "--scheduler.decay_steps", "6"]
@@ -175,6 +179,7 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path, capsys) -> Non
         assert (tmp_path / "hf-ddp" / "checkpoints" / "step_00000006" / ".metadata").is_file()
         _close({s: v for s, v in r0["hf_fsdp_resumed"]["losses"].items() if s > 3},
                {s: v for s, v in r0["hf_ddp"]["losses"].items() if s > 3}, 1e-5, "hf")
+        _close(r0["hf_fsdp_offload"]["losses"], r0["hf_ddp"]["losses"], 1e-5, "hf offloaded")
 
     # a compressed run resumed at step 3 continues its own curve exactly: each rank's residuals and counts of draws
     # came back, and the compression does not depend on the buckets, which a new DDP makes otherwise until it
