@@ -353,10 +353,9 @@ def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, 
     own forward and frees after its own backward, so an embedding or a head in a unit of its own is not gathered
     while the blocks run (W1 on 4 H200s, the memory snapshot at a plan's peak in backward: one block's
     reduce-scatter buffer and two blocks' gathers, 0.38 GiB, and none of the root's 0.49). A unit that holds blocks
-    too (a Hugging Face model's inner ``model``, wrapped for its embedding and final norm) gathers for all of them.
-    The activations are those of the rank's own
-    micro-batch, which the profile measured. The host's memory and its optimizer rate are shared by the
-    ``ranks_per_host`` ranks on it (:func:`host_share`).
+    too gathers for all of them (the root itself, for a weight tied across its children). The activations are those
+    of the rank's own micro-batch, which the profile measured. The host's memory and its optimizer rate are shared
+    by the ``ranks_per_host`` ranks on it (:func:`host_share`).
     The step time is the profiled one: FSDP2's all-gathers and reduce-scatters are not counted in it.
 
     Args:
