@@ -85,12 +85,13 @@ def assert_params_close(a: nn.Module, b: nn.Module, tol: float) -> None:
 
 
 @pytest.mark.parametrize("arch, dropout", [("llama", 0.0), ("gpt2", 0.1)])
-@pytest.mark.parametrize("other", [False, True])
+@pytest.mark.parametrize("other", [False, True, "head"])
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_plan_trains_like_plain(arch: str, dropout: float, other: bool, clip: float | None) -> None:
+def test_plan_trains_like_plain(arch: str, dropout: float, other: bool | str, clip: float | None) -> None:
     ref = tiny(dropout, arch)
     model = copy.deepcopy(ref)
-    plan = hand_plan(4, offload_other_params=other)
+    # other: the parameters outside the blocks on the host, all of them or ("head") those after the blocks alone
+    plan = hand_plan(4, offload_other_params=other is True, offload_head_params=other == "head")
     model, opt = apply(model, plan, torch.optim.AdamW, offload_config=KNOBS, lr=1e-2, weight_decay=0.1, fused=True)
     assert isinstance(opt, CPUOffloadOptimizer)
     assert [p.checkpoint for p in get_block_policies(model)] == ["full", "selective", "none", "full"]
@@ -105,8 +106,14 @@ def test_plan_trains_like_plain(arch: str, dropout: float, other: bool, clip: fl
     opt.wait_for_weights()
     assert_params_close(model, ref, 1e-5)
     n_off = sum(p.numel() for blk in list(model.blocks)[2:] for p in blk.parameters())
-    if other:
+    names = [n for n, _ in model.named_parameters()]
+    last = max(i for i, n in enumerate(names) if n.startswith("blocks."))
+    if other is True:
         n_off += sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    elif other == "head":  # the final norm and the output head; the embeddings stay on the device
+        after = names[last + 1:]
+        assert after and all(n.startswith(("norm.", "output.")) for n in after), after
+        n_off += sum(p.numel() for n, p in model.named_parameters() if n in after)
     assert opt.stats()["offloaded_numel"] == n_off
 
 

@@ -453,3 +453,45 @@ def test_the_programme_is_exact_over_the_gaps_between_offloading_blocks(seed: in
         assert float(tables.chosen(idx, *w)[::-1].sum()) == pytest.approx(best[cap], rel=1e-9)
         some_offload |= bool(tables.offloads[np.arange(n), idx].any())
     assert some_offload
+
+
+def test_the_head_alone_may_step_on_the_host() -> None:
+    """With an untied head (``HeadProfile.after_params``), the parameters outside the blocks may go to the host all
+    together or the head and final norm alone. With clipping the host steps in forward order after the backward, so
+    the embeddings' step stands before the next forward's first kernel and the head's runs beside the blocks: the
+    head alone exposes less at the same placement, for the embeddings' device state. The search uses it where it
+    pays, never predicts a faster step at a tighter budget, and the plan carries it through TOML and JSON."""
+    from elbowroom.plan import Plan
+
+    p = make_profile()
+    p = dataclasses.replace(p, head=dataclasses.replace(p.head, after_params=p.head.num_params // 2 + 2048))
+    n = len(p.blocks)
+    base = dict(options=(cost.Option("full"),) * n, offload_blocks=(True,) * n, layout="bf16", micro_batch=4,
+                fused_loss=True, grad_clipping=True)
+    none, head, every = (cost.Decisions(**base, offload_other=o, offload_head=h)
+                         for o, h in ((False, False), (False, True), (True, False)))
+    gn, gh, ge = (cost.globals_for(p, d) for d in (none, head, every))
+    assert ge.host_exposed_s > gh.host_exposed_s >= gn.host_exposed_s
+    assert gn.states > gh.states > ge.states  # the device state of what stays
+    before, after = p.head.before_params, p.head.after_params
+    assert cost.outside_on_host(p, head) == (0, after) and cost.outside_on_host(p, every) == (before, after)
+    assert gn.host_bytes < gh.host_bytes < ge.host_bytes  # host memory grows with the parameters there
+
+    times, chosen = [], []
+    for gib in (9, 10, 11, 12, 13, 14, 16):
+        plan = plan_for(p, gib * GiB, precision="bf16", fused_loss_allowed=True)
+        assert plan.predicted_peak_bytes <= gib * GiB
+        assert not (plan.offload_other_params and plan.offload_head_params)
+        times.append(plan.predicted_step_seconds)
+        chosen.append(plan.offload_head_params)
+        assert Plan.from_toml(plan.to_toml()) == plan and Plan.from_json(plan.to_json()) == plan
+        assert plan.decisions().offload_head == plan.offload_head_params
+        again = plan.repredicted(p)
+        assert again.predicted_step_seconds == pytest.approx(plan.predicted_step_seconds)
+        if plan.offload_head_params:
+            assert "head/norm on the host, embeddings on the device" in plan.table()
+    assert all(a >= b for a, b in zip(times, times[1:])), times
+    assert any(chosen), chosen
+    # a profile that does not split its outside parameters (older, or everything before the blocks) never offers it
+    assert not any(plan_for(make_profile(), gib * GiB, precision="bf16", fused_loss_allowed=True).offload_head_params
+                   for gib in (10, 12, 14))

@@ -228,6 +228,13 @@ def build_optimizer(
                         stream.append(p)
         if plan.offload_other_params:
             offload += [p for p in params if id(p) not in in_blocks and id(p) not in seen]
+        elif plan.offload_head_params:
+            # those registered after the last block's (a tied weight counts at its first place, the embedding), as
+            # the profile's HeadProfile.after_params counts them
+            order = list(model.parameters())
+            last = max((i for i, p in enumerate(order) if id(p) in in_blocks), default=len(order))
+            offload += [p for p in order[last + 1:] if p.requires_grad and id(p) not in in_blocks
+                        and id(p) not in seen]
     masters = plan.weight_dtype == "bfloat16"
     groups: Any = param_groups(model) if param_groups is not None else params
     if not offload and not masters:

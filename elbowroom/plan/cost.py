@@ -191,6 +191,7 @@ from elbowroom.plan.host_pipeline import (
     OPTIMIZER_LINK_BYTES_PER_PARAM,
     host_exposed_seconds,
     host_lateness,
+    outside_on_host,
     stream_link_seconds,
 )
 from elbowroom.plan.options import OPTIONS, Option, block_tables
@@ -273,6 +274,11 @@ class Decisions:
     """Per block: its parameters' optimizer state and step on the host."""
     offload_other: bool = False
     """The parameters outside the blocks (embeddings, final norm, head) on the host."""
+    offload_head: bool = False
+    """Of those, the ones after the blocks alone (an untied output head, a final norm:
+    ``HeadProfile.after_params``) on the host, the embeddings on the device: with clipping the embeddings' host step
+    would stand before the next forward's first kernel, the head's runs beside the blocks' forward. Implied by
+    ``offload_other``."""
     stream_blocks: tuple[bool, ...] = ()
     """Per block: its parameters' optimizer state lives on the host but steps on the device, streamed through a small
     device ring (``CPUOffloadOptimizer(stream_params=...)``); empty: no block. A block streams or steps on the host
@@ -314,7 +320,7 @@ class Decisions:
     @property
     def offloads_params(self) -> bool:
         """Some optimizer state lives on the host (stepped there or streamed)."""
-        return self.offload_other or any(self.offload_blocks) or self.streams
+        return self.offload_other or self.offload_head or any(self.offload_blocks) or self.streams
 
     @property
     def optimizer_config(self) -> Any:
@@ -459,8 +465,7 @@ def _param_split(profile: Profile, d: Decisions) -> tuple[int, int, int]:
     """Parameters (stepped on the device, stepped on the host, streamed)."""
     sums = _sums(profile)
     p_off = sum(n for n, o in zip(sums.block_params, d.offload_blocks) if o)
-    if d.offload_other:
-        p_off += profile.head.num_params
+    p_off += sum(outside_on_host(profile, d))
     p_str = sum(n for n, st in zip(sums.block_params, d.stream_blocks) if st)
     return sums.num_params - p_off - p_str, p_off, p_str
 
@@ -500,7 +505,7 @@ def gradient_bytes(profile: Profile, d: Decisions) -> tuple[int, tuple[int, ...]
     per = 2 if LAYOUTS[d.layout][0] == "bfloat16" else 4
     blocks = tuple(0 if o or st else per * n
                    for n, o, st in zip(_sums(profile).block_params, d.offload_blocks, d.streamed))
-    head = 0 if d.offload_other else per * profile.head.num_params
+    head = per * (profile.head.num_params - sum(outside_on_host(profile, d)))
     return head, blocks
 
 
@@ -638,7 +643,8 @@ def _host_step(profile: Profile, d: Decisions, device_step_s: float) -> tuple[fl
     the host step hiding pays for the risk it takes. Cached on what the pipeline reads (its lateness, from which each
     device step takes its own share): the search asks again for every weight layout, head and loss choice of one
     placement."""
-    key = (id(profile), d.offload_blocks, d.stream_blocks, d.offload_other, d.micro_batch, d.grad_clipping,
+    key = (id(profile), d.offload_blocks, d.stream_blocks, d.offload_other, d.offload_head, d.micro_batch,
+           d.grad_clipping,
            d.offload_gradients, d.optimizer_config.step_order)
     got = _HOST.get(key)
     if got is None or got[0] is not profile:

@@ -111,7 +111,8 @@ def fit(
       unmarked). Without ``global_batch`` the loop's batch is the sample batch's and nothing changes.
     - ``plan.fused_loss`` (only when ``fused_loss=True``): compute the loss with
       ``elbowroom.linear_cross_entropy(hidden_states, head.weight, targets)``; if the plan also offloads the
-      parameters outside the blocks (``plan.offload_other_params``), call ``optimizer.wait_for(head.weight)``
+      head's parameters (``plan.offload_other_params``, or ``plan.offload_head_params``: the head and final norm
+      alone), call ``optimizer.wait_for(head.weight)``
       before it: that weight is read outside its module's forward, where the optimizer cannot see the read.
       elbowroom's own models need neither: ``model.output(hidden_states, targets)`` computes the fused loss
       (summed over the target tokens) inside the head's forward, where the optimizer (and FSDP2) see it.

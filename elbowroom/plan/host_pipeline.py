@@ -63,6 +63,17 @@ GB up in 540 ms from the middle of the backward, beside 5.9 GB of host-stepped w
 busy. Priced at the full rate, that plan's next forward was predicted to wait 109 ms and waited 237."""
 
 
+def outside_on_host(profile: Profile, d: Decisions) -> tuple[int, int]:
+    """(before, after): the parameters outside the blocks whose optimizer ``d`` puts on the host, those before the
+    blocks (embeddings, needed first) and those after them (head, final norm, needed last)."""
+    head = profile.head
+    if d.offload_other:
+        return head.before_params, head.num_params - head.before_params
+    if d.offload_head:
+        return 0, min(head.after_params, head.num_params)
+    return 0, 0
+
+
 def stream_link_seconds(params: float, bw: float) -> float:
     """Seconds a streamed job of ``params`` parameters holds the link (each way) at measured duplex rate ``bw``."""
     return STREAM_LINK_BYTES_PER_PARAM * params / (bw * STREAM_LINK_EFFICIENCY)
@@ -198,10 +209,11 @@ def host_lateness(profile: Profile, d: Decisions, rate_scale: float = 1.0,
     # (block index, parameters, streamed) of every block whose optimizer is off the device
     jobs: list[tuple[int, int, bool]] = [(i, b.num_params, st) for i, (b, o, st)
                                          in enumerate(zip(profile.blocks, d.offload_blocks, d.streamed)) if o or st]
-    if not jobs and not d.offload_other:
+    before_n, after_n = outside_on_host(profile, d)
+    if not jobs and not (before_n or after_n):
         return 0.0, 0.0
     rate, bw = host_rate(m.host_adam_params_per_s, d.grad_clipping, d.offload_config) * rate_scale, m.duplex_bandwidth
-    host_jobs = d.offload_other or not all(st for _, _, st in jobs)
+    host_jobs = bool(before_n or after_n) or not all(st for _, _, st in jobs)
     if bw <= 0 or (host_jobs and rate <= 0):
         return math.inf, math.inf
     n = len(profile.blocks)
@@ -212,10 +224,8 @@ def host_lateness(profile: Profile, d: Decisions, rate_scale: float = 1.0,
     t_backward = s * (profile.head.backward_s + sum(bwd))
     # the parameters outside the blocks: those before them (embeddings: final last, needed first, index -1) and those
     # after them (an untied output head: final first, needed after the last block, index n)
-    head = profile.head
-    after = head.num_params - head.before_params if d.offload_other else 0
-    before = [(-1, head.before_params, False)] if d.offload_other and head.before_params else []
-    tail = [(n, after, False)] if after else []
+    before = [(-1, before_n, False)] if before_n else []
+    tail = [(n, after_n, False)] if after_n else []
     if d.grad_clipping:
         order = before + jobs + tail  # forward order, after the whole backward
         starts = [0.0] * len(order)

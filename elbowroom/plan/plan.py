@@ -139,6 +139,9 @@ class Plan:
     """Device dtype of the offloaded parameters' weights (bfloat16: fp32 masters on the host)."""
     offload_other_params: bool = False
     """The parameters outside the blocks (embeddings, final norm, head) step on the host."""
+    offload_head_params: bool = False
+    """Of those, the ones after the blocks alone (an untied output head, a final norm) step on the host, the
+    embeddings on the device."""
     fused_loss: bool = False
     """The loop computes head and loss with ``elbowroom.linear_cross_entropy`` (the logits never exist whole)."""
     allocator_settings: str = ""
@@ -215,7 +218,8 @@ class Plan:
     @property
     def offloads_optimizer(self) -> bool:
         """Some optimizer state lives on the host (stepped there or streamed)."""
-        return self.offload_other_params or any(b.optimizer_on_host or b.optimizer_streamed for b in self.blocks)
+        return self.offload_other_params or self.offload_head_params or any(
+            b.optimizer_on_host or b.optimizer_streamed for b in self.blocks)
 
     @property
     def global_batch(self) -> int:
@@ -238,6 +242,7 @@ class Plan:
             offload_blocks=tuple(b.optimizer_on_host for b in self.blocks),
             stream_blocks=streamed if any(streamed) else (),
             offload_other=self.offload_other_params,
+            offload_head=self.offload_head_params,
             layout=layout,
             micro_batch=self.micro_batch,
             accumulation=self.gradient_accumulation_steps,
@@ -286,8 +291,10 @@ class Plan:
         if streamed:  # (a plan that streams nothing reads as it always did)
             where += (f" ({len(off)})" if off else "") + (f"; state on the host, streamed to step on the device: "
                                                           f"blocks {_ranges(streamed)} ({len(streamed)})")
-        other = "on the host" if self.offload_other_params else "on the device"
-        lines.append(f"optimizer on the host: blocks {where}; embeddings/head/norm {other}"
+        other = ("embeddings/head/norm on the host" if self.offload_other_params else
+                 "head/norm on the host, embeddings on the device" if self.offload_head_params else
+                 "embeddings/head/norm on the device")
+        lines.append(f"optimizer on the host: blocks {where}; {other}"
                      + ("; their gradients leave the device in the backward" if self.offload_gradients else ""))
         lines.append(f"fused head + loss: {'on' if self.fused_loss else 'off'}; allocator: "
                      f"{self.allocator_settings or 'defaults'}; planned "
@@ -309,7 +316,7 @@ class Plan:
             lines.append("step time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.time.items()))
         if self.host_bytes:
             lines.append(f"host memory: {_gib(self.host_bytes)}")
-        if self.fused_loss and self.offload_other_params:
+        if self.fused_loss and (self.offload_other_params or self.offload_head_params):
             lines.append("note: the fused loss reads the head weight outside its module: call "
                          "optimizer.wait_for(head_weight) before linear_cross_entropy")
         for n in self.notes:

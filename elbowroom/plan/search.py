@@ -1,7 +1,8 @@
 """The search: the fastest plan the cost model predicts under a memory budget.
 
 :func:`plan_for` enumerates the global choices in an outer grid (weight layout, which blocks' optimizer leaves the
-device and whether the other parameters' does, micro-batch and accumulation, fused loss, allocator setting, and a
+device and whether the other parameters' does (all of them, or the head and final norm alone, the embeddings kept on
+the device), micro-batch and accumulation, fused loss, allocator setting, and a
 cap ``E`` on any block's backward extra, see :mod:`elbowroom.plan.cost`) and, inside, solves the per-block
 choices exactly: a multiple-choice knapsack over the blocks' :data:`~elbowroom.plan.cost.OPTIONS`
 (:class:`~elbowroom.plan.knapsack.Knapsack`, whose programme also carries the gap to the next block that offloads),
@@ -106,6 +107,7 @@ class _Outer:
     expandable: bool
     gradients_out: bool = False  # the offloaded parameters' gradients leave the device in the backward
     streamed: int = 0  # of those k, the first (earliest) this many stream; the rest step on the host
+    head: bool = False  # not other: the parameters after the blocks (head, final norm) alone on the host
 
 
 def _divisors(n: int) -> list[int]:
@@ -139,7 +141,7 @@ def _placement(n: int, k: int, streamed: int) -> tuple[tuple[bool, ...], tuple[b
     return host, stream
 
 
-def _stream_counts(profile: Profile, k: int, other: bool, host_ok: bool, grad_clipping: bool,
+def _stream_counts(profile: Profile, k: int, outside: int, host_ok: bool, grad_clipping: bool,
                    offload_config: Any = None) -> list[int]:
     """How many of the last ``k`` blocks the search tries to stream (the earliest of them; the later ones, needed last,
     step on the host): none, all, and around the split where the link's work (12 B per streamed parameter and 4 per
@@ -153,7 +155,7 @@ def _stream_counts(profile: Profile, k: int, other: bool, host_ok: bool, grad_cl
     m = profile.machine
     params = np.array([b.num_params for b in profile.blocks[len(profile.blocks) - k:]], dtype=np.float64)
     streamed = np.concatenate(([0.0], np.cumsum(params)))  # parameters of the first st of them, st = 0..k
-    host = streamed[-1] - streamed + (profile.head.num_params if other else 0)
+    host = streamed[-1] - streamed + outside  # (the parameters outside the blocks that step on the host)
     bw = m.duplex_bandwidth
     link = stream_link_seconds(streamed, bw) + OPTIMIZER_LINK_BYTES_PER_PARAM * host / bw
     rate = host_rate(m.host_adam_params_per_s, grad_clipping, offload_config)
@@ -363,7 +365,13 @@ def plan_for(
     # gradients one by one in the backward ran out of memory under a capped allocator with the defaults, W1 8 GiB)
     alloc_opts = [True, False] if cuda_like else [False]
     k_opts = _offload_counts(n) if opt_ok or stream_ok else [0]
-    other_opts = [False, True] if opt_ok else [False]
+    # the parameters outside the blocks: on the device, all on the host, or (where the model has both) the head and
+    # final norm alone, the embeddings kept on the device (a clipped host step would stand before the next forward)
+    other_opts = [(False, False)]
+    if opt_ok:
+        other_opts.append((True, False))
+        if 0 < profile.head.after_params < profile.head.num_params:
+            other_opts.append((False, True))
     # a pipeline stage holds the kept bytes (and its head's or output's) of ``k`` micro-batches: k x sum_j k_j
     k_in = profile.inflight_microbatches
     slack = (n + 16) * k_in  # bytes lost to rounding each block's bytes up separately
@@ -375,14 +383,15 @@ def plan_for(
     unhosted: tuple[int, int] | None = None
     # every choice the bound admits, with the fastest its programme could be at any capacity (refined below)
     admitted: list[tuple[float, _Outer, int, int, tuple[float, float], Knapsack, cost.Globals]] = []
-    for layout, k, other, og in itertools.product(layouts, k_opts, other_opts, [False, True]):
-        if layout != "fp32" and not (k or other) and layout == "fp32-offload-bf16":
+    for layout, k, (other, head), og in itertools.product(layouts, k_opts, other_opts, [False, True]):
+        outside = profile.head.num_params if other else profile.head.after_params if head else 0
+        if layout != "fp32" and not (k or outside) and layout == "fp32-offload-bf16":
             continue  # nothing offloaded: the same as fp32
-        if og and not (gradient_offload_allowed and (k or other)):
+        if og and not (gradient_offload_allowed and (k or outside)):
             continue
         # how many of the k blocks stream (their gradients stay on the device: offloaded gradients need a host one)
-        counts = _stream_counts(profile, k, other, opt_ok, grad_clipping, offload_config) if stream_ok else [0]
-        splits = [st for st in counts if not og or k > st or other]
+        counts = _stream_counts(profile, k, outside, opt_ok, grad_clipping, offload_config) if stream_ok else [0]
+        splits = [st for st in counts if not og or k > st or outside]
         for mb in mbs:
             s = mb / profile.micro_batch
             acc = gb // mb
@@ -394,7 +403,7 @@ def plan_for(
                     offload_blocks, stream_blocks = _placement(n, k, st)
                     d = Decisions(
                         offload_config=offload_config, options=(Option(),) * n, offload_blocks=offload_blocks,
-                        stream_blocks=stream_blocks, offload_other=other,
+                        stream_blocks=stream_blocks, offload_other=other, offload_head=head,
                         layout=layout, micro_batch=mb, accumulation=acc, fused_loss=fused,
                         grad_clipping=grad_clipping, offload_gradients=og, persistent_gradients=persistent_gradients,
                     )
@@ -410,7 +419,7 @@ def plan_for(
                             fixed = g.states + _bound_extra(g, s, e, ks.level_off[li], li == 0,
                                                             prefetch_window_bytes) + slack
                             fixed += (k_in - 1) * math.ceil(s * profile.head.saved_bytes)
-                            outer = _Outer(layout, k, other, mb, acc, fused, expandable, og, st)
+                            outer = _Outer(layout, k, other, mb, acc, fused, expandable, og, st, head)
                             need = fixed + k_in * ks.min_units[li] * ks.unit0 * s
                             need_budget = _min_budget(profile, need, expandable)
                             if unhosted is None or need_budget < unhosted[0]:
@@ -449,6 +458,7 @@ def plan_for(
             offload_config=offload_config, options=tuple(OPTIONS[o] for o in opts),
             offload_blocks=host, stream_blocks=stream,
             offload_other=outer.other,
+            offload_head=outer.head,
             layout=outer.layout,
             micro_batch=outer.micro_batch,
             accumulation=outer.accumulation,
@@ -612,7 +622,7 @@ def _slow_host_note(profile: Profile, d: Decisions, step_s: float) -> tuple[str,
     """A note when the step would take noticeably longer (3% or more) were the host step at the slow end of its
     measured spread (:data:`~elbowroom.plan.cost.HOST_STEP_SPREAD`; the prediction counts the mean of the two):
     the prediction's range, where it rests on the host step hiding."""
-    if not (any(d.offload_blocks) or d.offload_other) or profile.machine.host_adam_params_per_s <= 0:
+    if not (any(d.offload_blocks) or d.offload_other or d.offload_head) or profile.machine.host_adam_params_per_s <= 0:
         return ()
     g = cost.globals_for(profile, d)
     _, exposed_slow = cost.host_terms(profile, d, g.device_step_s, cost.HOST_STEP_SPREAD)
@@ -631,7 +641,7 @@ _RECOMPUTE_NOTE = "the recompute in the backward"
 def _recompute_hides_note(profile: Profile, d: Decisions, step_s: float) -> tuple[str, ...]:
     """A note when the recompute in the backward would hide 3% or more of the step's host optimizer time: the cost
     model leaves it out (it keeps the search's cost a sum), so the prediction is the upper end of a range."""
-    if d.grad_clipping or not (any(d.offload_blocks) or d.offload_other) or not any(
+    if d.grad_clipping or not (any(d.offload_blocks) or d.offload_other or d.offload_head) or not any(
             o.checkpoint != "none" for o in d.options):
         return ()
     g = cost.globals_for(profile, d)
@@ -690,6 +700,7 @@ def plan_from_decisions(
         weight_dtype=weight,
         offload_param_dtype=off_dtype if d.offloads_params or weight == "bfloat16" else "float32",
         offload_other_params=d.offload_other,
+        offload_head_params=d.offload_head and not d.offload_other,
         fused_loss=d.fused_loss,
         allocator_settings="expandable_segments:True" if d.expandable_segments else "",
         grad_clipping=d.grad_clipping,
