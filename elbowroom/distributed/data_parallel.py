@@ -220,11 +220,9 @@ def root_apart_share(model: nn.Module, blocks: list[nn.Module] | None = None) ->
     outside = {id(p): p.numel() for p in model.parameters() if id(p) not in in_blocks}
     if not outside:
         return 0.0
-    block_ids = {id(b) for b in units}
-    apart = {id(p) for part in _outer_units(model, units)
-             if not any(id(m) in block_ids for m in part.modules())
-             for p in part.parameters() if id(p) in outside}
-    return sum(outside[i] for i in apart) / sum(outside.values())
+    # (an outer unit never holds a block: _outer_units looks inside a container of blocks for the parts beside them)
+    apart = {id(p) for part in _outer_units(model, units) for p in part.parameters()}
+    return sum(n for i, n in outside.items() if i in apart) / sum(outside.values())
 
 
 def unwrap(model: nn.Module) -> nn.Module:

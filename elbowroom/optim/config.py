@@ -61,8 +61,7 @@ def default_step_threads(processes: int = 1) -> int:
     mine = _affinity(0)
     if mine is None:  # not on Linux
         return max(1, (os.cpu_count() or 1) // max(1, processes) - 2)
-    allowed = _affinity(os.getppid()) or mine  # the launcher's cores: every rank's together, unbound
-    allowed = max(allowed, mine)
+    allowed = max(_affinity(os.getppid()) or 0, mine)  # the launcher's cores: every rank's together, unbound
     sharing = max(1, round(max(1, processes) * mine / allowed))
     return max(1, mine // sharing - 2)
 
