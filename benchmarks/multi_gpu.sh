@@ -105,6 +105,10 @@ run ddp-commbf16 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parall
 run single-plain-acc4 1 --data.batch_size 4 --train.gradient_accumulation_steps 4 --steps 15
 run ddp-acc2 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.gradient_accumulation_steps 2 --steps 20
 run ddp-acc4 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.gradient_accumulation_steps 4 --steps 15
+# - torch.compile on both (the model under DDP's wrapper, so DDP's graph splits at its buckets): shorter compute
+#   beside the same all-reduce bytes
+run single-compile 1 --data.batch_size 4 --train.compile true
+run ddp-compile "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.compile true
 run ddp-gc50 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.gc_every 50
 run ddp-nobcast "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.ddp_broadcast_buffers false
 # - tried and reverted (2026-11-28, 2 and 4 H200s): the backward's cuBLASLt matmuls told to leave 16 or 32 SMs to NCCL
