@@ -16,6 +16,7 @@ _EXPORTS = {
     "checkpoint": "elbowroom.activations.recompute",
     "gradient_checkpointing_enable": "elbowroom.activations.recompute",
     "offload": "elbowroom.activations.offload",
+    "compile_blocks": "elbowroom.activations.compiled",
     "linear_cross_entropy": "elbowroom.ops.linear_cross_entropy",
     "CPUOffloadOptimizer": "elbowroom.optim.offload",
     "CPUOffloadConfig": "elbowroom.optim.config",

@@ -13,7 +13,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import FlopCounterMode
 
 import elbowroom
-from elbowroom.activations import checkpoint_blocks, gradient_checkpointing_disable, uncheckpoint
+from elbowroom.activations import (
+    BlockPolicy,
+    apply_block_policies,
+    checkpoint_blocks,
+    get_offload_engine,
+    gradient_checkpointing_disable,
+    uncheckpoint,
+)
 from elbowroom.activations.recompute import default_selective_ops, find_blocks, select_blocks
 from elbowroom.models import ModelConfig, build_model
 
@@ -399,8 +406,6 @@ def test_selective_drops_a_last_kept_output_the_recompute_never_reads(arch: str,
 
 
 def test_dropped_tail_of_an_offloaded_selective_cache_is_never_brought_back() -> None:
-    from elbowroom.activations import BlockPolicy, apply_block_policies, get_offload_engine
-
     model = small_model("llama", dropout=0.0)
     idx = batch()
     ref = grads(model, idx)
@@ -416,9 +421,8 @@ def test_dropped_tail_of_an_offloaded_selective_cache_is_never_brought_back() ->
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_compiled_blocks_recompute(mode: str) -> None:
-    # per-block torch.compile (as torchtitan applies it) over recomputed blocks: dynamo traces our wrapper's
-    # checkpoint (no default-valued keywords passed through; torch's own selective modes under the compiler) and
-    # the gradients equal the plain run's
+    # torch's own per-block compile (`blk.compile()`, the whole wrapper under the compiler) over recomputed blocks:
+    # dynamo breaks its graph at the wrapper's checkpoint, and the gradients stay the plain run's
     model = small_model("llama", dropout=0.0, n_layers=2)
     idx = batch()
     ref = grads(model, idx)
@@ -426,6 +430,45 @@ def test_compiled_blocks_recompute(mode: str) -> None:
     for blk in model.blocks:
         blk.compile()
     assert_grads_close(grads(model, idx, steps=2), ref, tol=1e-5)
+
+
+COMPILED_POLICIES = {
+    "keep": None, "full": BlockPolicy("full"), "full, input offloaded": BlockPolicy("full", offload_input=True),
+    "keep, half offloaded": BlockPolicy(offload_ratio=0.5), "selective": BlockPolicy("selective"),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPILED_POLICIES))
+def test_compile_blocks_compiles_one_graph_inside_the_policy(name: str) -> None:
+    # regional compilation: each block's own forward compiled inside the policy's wrapper (offload regions and
+    # checkpoints stay eager around it). One graph serves the three blocks, the gradients are the plain run's, and
+    # the state_dict keys do not change. Selective blocks are left eager: their dispatch modes read every op.
+    from torch._dynamo.utils import counters
+
+    from elbowroom.activations import CompiledBlocks, compile_blocks
+
+    model = small_model("llama", dropout=0.0)
+    idx = batch()
+    ref = grads(model, idx)
+    keys = list(model.state_dict())
+    pol = COMPILED_POLICIES[name]
+    if pol is not None:
+        apply_block_policies(model, [pol] * len(model.blocks), min_offload_bytes=0, simulate_host=True)
+    torch._dynamo.reset()
+    counters.clear()
+    done = compile_blocks(model)
+    assert_grads_close(grads(model, idx, steps=2), ref, tol=1e-5)
+    assert list(model.state_dict()) == keys
+    graphs = counters["stats"]["unique_graphs"]
+    if name == "selective":
+        assert done == CompiledBlocks(compiled=0, selective=3) and graphs == 0
+    else:
+        assert done == CompiledBlocks(compiled=3, selective=0)
+        assert graphs == 1, dict(counters["graph_break"])  # one block's graph, reused by the other two
+    assert compile_blocks(model) == done  # compiled once: a second call changes nothing
+    if pol is not None and pol.offloads:
+        s = get_offload_engine(model).stats()
+        assert s.offloaded_bytes > 0 and s.offloaded_bytes == s.reloaded_bytes  # what the compiled forward saved
 
 
 def test_reentrant_falls_back_where_no_input_needs_a_gradient() -> None:

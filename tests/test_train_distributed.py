@@ -94,6 +94,9 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     res["ddp_fp16"] = _train(tmp_path / "ddp_fp16", *DDP, "--parallel.comm_hook", "fp16")
     res["after_reduction"] = _offload_after_reduction(rank)
     res["ddp_budget"] = _train(tmp_path / "ddp_budget", *DDP, "--budget", "64GiB")  # planned for DDP's buckets
+    # each block's forward compiled in place, inside DDP's wrapper (beside the fused loss) and FSDP2's units
+    res["ddp_compile"] = _train(tmp_path / "ddp-compile", *DDP, "--train.compile", "--train.fused_loss")
+    res["fsdp_compile"] = _train(tmp_path / "fsdp-compile", *FSDP, *RECOMPUTE, "--train.compile")
     # a Hugging Face model under DDP and FSDP2: checkpoints written (its wrapper's state_dict is the model's own,
     # whose keys torch.distributed.checkpoint walks) and resumed
     hf = tmp_path / "hf-llama"
@@ -173,6 +176,9 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path, capsys) -> Non
     ddp_plan = Plan.load(tmp_path / "ddp_budget" / "plan.toml")
     assert ddp_plan.persistent_gradients and not ddp_plan.offload_gradients
     _close(r0["ddp_budget"]["losses"], ref["plain"]["losses"], 1e-5, "ddp_budget")
+    for name in ("ddp_compile", "fsdp_compile"):  # (the compiled kernels round differently from the eager ones)
+        _close(r0[name]["losses"], ref["plain"]["losses"], 1e-4, name)
+        assert r1[name]["losses"] == r0[name]["losses"], name
 
     if "hf_ddp" in r0:  # the FSDP2 run resumed at step 3 continues the DDP run's curve
         assert sorted(r0["hf_ddp"]["losses"]) == list(range(1, 7))

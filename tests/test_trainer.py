@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -805,3 +806,17 @@ def test_garbage_collection_on_the_trainers_schedule() -> None:
         gc.callbacks.remove(seen)
     with pytest.raises(ValueError, match="gc_every must be >= 0"):
         GarbageCollection(-1)
+
+
+@pytest.mark.parametrize("extra", [["--train.fused_loss", "--activations.checkpoint", "full"], ["--budget", "64GiB"]])
+def test_compiled_blocks_follow_the_eager_curve(tmp_path: Path, extra: list[str], caplog) -> None:
+    """--train.compile compiles each block's forward in place (regional), beside the fused loss, the recompute
+    wrapper and a plan: the losses are the eager run's within the compiled kernels' rounding, and the log says how
+    many blocks run compiled."""
+    args = ["--steps", "4", "--train.dtype", "fp32", *extra]
+    assert run(tmp_path / "eager", *args) == 0
+    with caplog.at_level(logging.INFO, logger="elbowroom"):
+        assert run(tmp_path / "compiled", *args, "--train.compile") == 0
+    assert "the forward of 2 blocks compiled in place" in caplog.text
+    a, b = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert a.keys() == b.keys() and b == pytest.approx(a, rel=1e-4)

@@ -35,10 +35,12 @@ undoes everything.
 
 Single mechanisms by hand: :func:`checkpoint` (``elbowroom.checkpoint(block, "selective")``),
 :func:`gradient_checkpointing_enable`, :func:`offload` (``with elbowroom.offload(0.5, tag="blk"):``)
-and :func:`offload_module`. The output head and the loss: :func:`linear_cross_entropy` computes
+and :func:`offload_module`. :func:`compile_blocks` compiles each block's own forward in place (regional
+compilation: one graph for all blocks alike; the wrappers above stay eager around it). The output head and the loss: :func:`linear_cross_entropy` computes
 ``cross_entropy(head(h), targets)`` chunk by chunk, so the logits never exist whole.
 """
 
+from elbowroom.activations.compiled import CompiledBlocks, compile_blocks
 from elbowroom.activations.offload import OffloadEngine, OffloadStats, offload, offload_module
 from elbowroom.activations.policy import (
     ActivationConfig,
@@ -61,6 +63,7 @@ from elbowroom.ops.linear_cross_entropy import LinearCrossEntropy, linear_cross_
 __all__ = [
     "ActivationConfig",
     "BlockPolicy",
+    "CompiledBlocks",
     "LinearCrossEntropy",
     "OffloadEngine",
     "OffloadStats",
@@ -68,6 +71,7 @@ __all__ = [
     "apply_block_policies",
     "checkpoint",
     "checkpoint_blocks",
+    "compile_blocks",
     "get_offload_engine",
     "gradient_checkpointing_disable",
     "gradient_checkpointing_enable",

@@ -112,7 +112,9 @@ class TrainSection:
     eval_batches: int = 8
     """Validation micro-batches per evaluation."""
     compile: bool = False
-    """Wrap the model with torch.compile."""
+    """Compile each repeated block's forward with torch.compile, in place (one graph serves all blocks alike, so it
+    compiles in seconds); DDP, FSDP2, the plan's offload and recompute, the head and the fused loss stay eager around
+    it. Selective blocks stay eager. A model without repeated blocks is compiled whole."""
     fused_loss: bool = False
     """Output head and cross-entropy chunk by chunk: the logits never exist whole (~tokens x vocab x 10 bytes less
     peak memory, same FLOPs)."""
@@ -130,10 +132,6 @@ class TrainSection:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError(f"train.steps must be >= 1 (the optimizer steps of the whole run), got {self.steps}")
-        if self.fused_loss and self.compile:
-            raise ConfigError(
-                "train.fused_loss runs outside torch.compile; drop one of --train.fused_loss, --train.compile"
-            )
         if self.gradient_accumulation_steps <= 0:
             raise ConfigError(
                 f"train.gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}"

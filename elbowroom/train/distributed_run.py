@@ -143,8 +143,6 @@ def check_setup(cfg: Config, launch: Launch | None) -> None:
                 "parallel.fsdp_cpu_offload would move every shard to the host behind the plan's back; drop "
                 "--parallel.fsdp_cpu_offload"
             )
-        if cfg.train.compile:
-            raise ConfigError("train.compile is not supported with FSDP2 here yet; drop --train.compile")
 
 
 class _NoMetrics:

@@ -614,8 +614,8 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
         fwd_model = model
     elif planned_here:  # the plan is made for the run's own first micro-batch, which step 1 then trains on
         # the fused head + loss needs our own models' head (it runs in the head's forward, which DDP and FSDP2
-        # see: micro_batch_loss), and runs outside torch.compile
-        fused_ok = model_cfg is not None and not cfg.train.compile
+        # see: micro_batch_loss)
+        fused_ok = model_cfg is not None
         # the link as the ranks of this host share it, every rank copying at once (a collective, before rank 0
         # plans alone)
         link = shared_link_for(cfg, device) if run.enabled else None
@@ -659,7 +659,8 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
             min_lr_ratio=cfg.scheduler.min_lr_ratio,
         )
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
-        fwd_model = torch.compile(fwd_model) if cfg.train.compile else fwd_model  # (DDP's wrapper under DDP)
+        if cfg.train.compile:
+            fwd_model = compile_model(model, fwd_model)
 
         # --- resume: model, optimizer, schedule, scaler, RNG (the data position is the loader's)
         step = 0
@@ -867,3 +868,20 @@ def _progress_bar(cfg: Config, step: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=cfg.train.steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
+
+
+def compile_model(model: nn.Module, fwd_model: nn.Module) -> nn.Module:
+    """``--train.compile``: each repeated block's own forward compiled in place (regional compilation,
+    :func:`elbowroom.activations.compile_blocks`), so the wrappers around it (DDP, FSDP2, a plan's offload and
+    recompute, the fused loss) stay as they are and one block's graph serves them all; a model without repeated
+    blocks is compiled whole. Returns the module the steps call."""
+    from elbowroom.activations import compile_blocks
+
+    try:
+        done = compile_blocks(model)
+    except ValueError:
+        log.info("compile: no repeated blocks found; compiling the whole model")
+        return torch.compile(fwd_model)
+    eager = f"; {done.selective} selective blocks stay eager (their recompute reads every op)" if done.selective else ""
+    log.info("compile: the forward of %d blocks compiled in place (one graph per block shape)%s", done.compiled, eager)
+    return fwd_model

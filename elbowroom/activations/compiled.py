@@ -1,0 +1,83 @@
+"""Regional compilation: each repeated block's own forward under ``torch.compile``, in place.
+
+One compiled graph serves every block of one class and input shape (``torch.compile`` caches by code, and a block's
+parameters are the graph's inputs), so a 24-block model compiles one block's worth. Compiled whole, W1 under DDP on
+4 GPUs had not reached its first step after 100 s (``BENCHMARKS.md``, nineteenth session).
+
+What is compiled is the block's own forward; everything around it stays eager and works as it does without:
+
+- the activation policy's wrapper (offload region, checkpoint, backward prefetch): a recomputed block runs its
+  compiled forward again in backward, and an offloading block's hooks pack what the compiled forward saves;
+- DDP's and FSDP2's module hooks, and the parameters they gather or all-reduce;
+- the embedding, the head, the loss (the fused head + loss too) and the optimizer.
+
+A selective block's forward and recompute run under :mod:`~elbowroom.activations.selective`'s dispatch modes, which
+must see every op; ``torch.compile`` does not run under a dispatch mode, so such a block would silently stay eager
+anyway. :func:`compile_blocks` leaves those blocks as they are and counts them.
+
+``state_dict`` keys do not change (nothing is wrapped in ``OptimizedModule``), so checkpoints load either way.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from elbowroom.activations import _wrap
+from elbowroom.activations.recompute import find_blocks
+
+__all__ = ["CompiledBlocks", "compile_blocks"]
+
+_MARK = "_elbowroom_compiled"
+
+
+@dataclass(frozen=True)
+class CompiledBlocks:
+    """What :func:`compile_blocks` did."""
+
+    compiled: int
+    """Blocks whose forward now runs compiled."""
+    selective: int
+    """Selective blocks left eager (their recompute reads every op)."""
+
+
+def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **compile_kwargs: Any) -> CompiledBlocks:
+    """Compile the forward of each of ``model``'s repeated blocks, in place.
+
+    Apply activation policies (``apply_block_policies``, a plan's ``apply``) and data-parallel wrappers before or
+    after: the compiled forward sits inside the policy's wrapper and inside the module hooks either way. A block
+    compiled already is left as it is.
+
+    Args:
+        model: the model (its blocks are found as the planner finds them, :func:`find_blocks`).
+        blocks: the blocks to compile, when they are not ``model``'s longest list of one class.
+        **compile_kwargs: passed to ``torch.compile`` (``mode=``, ``fullgraph=``, ``dynamic=``, ...).
+
+    Returns:
+        How many blocks were compiled and how many selective blocks were left eager.
+
+    Raises:
+        ValueError: if ``model`` has no repeated blocks (compile it whole with ``torch.compile`` instead).
+    """
+    blocks = find_blocks(model) if blocks is None else blocks
+    compiled = selective = 0
+    for blk in blocks:
+        if blk.__dict__.get(_MARK):
+            compiled += 1
+            continue
+        pol = _wrap.get_policy(blk)
+        if pol is not None and pol.recompute is not None and pol.recompute.mode == "selective":
+            selective += 1
+            continue
+        if pol is None:
+            blk.forward = torch.compile(blk.forward, **compile_kwargs)  # the bound method (or one set before)
+        else:
+            inner = pol.orig_forward if pol.orig_forward is not None else types.MethodType(type(blk).forward, blk)
+            pol.orig_forward = torch.compile(inner, **compile_kwargs)
+        blk.__dict__[_MARK] = True
+        compiled += 1
+    return CompiledBlocks(compiled, selective)
