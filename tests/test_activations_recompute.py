@@ -435,14 +435,16 @@ def test_compiled_blocks_recompute(mode: str) -> None:
 COMPILED_POLICIES = {
     "keep": None, "full": BlockPolicy("full"), "full, input offloaded": BlockPolicy("full", offload_input=True),
     "keep, half offloaded": BlockPolicy(offload_ratio=0.5), "selective": BlockPolicy("selective"),
+    "selective, kept outputs offloaded": BlockPolicy("selective", offload_ratio=1.0),
 }
 
 
 @pytest.mark.parametrize("name", list(COMPILED_POLICIES))
-def test_compile_blocks_compiles_one_graph_inside_the_policy(name: str) -> None:
-    # regional compilation: each block's own forward compiled inside the policy's wrapper (offload regions and
-    # checkpoints stay eager around it). One graph serves the three blocks, the gradients are the plain run's, and
-    # the state_dict keys do not change. Selective blocks are left eager: their dispatch modes read every op.
+def test_compile_blocks_compiles_one_graph_per_policy(name: str) -> None:
+    # regional compilation: one graph serves the three blocks, the gradients are the plain run's, and the state_dict
+    # keys do not change. Kept, recomputed and offloading blocks compile their own forward inside the policy's
+    # wrapper; selective blocks compile with the wrapper (torch's selective modes under the compiler), except those
+    # that offload their kept outputs, which stay eager
     from torch._dynamo.utils import counters
 
     from elbowroom.activations import CompiledBlocks, compile_blocks
@@ -459,16 +461,60 @@ def test_compile_blocks_compiles_one_graph_inside_the_policy(name: str) -> None:
     done = compile_blocks(model)
     assert_grads_close(grads(model, idx, steps=2), ref, tol=1e-5)
     assert list(model.state_dict()) == keys
-    graphs = counters["stats"]["unique_graphs"]
-    if name == "selective":
-        assert done == CompiledBlocks(compiled=0, selective=3) and graphs == 0
+    graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    if name == "selective, kept outputs offloaded":
+        assert done == CompiledBlocks(compiled=0, eager=3) and graphs == 0
     else:
-        assert done == CompiledBlocks(compiled=3, selective=0)
-        assert graphs == 1, dict(counters["graph_break"])  # one block's graph, reused by the other two
+        assert done == CompiledBlocks(compiled=3, eager=0)
+        assert graphs == 1 and not breaks, breaks  # one block's graph, reused by the other two
     assert compile_blocks(model) == done  # compiled once: a second call changes nothing
     if pol is not None and pol.offloads:
         s = get_offload_engine(model).stats()
-        assert s.offloaded_bytes > 0 and s.offloaded_bytes == s.reloaded_bytes  # what the compiled forward saved
+        # what the forward saved went out, came back (a selective cache's dropped tail need not), and left no host
+        # buffer taken
+        assert s.offloaded_bytes >= s.reloaded_bytes > 0 and s.host_pool_in_use_bytes == 0
+
+
+def test_compile_blocks_under_a_plan_of_mixed_policies() -> None:
+    # a planner's mix: selective blocks (compiled with their wrapper) between blocks that offload, whose backward
+    # prefetch chain runs through every block's wrapper; the gradients stay the plain run's
+    from elbowroom.activations import CompiledBlocks, compile_blocks
+
+    model = small_model("llama", dropout=0.0, n_layers=4)
+    idx = batch()
+    ref = grads(model, idx)
+    apply_block_policies(model, [BlockPolicy("full", offload_input=True), BlockPolicy("selective"),
+                                 BlockPolicy(offload_ratio=0.5), BlockPolicy("selective")],
+                         min_offload_bytes=0, simulate_host=True)
+    assert compile_blocks(model) == CompiledBlocks(compiled=4, eager=0)
+    assert_grads_close(grads(model, idx, steps=2), ref, tol=1e-5)
+    s = get_offload_engine(model).stats()
+    assert s.offloaded_bytes > 0 and s.offloaded_bytes == s.reloaded_bytes and s.host_pool_in_use_bytes == 0
+
+
+def test_compiled_selective_blocks_replay_dropout() -> None:
+    # GPT-2 blocks with dropout on, compiled: recomputed selectively under the compiler, whole in eager around a
+    # compiled forward, or kept; each run draws the same masks from the same seed, so the three give one gradient
+    # (a recompute that drew new masks would not). Another seed gives another, so dropout is on.
+    from elbowroom.activations import compile_blocks
+
+    idx = batch()
+
+    def compiled_grads(mode: str | None, seed: int = 1) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = small_model("gpt2", dropout=0.1)
+        if mode is not None:
+            apply_block_policies(model, [BlockPolicy(mode)] * len(model.blocks))
+        compile_blocks(model)
+        torch.manual_seed(seed)
+        model(idx).float().pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    kept = compiled_grads(None)
+    assert_grads_close(compiled_grads("full"), kept, tol=1e-6)
+    assert_grads_close(compiled_grads("selective"), kept, tol=1e-6)
+    other = compiled_grads(None, seed=2)
+    assert max(((other[n] - kept[n]).norm() / kept[n].norm()).item() for n in kept) > 0.1
 
 
 def test_reentrant_falls_back_where_no_input_needs_a_gradient() -> None:

@@ -808,7 +808,8 @@ def test_garbage_collection_on_the_trainers_schedule() -> None:
         GarbageCollection(-1)
 
 
-@pytest.mark.parametrize("extra", [["--train.fused_loss", "--activations.checkpoint", "full"], ["--budget", "64GiB"]])
+@pytest.mark.parametrize("extra", [["--train.fused_loss", "--activations.checkpoint", "full"],
+                                   ["--activations.checkpoint", "selective"], ["--budget", "64GiB"]])
 def test_compiled_blocks_follow_the_eager_curve(tmp_path: Path, extra: list[str], caplog) -> None:
     """--train.compile compiles each block's forward in place (regional), beside the fused loss, the recompute
     wrapper and a plan: the losses are the eager run's within the compiled kernels' rounding, and the log says how
@@ -817,6 +818,6 @@ def test_compiled_blocks_follow_the_eager_curve(tmp_path: Path, extra: list[str]
     assert run(tmp_path / "eager", *args) == 0
     with caplog.at_level(logging.INFO, logger="elbowroom"):
         assert run(tmp_path / "compiled", *args, "--train.compile") == 0
-    assert "the forward of 2 blocks compiled in place" in caplog.text
+    assert "compile: 2 blocks compiled in place" in caplog.text
     a, b = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
     assert a.keys() == b.keys() and b == pytest.approx(a, rel=1e-4)

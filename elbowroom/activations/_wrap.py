@@ -195,7 +195,7 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # nothing is saved for backward: no recompute, no offload
         return fn(*args, **kwargs)
     rc = pol.recompute
-    if torch._C._current_graph_task_id() != -1:
+    if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
         # inside backward: an enclosing checkpoint is recomputing this module. Its hooks must see what
         # is saved here, so no offload region; a nested checkpoint is fine (torch supports nesting)
         return fn(*args, **kwargs) if rc is None else _checkpointed(fn, rc, None, args, kwargs)

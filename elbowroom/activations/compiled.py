@@ -11,9 +11,10 @@ What is compiled is the block's own forward; everything around it stays eager an
 - DDP's and FSDP2's module hooks, and the parameters they gather or all-reduce;
 - the embedding, the head, the loss (the fused head + loss too) and the optimizer.
 
-A selective block's forward and recompute run under :mod:`~elbowroom.activations.selective`'s dispatch modes, which
-must see every op; ``torch.compile`` does not run under a dispatch mode, so such a block would silently stay eager
-anyway. :func:`compile_blocks` leaves those blocks as they are and counts them.
+A selective block is compiled with its wrapper: our selective dispatch modes must see every op, which a compiled
+forward hides, so under the compiler the checkpoint runs torch's own selective modes, which tag the graph for the
+compiler's recompute (keep matmul and attention outputs, recompute the rest). A selective block that offloads its
+kept outputs stays eager: the offload region's saved-tensor hooks are not traced.
 
 ``state_dict`` keys do not change (nothing is wrapped in ``OptimizedModule``), so checkpoints load either way.
 """
@@ -40,17 +41,24 @@ class CompiledBlocks:
     """What :func:`compile_blocks` did."""
 
     compiled: int
-    """Blocks whose forward now runs compiled."""
-    selective: int
-    """Selective blocks left eager (their recompute reads every op)."""
+    """Blocks that now run compiled."""
+    eager: int
+    """Selective blocks that offload their kept outputs, left eager (the offload region's saved-tensor hooks are not
+    traced by the compiler)."""
 
 
 def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **compile_kwargs: Any) -> CompiledBlocks:
-    """Compile the forward of each of ``model``'s repeated blocks, in place.
+    """Compile each of ``model``'s repeated blocks, in place.
 
-    Apply activation policies (``apply_block_policies``, a plan's ``apply``) and data-parallel wrappers before or
-    after: the compiled forward sits inside the policy's wrapper and inside the module hooks either way. A block
-    compiled already is left as it is.
+    Apply activation policies (``apply_block_policies``, a plan's ``apply``) before, and data-parallel wrappers
+    before or after: a block compiled already is left as it is.
+
+    - A block kept whole, recomputed whole or offloading: its own forward is compiled, inside the policy's wrapper
+      (the offload region and the checkpoint stay eager around it; a recomputed block runs the compiled forward
+      again in backward).
+    - A selective block: the wrapper is compiled with the forward, so its checkpoint runs under torch's selective
+      modes, which tag the graph for the compiler's recompute (ours must see every op, which a compiled forward
+      hides). One that offloads its kept outputs stays eager.
 
     Args:
         model: the model (its blocks are found as the planner finds them, :func:`find_blocks`).
@@ -58,26 +66,26 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
         **compile_kwargs: passed to ``torch.compile`` (``mode=``, ``fullgraph=``, ``dynamic=``, ...).
 
     Returns:
-        How many blocks were compiled and how many selective blocks were left eager.
+        How many blocks run compiled and how many were left eager.
 
     Raises:
         ValueError: if ``model`` has no repeated blocks (compile it whole with ``torch.compile`` instead).
     """
     blocks = find_blocks(model) if blocks is None else blocks
-    compiled = selective = 0
+    compiled = eager = 0
     for blk in blocks:
         if blk.__dict__.get(_MARK):
             compiled += 1
             continue
         pol = _wrap.get_policy(blk)
-        if pol is not None and pol.recompute is not None and pol.recompute.mode == "selective":
-            selective += 1
-            continue
-        if pol is None:
-            blk.forward = torch.compile(blk.forward, **compile_kwargs)  # the bound method (or one set before)
+        if pol is None or (pol.recompute is not None and pol.recompute.mode == "selective"):
+            if pol is not None and pol.offload is not None and (pol.offload.ratio > 0 or pol.offload.cache_ratio > 0):
+                eager += 1
+                continue
+            blk.forward = torch.compile(blk.forward, **compile_kwargs)  # its own forward, or the policy's wrapper
         else:
             inner = pol.orig_forward if pol.orig_forward is not None else types.MethodType(type(blk).forward, blk)
             pol.orig_forward = torch.compile(inner, **compile_kwargs)
         blk.__dict__[_MARK] = True
         compiled += 1
-    return CompiledBlocks(compiled, selective)
+    return CompiledBlocks(compiled, eager)

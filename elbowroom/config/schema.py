@@ -112,9 +112,10 @@ class TrainSection:
     eval_batches: int = 8
     """Validation micro-batches per evaluation."""
     compile: bool = False
-    """Compile each repeated block's forward with torch.compile, in place (one graph serves all blocks alike, so it
-    compiles in seconds); DDP, FSDP2, the plan's offload and recompute, the head and the fused loss stay eager around
-    it. Selective blocks stay eager. A model without repeated blocks is compiled whole."""
+    """Compile each repeated block with torch.compile, in place (one graph serves all blocks alike, so it compiles in
+    seconds); DDP, FSDP2, offload regions, whole-block checkpoints, the head and the fused loss stay eager around it;
+    selective blocks compile with their checkpoint, except those offloading their kept outputs. A model without
+    repeated blocks is compiled whole."""
     fused_loss: bool = False
     """Output head and cross-entropy chunk by chunk: the logits never exist whole (~tokens x vocab x 10 bytes less
     peak memory, same FLOPs)."""

@@ -35,6 +35,8 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, s: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the first ``s`` positions in ``dtype``, cast once and cached."""
+        if torch.compiler.is_compiling():  # the compiler fuses the cast; a cache would be a side effect to trace
+            return self.cos[:s].to(dtype), self.sin[:s].to(dtype)
         key = (dtype, self.cos.device, self.cos.data_ptr())
         if key not in self._cast:
             self._cast = {key: (self.cos.to(dtype), self.sin.to(dtype))}

@@ -871,9 +871,9 @@ def _progress_bar(cfg: Config, step: int) -> Any:
 
 
 def compile_model(model: nn.Module, fwd_model: nn.Module) -> nn.Module:
-    """``--train.compile``: each repeated block's own forward compiled in place (regional compilation,
-    :func:`elbowroom.activations.compile_blocks`), so the wrappers around it (DDP, FSDP2, a plan's offload and
-    recompute, the fused loss) stay as they are and one block's graph serves them all; a model without repeated
+    """``--train.compile``: each repeated block compiled in place (regional compilation,
+    :func:`elbowroom.activations.compile_blocks`), so what wraps the blocks (DDP, FSDP2, a plan's offload regions and
+    checkpoints, the fused loss) stays as it is and one block's graph serves them all; a model without repeated
     blocks is compiled whole. Returns the module the steps call."""
     from elbowroom.activations import compile_blocks
 
@@ -882,6 +882,6 @@ def compile_model(model: nn.Module, fwd_model: nn.Module) -> nn.Module:
     except ValueError:
         log.info("compile: no repeated blocks found; compiling the whole model")
         return torch.compile(fwd_model)
-    eager = f"; {done.selective} selective blocks stay eager (their recompute reads every op)" if done.selective else ""
-    log.info("compile: the forward of %d blocks compiled in place (one graph per block shape)%s", done.compiled, eager)
+    eager = f"; {done.eager} selective blocks offloading their kept outputs stay eager" if done.eager else ""
+    log.info("compile: %d blocks compiled in place (one graph per block shape and policy)%s", done.compiled, eager)
     return fwd_model
