@@ -35,9 +35,10 @@ undoes everything.
 
 Single mechanisms by hand: :func:`checkpoint` (``elbowroom.checkpoint(block, "selective")``),
 :func:`gradient_checkpointing_enable`, :func:`offload` (``with elbowroom.offload(0.5, tag="blk"):``)
-and :func:`offload_module`. :func:`compile_blocks` compiles each block's own forward in place (regional
-compilation: one graph for all blocks alike; the wrappers above stay eager around it). The output head and the loss: :func:`linear_cross_entropy` computes
-``cross_entropy(head(h), targets)`` chunk by chunk, so the logits never exist whole.
+and :func:`offload_module`. :func:`compile_blocks` compiles each block in place (regional
+compilation: one graph for all blocks alike, inside their policies). The output head and the loss:
+:func:`linear_cross_entropy` computes ``cross_entropy(head(h), targets)`` chunk by chunk, so the logits never
+exist whole.
 """
 
 from elbowroom.activations.compiled import CompiledBlocks, compile_blocks
