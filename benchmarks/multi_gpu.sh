@@ -70,6 +70,9 @@ if part 1; then
   fi
   run single-plain 1 --data.batch_size 4
   run single-budget24 1 --data.batch_size 4 --budget 24GiB --optimizer.param_dtype bfloat16
+  # ... its blocks compiled in place (the plan is made on the eager profile: the compiled step should run faster and
+  # in no more memory than predicted), against single-compile below
+  run single-budget24-compile 1 --data.batch_size 4 --budget 24GiB --optimizer.param_dtype bfloat16 --train.compile true
 fi
 # 2. DDP and FSDP2 on N GPUs at N x the single-GPU batch, without and with the memory engines; the profiler trace of
 #    steps 20-21 shows communication against backward (elbowroom report OUT/NAME)
@@ -123,6 +126,8 @@ run ddp-budget24 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --budget
   --optimizer.param_dtype bfloat16
 run fsdp-budget16 "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB --optimizer.param_dtype bfloat16 \
   --profile.steps 20-21
+run fsdp-budget16-compile "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB \
+  --optimizer.param_dtype bfloat16 --train.compile true
 # ... logging every 10 steps (against single-log10): its traced step starts with ~12 ms of FSDP2's host work before
 # the first kernel (the embedding unit's pre_forward and all-gather), which a loss read every step leaves exposed
 run fsdp-budget16-log10 "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB \
