@@ -362,7 +362,6 @@ def _check_qat_and_distill(cfg: Config) -> None:
     if cfg.distill.teacher is not None:
         conflicts = [
             ("--model.hf", cfg.model.hf is not None, "reads the student's head, which only elbowroom's models expose"),
-            ("--train.compile", cfg.train.compile, "runs the student's head chunk by chunk outside torch.compile"),
             ("--budget", cfg.budget is not None, "adds a teacher the planner does not price (a plan made for less "
              "memory with `elbowroom plan --out FILE` can be passed as --plan FILE)"),
         ]
