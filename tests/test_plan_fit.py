@@ -202,3 +202,28 @@ def test_the_plan_names_a_small_model_s_parameter_count_readably() -> None:
     _, _, plan = fit(Tiny(), torch.randint(0, 10, (2, 5)), budget="1GiB", lr=1e-3)
     n = sum(p.numel() for p in Tiny().parameters())
     assert plan.table().splitlines()[0].endswith(f"profile, {n} parameters)")
+
+
+def test_fit_compiled_prices_and_runs_the_compiled_blocks() -> None:
+    # fit(compile=True) on a measured profile: the plan is priced on the blocks compiled (its note says so), the
+    # blocks run compiled inside the plan's policies, and the loop trains as the plain one does. At the minimum of
+    # that profile the plan uses the mechanisms. An analytic profile cannot price compiled blocks: refused.
+    from elbowroom.activations import CompiledBlocks, compile_blocks
+    from elbowroom.plan.fit import COMPILED_NOTE
+    from elbowroom.plan.profiler import profile
+
+    ref = hf_llama()
+    prof = profile(copy.deepcopy(ref), IDS, machine="cpu", compiled=True, warmup=1, iters=1)
+    with pytest.raises(BudgetError) as e:
+        plan_for(prof, 1, offload_config=KNOBS)
+    model, opt, plan = fit(copy.deepcopy(ref), IDS, budget=e.value.minimum_bytes, machine="cpu", compile=True,
+                           lr=1e-2, offload_config=KNOBS)
+    assert COMPILED_NOTE in plan.notes
+    assert any(b.checkpoint != "none" or b.offload_ratio or b.offload_input for b in plan.blocks) or \
+        plan.offloads_optimizer
+    assert compile_blocks(model) == CompiledBlocks(compiled=4, eager=0)  # compiled already: nothing new
+    got = train(model, opt, 3)
+    want = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3)
+    assert got == pytest.approx(want, rel=1e-4)
+    with pytest.raises(ValueError, match="needs a measured profile"):
+        fit(hf_llama(), IDS, budget="1GiB", source="analytic", machine=DEVICE, compile=True)

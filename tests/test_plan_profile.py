@@ -595,3 +595,66 @@ def test_the_snapshot_tells_an_expandable_segment() -> None:
     assert segment_is_expandable(segments, 1100) is None  # past the first segment's end: no segment holds it
     assert segment_is_expandable(segments, (9 << 20) + 1) is None
     assert segment_is_expandable([], 0) is None
+
+
+# ---------------------------------------------------------------- compiled blocks
+def _saved_per_block(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
+    """What each block saves for backward in one step, counted by saved-tensor hooks alone (each storage once per
+    block, parameters and buffers left out): a count independent of the profiler's."""
+    from elbowroom.activations.recompute import find_blocks
+
+    blocks = list(find_blocks(model))
+    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    current: list[int | None] = [None]
+    seen: list[set[int]] = [set() for _ in blocks]
+    counts = [0] * len(blocks)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        i, ptr = current[0], t.untyped_storage().data_ptr()
+        if i is not None and ptr not in state and ptr not in seen[i]:
+            seen[i].add(ptr)
+            counts[i] += t.untyped_storage().nbytes()
+        return t
+
+    handles = [b.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)) for b in blocks]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(ids)
+    F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)).backward()
+    for h in handles:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    return counts
+
+
+@pytest.mark.parametrize("mode", [None, "selective"], ids=["kept", "selective"])
+def test_compiled_profile_counts_what_the_compiled_blocks_save(mode: str | None) -> None:
+    # compiled=True: the bytes each block saves kept whole and under selective recompute are those of the blocks
+    # compiled, as an independent count of the same compiled blocks finds them; kept whole, the compiler's
+    # partition saves less than eager blocks do. The model is left as it was: no compiled forward, no wrapper.
+    import copy
+
+    from elbowroom.activations import BlockPolicy, apply_block_policies, compile_blocks
+
+    torch.manual_seed(0)
+    model = build_model(_cfg("llama"))
+    ids = _ids()
+    eager = _quick(model, ids)
+    compiled = _quick(model, ids, compiled=True)
+    assert compiled.extra["compiled_blocks"] is True and eager.extra["compiled_blocks"] is False
+    for blk in model.blocks:
+        assert "forward" not in blk.__dict__ and not any(k.startswith("_elbowroom") for k in blk.__dict__)
+
+    ref = copy.deepcopy(model)
+    if mode is not None:
+        apply_block_policies(ref, [BlockPolicy(mode)] * len(ref.blocks))
+    compile_blocks(ref)
+    _saved_per_block(ref, ids)  # compiles
+    counts = _saved_per_block(ref, ids)
+    got = [b.total_saved_bytes if mode is None else b.selective_saved_bytes for b in compiled.blocks]
+    assert got == counts
+    if mode is None:
+        assert all(c.total_saved_bytes < e.total_saved_bytes for c, e in zip(compiled.blocks, eager.blocks))
+        assert [b.saved_bytes["input"] for b in compiled.blocks] == [b.input_bytes for b in eager.blocks]
+    with pytest.raises(ValueError, match="compiled=True needs a measured profile"):
+        profile(model, ids, source="analytic", machine=CPU, compiled=True)

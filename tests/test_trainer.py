@@ -819,5 +819,11 @@ def test_compiled_blocks_follow_the_eager_curve(tmp_path: Path, extra: list[str]
     with caplog.at_level(logging.INFO, logger="elbowroom"):
         assert run(tmp_path / "compiled", *args, "--train.compile") == 0
     assert "compile: 2 blocks compiled in place" in caplog.text
+    if "--budget" in extra:  # the plan was priced on the blocks compiled, as they ran
+        from elbowroom.plan import Plan
+        from elbowroom.plan.fit import COMPILED_NOTE
+
+        assert COMPILED_NOTE in Plan.load(tmp_path / "compiled" / "plan.toml").notes
+        assert "priced on the eager blocks" not in caplog.text
     a, b = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
     assert a.keys() == b.keys() and b == pytest.approx(a, rel=1e-4)

@@ -41,7 +41,7 @@ compilation: one graph for all blocks alike, inside their policies). The output 
 exist whole.
 """
 
-from elbowroom.activations.compiled import CompiledBlocks, compile_blocks
+from elbowroom.activations.compiled import CompiledBlocks, compile_blocks, uncompile_blocks
 from elbowroom.activations.offload import OffloadEngine, OffloadStats, offload, offload_module
 from elbowroom.activations.policy import (
     ActivationConfig,
@@ -82,4 +82,5 @@ __all__ = [
     "remove_activation_policy",
     "selective_policy",
     "uncheckpoint",
+    "uncompile_blocks",
 ]

@@ -31,7 +31,7 @@ import torch.nn as nn
 from elbowroom.activations import _wrap
 from elbowroom.activations.recompute import find_blocks
 
-__all__ = ["CompiledBlocks", "compile_blocks"]
+__all__ = ["CompiledBlocks", "compile_blocks", "uncompile_blocks"]
 
 _MARK = "_elbowroom_compiled"
 
@@ -82,10 +82,29 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
             if pol is not None and pol.offload is not None and (pol.offload.ratio > 0 or pol.offload.cache_ratio > 0):
                 eager += 1
                 continue
-            blk.forward = torch.compile(blk.forward, **compile_kwargs)  # its own forward, or the policy's wrapper
+            before = blk.__dict__.get("forward")  # the policy's wrapper, one set by someone else, or none
+            blk.forward = fn = torch.compile(blk.forward, **compile_kwargs)
         else:
-            inner = pol.orig_forward if pol.orig_forward is not None else types.MethodType(type(blk).forward, blk)
-            pol.orig_forward = torch.compile(inner, **compile_kwargs)
-        blk.__dict__[_MARK] = True
+            before = pol.orig_forward
+            inner = before if before is not None else types.MethodType(type(blk).forward, blk)
+            pol.orig_forward = fn = torch.compile(inner, **compile_kwargs)
+        blk.__dict__[_MARK] = (fn, before)
         compiled += 1
     return CompiledBlocks(compiled, eager)
+
+
+def uncompile_blocks(blocks: nn.ModuleList) -> None:
+    """Undo :func:`compile_blocks` on ``blocks`` (call it before changing their activation policies)."""
+    for blk in blocks:
+        mark = blk.__dict__.pop(_MARK, None)
+        if mark is None:
+            continue
+        fn, before = mark
+        pol = _wrap.get_policy(blk)
+        if pol is not None and pol.orig_forward is fn:
+            pol.orig_forward = before
+        elif blk.__dict__.get("forward") is fn:
+            if before is None:
+                del blk.__dict__["forward"]
+            else:
+                blk.forward = before

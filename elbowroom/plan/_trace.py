@@ -193,8 +193,9 @@ class Tracer:
             kind = "shared"  # another input of the block (HF's rotary tables, a mask), made once for all blocks
         else:
             # a storage no op of this step produced existed before it (a module's cache of cast tables, the
-            # batch): model state or data, not an activation of this step
-            kind = self.producer.get(k, "state")
+            # batch): model state or data, not an activation of this step. Without the op recorder (compiled
+            # blocks, whose ops it cannot see) every other storage is an activation, counted as pointwise
+            kind = self.producer.get(k, "state" if self.record_ops else "pointwise")
         region.saved[kind] += n
         if kind in KINDS:
             region.largest = max(region.largest, n)

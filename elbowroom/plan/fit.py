@@ -74,6 +74,10 @@ def parse_budget(budget: str | int, *, name: str = "budget") -> int:
     return value
 
 
+COMPILED_NOTE = "priced on the blocks compiled, as they run (compile_blocks)"
+"""The note of a plan whose profile ran the blocks compiled (``fit(compile=True)``, ``--train.compile``)."""
+
+
 def fit(
     model: nn.Module,
     sample_batch: Any,
@@ -98,6 +102,7 @@ def fit(
     reentrant: bool | None = None,
     stream: bool | None = None,
     host_memory: str | int | None = None,
+    compile: bool = False,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -174,6 +179,12 @@ def fit(
             by ``ranks_per_host``). Where it binds, the planner keeps gradients off the host and streams state through
             the device, so that each offloaded parameter costs the host little more than its 12 bytes of fp32
             master and moments.
+        compile: compile the blocks in place after applying the plan
+            (:func:`~elbowroom.activations.compile_blocks`), and price the plan on them compiled: the profile
+            measures their times and the bytes they save with the blocks compiled (a compiled block kept whole
+            saves what the compiler's partition keeps, W1-shaped blocks on CPU about a fifth less, and a selective
+            one drops its per-op host work). Measured profiles only; whole blocks then recompute with the
+            non-reentrant checkpoint.
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
 
     Returns:
@@ -198,12 +209,18 @@ def fit(
     resolve_blocks(model, blocks)  # no repeated blocks: say so before profiling
     from elbowroom.plan.profiler import profile as take_profile  # the profiler: imported when first needed
 
+    if compile:
+        on_meta = next(model.parameters()).device.type == "meta"
+        if source == "analytic" or on_meta:
+            raise ValueError("compile=True prices the blocks as they run compiled, which needs a measured profile: "
+                             "fit the model on its device, or leave compile off")
+        reentrant = False  # (torch.compile traces the non-reentrant checkpoint only)
     if reentrant is None:
         from elbowroom.activations.recompute import reentrant_default
 
         reentrant = reentrant_default()
     prof_kwargs: dict[str, Any] = {"source": source, "machine": machine, "blocks": blocks, "cache_dir": cache_dir,
-                                   "dtype": compute_dtype, "reentrant": reentrant}
+                                   "dtype": compute_dtype, "reentrant": reentrant, "compiled": compile}
     if loss_fn is not None:
         prof_kwargs["loss_fn"] = loss_fn
     prof = take_profile(model, sample_batch, **prof_kwargs)
@@ -214,7 +231,7 @@ def fit(
     prof = with_host_memory(prof, host_bytes)
     bf16_prof = None
     if precision == "bf16" and prof.param_dtype != "bfloat16" and prof.compute_dtype == "bfloat16":
-        bf16_prof = profile_bf16_copy(model, sample_batch, prof, take_profile, loss_fn, reentrant)
+        bf16_prof = profile_bf16_copy(model, sample_batch, prof, take_profile, loss_fn, reentrant, compiled=compile)
     plan = plan_for(
         prof,
         budget_bytes,
@@ -233,17 +250,24 @@ def fit(
         plan = dataclasses.replace(plan, notes=(*plan.notes, (
             f"one of {ranks_per_host} ranks on this host: planned on 1/{ranks_per_host} of its memory and of its host "
             f"optimizer rate ({prof.machine.host_adam_params_per_s / 1e9:.2f} G params/s)")))
+    if compile:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, COMPILED_NOTE))
     model, opt = apply(model, plan, optimizer, blocks=blocks, reentrant=reentrant, **opt_kwargs)
+    if compile:
+        from elbowroom.activations import compile_blocks
+
+        compile_blocks(model, blocks=resolve_blocks(model, blocks))
     logger.info("%s", plan.table())
     return model, opt, plan
 
 
 def profile_bf16_copy(model: nn.Module, sample_batch: Any, prof: Any, take_profile: Callable[..., Any],
-                      loss_fn: Callable[..., torch.Tensor] | None, reentrant: bool) -> Any:
+                      loss_fn: Callable[..., torch.Tensor] | None, reentrant: bool, compiled: bool = False) -> Any:
     """The model with bf16 weights, profiled: measured on a bf16 copy on the device when the model was
     measured there (its bytes and its times: a bf16 model runs its norms and residuals in bf16 and casts no
     weights, W1 11% and GPT-2-XL 15% faster than fp32 weights under autocast on the H100, ``BENCHMARKS.md``),
-    else traced on a meta copy (its bytes only, in a second or two). The bf16 layout's bytes and times here, and
+    else traced on a meta copy (its bytes only, in a second or two; ``compiled``: the measured copy runs its blocks
+    compiled, the meta trace prices them eager). The bf16 layout's bytes and times here, and
     under FSDP2, which gathers in bf16, a rank's activation bytes (``elbowroom.plan.ranks.as_fsdp_computes``)."""
     from elbowroom.plan.profiler import bf16_copy, meta_copy
 
@@ -258,7 +282,7 @@ def profile_bf16_copy(model: nn.Module, sample_batch: Any, prof: Any, take_profi
         try:
             copy = bf16_copy(model)
             return take_profile(copy, sample_batch, source="measured", machine=prof.machine, dtype=torch.bfloat16,
-                                blocks=path, **extra)
+                                blocks=path, compiled=compiled, **extra)
         except torch.OutOfMemoryError:
             logger.warning("no room for a bf16 copy of the model beside it: the bf16 layouts are priced with the "
                            "autocast profile's times")

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from elbowroom.activations import _wrap
+from elbowroom.activations.compiled import compile_blocks, uncompile_blocks
 from elbowroom.activations.recompute import checkpoint, reentrant_default, uncheckpoint
 from elbowroom.plan._trace import HEAD, KINDS, Clock, MetaEmulation, OpRecorder, Tracer, skey
 from elbowroom.plan.devices import allocator_settings_setter, expandable_segments_on, get_device
@@ -248,6 +249,7 @@ def profile(
     warmup: int = 1,
     iters: int = 3,
     reentrant: bool | None = None,
+    compiled: bool = False,
 ) -> Profile:
     """Profile ``model`` on one micro-batch: per block saved bytes by kind and times, the head, the machine.
 
@@ -275,13 +277,18 @@ def profile(
             16 GiB gave two plans in one call, at 91.7% and 93.2% of plain (BENCHMARKS.md).
         reentrant: time whole-block recompute with torch's reentrant checkpoint, as the plan will run it (None:
             :func:`~elbowroom.activations.recompute.reentrant_default`).
+        compiled: the blocks will run compiled (:func:`~elbowroom.activations.compile_blocks`, the trainer's
+            ``--train.compile``): the times are measured with the blocks compiled, and so are the bytes they save
+            kept whole and under selective recompute (saved-tensor hooks alone: the op recorder cannot see inside
+            a compiled block, so those bytes are not split by kind). Measured source only; whole-block recompute
+            then uses the non-reentrant checkpoint, which the compiler traces.
 
     Returns:
         The :class:`Profile`.
 
     Raises:
         ValueError: on an unknown source, a measured profile of a meta model, blocks already wrapped by
-            elbowroom, or a dict batch without a loss.
+            elbowroom, a dict batch without a loss, or ``compiled`` on an analytic profile.
         TypeError: on a sample batch of another form.
     """
     if source not in ("auto", "measured", "analytic"):
@@ -301,6 +308,10 @@ def profile(
         device = torch.device("meta")
     if warmup < 0 or iters < 1:
         raise ValueError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
+    if compiled and source != "measured":
+        raise ValueError("compiled=True needs a measured profile: the analytic one prices eager blocks")
+    if compiled:
+        reentrant = False  # (torch.compile traces the non-reentrant checkpoint only)
     block_list, block_path = _resolve_blocks(model, blocks)
     for b in block_list:
         if _wrap.get_policy(b) is not None:
@@ -327,7 +338,7 @@ def profile(
     micro_batch, seq_len = _batch_shape(batch)
     step = _Step(model, batch, loss_fn)
     runner = _Runner(model, block_list, step, device, autocast_dtype, target,
-                     reentrant_default() if reentrant is None else reentrant)
+                     reentrant_default() if reentrant is None else reentrant, compiled=compiled)
 
     too_big = False
     with runner.preserved():
@@ -335,20 +346,26 @@ def profile(
             plain = runner.trace(mode=None)
             selective = runner.trace(mode="selective")
             timings = runner.time_modes(warmup, iters) if source == "measured" else None
+            as_compiled = runner.compiled_saved() if compiled else None
         except torch.OutOfMemoryError:
             if source != "measured":
                 raise
             too_big = True  # handled below, once the exception (and the step's tensors it holds) is gone
     if too_big:
+        if compiled:
+            logger.warning("profile: the plain step does not fit the device, so the blocks are priced eager "
+                           "(compiled=True measures a plain compiled step)")
         prof = _profile_recomputed(model, block_list, block_path, batch, loss_fn, runner, machine, micro_batch,
                                    seq_len, dtype, param_dtype, warmup, iters)
     else:
         prof = _assemble(
             model, block_list, block_path, plain, selective, timings, step.vocab, machine, source, micro_batch,
             seq_len, dtype, param_dtype, runner.allocator_overhead, runner.allocator_overhead_expandable,
+            as_compiled,
         )
-    if source == "measured":  # which checkpoint the recompute times are of
-        prof = dataclasses.replace(prof, extra={**prof.extra, "reentrant_recompute": runner.reentrant})
+    if source == "measured":  # which checkpoint the recompute times are of, and whether the blocks ran compiled
+        prof = dataclasses.replace(prof, extra={**prof.extra, "reentrant_recompute": runner.reentrant,
+                                                "compiled_blocks": compiled and not too_big})
     return prof
 
 
@@ -398,9 +415,11 @@ class _Runner:
     """Runs traced and timed steps on the model, and puts it back as it was."""
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], step: _Step, device: torch.device,
-                 autocast_dtype: torch.dtype | None, target: str, reentrant: bool = False) -> None:
+                 autocast_dtype: torch.dtype | None, target: str, reentrant: bool = False,
+                 compiled: bool = False) -> None:
         self.model, self.blocks, self.step, self.device = model, blocks, step, device
         self.reentrant = reentrant  # whole blocks recompute with torch's reentrant checkpoint
+        self.compiled = compiled  # the timed steps (and compiled_saved) run the blocks compiled
         self.autocast_dtype, self.target = autocast_dtype, target
         self.clock = Clock(device)
         self.allocator_overhead = 0
@@ -430,6 +449,7 @@ class _Runner:
         finally:
             if use_cache:
                 config.use_cache = use_cache
+            uncompile_blocks(self.blocks)
             for b in self.blocks:
                 uncheckpoint(b)
             for m, t in flags:
@@ -449,13 +469,15 @@ class _Runner:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _run(self, tracer: Tracer, record: bool, backward: bool = True) -> tuple[float, float]:
-        """One forward (+ backward); returns the forward's and the backward's seconds, read after a sync."""
+        """One forward (+ backward); returns the forward's and the backward's seconds, read after a sync.
+        ``record``: the saved-tensor hooks, and the op recorder where the tracer records ops."""
         handles = tracer.install()
         try:
             with contextlib.ExitStack() as stack:
                 if record:
                     stack.enter_context(torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t))
-                    stack.enter_context(OpRecorder(tracer))
+                    if tracer.record_ops:
+                        stack.enter_context(OpRecorder(tracer))
                 if self.device.type == "meta":
                     stack.enter_context(MetaEmulation(self.autocast_dtype, self.target))
                 t0 = self.clock.mark()
@@ -478,12 +500,28 @@ class _Runner:
         self.clock.sync()
         return self.clock.seconds(t0, t1), self.clock.seconds(t1, t2)
 
-    def _apply(self, mode: str | None) -> None:
+    def _apply(self, mode: str | None, compiled: bool = False) -> None:
+        uncompile_blocks(self.blocks)
         for b in self.blocks:
             if mode is None:
                 uncheckpoint(b)
             else:
                 checkpoint(b, mode, use_reentrant=self.reentrant and mode == "full")
+        if compiled:
+            compile_blocks(self.model, blocks=self.blocks)
+
+    def compiled_saved(self) -> dict[str | None, Tracer]:
+        """What the compiled blocks save, kept whole (None) and under selective recompute: one step each with the
+        saved-tensor hooks alone (after :meth:`time_modes`, whose warm-up compiled them)."""
+        out: dict[str | None, Tracer] = {}
+        for mode in (None, "selective"):
+            self._apply(mode, compiled=True)
+            try:
+                out[mode] = tracer = Tracer(self.blocks, self._state(), self.clock, record_ops=False)
+                self._run(tracer, record=True)
+            finally:
+                self._apply(None)
+        return out
 
     def trace(self, mode: str | None) -> Tracer:
         """One recorded step, plain (None) or with every block under ``checkpoint(block, mode)``.
@@ -509,7 +547,7 @@ class _Runner:
         out: dict[str | None, dict[str, Any]] = {}
         cuda = self.device.type == "cuda"
         for mode in modes:
-            self._apply(mode)
+            self._apply(mode, compiled=self.compiled)
             try:
                 if cuda and mode is None:
                     torch.cuda.reset_peak_memory_stats(self.device)
@@ -585,7 +623,10 @@ def _fused_chunk_tokens() -> int:
 def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain: Tracer, selective: Tracer,
               timings: dict | None, vocab: int, machine: MachineProfile, source: str, micro_batch: int,
               seq_len: int, dtype: torch.dtype, param_dtype: torch.dtype, allocator_overhead: int,
-              allocator_overhead_expandable: int = 0) -> Profile:
+              allocator_overhead_expandable: int = 0, compiled: dict[str | None, Tracer] | None = None) -> Profile:
+    """The profile from the traced steps (and the timed ones). ``compiled``: the bytes the compiled blocks save, kept
+    whole (None) and selective, which replace the eager trace's per block (FLOPs, the head and the state stay the
+    eager trace's)."""
     rate, bw = machine.matmul_flops, machine.memory_bandwidth
     block_params = _unique_params(blocks)
     out_blocks = []
@@ -593,6 +634,16 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
         r, s = plain.regions[i], selective.regions[i]
         saved = {k: int(r.saved.get(k, 0)) for k in KINDS}
         sel_saved = int(sum(v for k, v in s.saved.items() if k in KINDS) + s.kept_alive)
+        largest, sizes, kept_sizes = int(r.largest), tuple(r.sizes), tuple(s.kept_sizes)
+        if compiled is not None:  # what the hooks saw: everything a compiled block saves, the kept outputs too
+            rc, sc = compiled[None].regions[i], compiled["selective"].regions[i]
+            saved = {k: int(rc.saved.get(k, 0)) for k in KINDS}
+            sel_saved = int(sum(v for k, v in sc.saved.items() if k in KINDS))
+            largest, sizes = int(rc.largest), tuple(rc.sizes)
+            kept = list(sc.sizes)
+            if sc.saved.get("input", 0) and sc.input_bytes in kept:
+                kept.remove(sc.input_bytes)  # the cache's outputs alone, as the eager trace's kept_sizes
+            kept_sizes = tuple(kept)
         params = _unique_params([blk])
         if timings is not None:
             fwd_s, bwd_s = timings[None]["fwd"][i], timings[None]["bwd"][i]
@@ -617,9 +668,9 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
         out_blocks.append(BlockProfile(
             index=i, signature=_signature(blk), num_params=sum(p.numel() for p in params.values()),
             param_bytes=_nbytes(params), saved_bytes=saved, selective_saved_bytes=sel_saved,
-            input_bytes=int(r.input_bytes), largest_saved_bytes=int(r.largest), forward_s=fwd_s, backward_s=bwd_s,
+            input_bytes=int(r.input_bytes), largest_saved_bytes=largest, forward_s=fwd_s, backward_s=bwd_s,
             recompute_s=rec_s, selective_recompute_s=sel_s, flops=r.fwd_flops + r.bwd_flops,
-            saved_sizes=tuple(r.sizes), kept_sizes=tuple(s.kept_sizes),
+            saved_sizes=sizes, kept_sizes=kept_sizes,
         ))
 
     h = plain.regions[HEAD]

@@ -187,6 +187,7 @@ def plan_for_budget(
             offload_config=cfg.offload,
             param_groups=_groups(cfg),
             reentrant=_reentrant(cfg),
+            compile=cfg.train.compile,  # priced on the blocks as they will run
             stream=_one_process(cfg),  # DDP's reduced gradients are not measured with it
             host_memory=cfg.host_budget,
             **_adamw_kwargs(cfg),

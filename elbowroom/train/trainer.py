@@ -660,7 +660,7 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
         )
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
         if cfg.train.compile:
-            fwd_model = compile_model(model, fwd_model, planned=plan is not None)
+            fwd_model = compile_model(model, fwd_model, plan)
 
         # --- resume: model, optimizer, schedule, scaler, RNG (the data position is the loader's)
         step = 0
@@ -870,11 +870,12 @@ def _progress_bar(cfg: Config, step: int) -> Any:
     return tqdm(total=cfg.train.steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
 
 
-def compile_model(model: nn.Module, fwd_model: nn.Module, planned: bool = False) -> nn.Module:
+def compile_model(model: nn.Module, fwd_model: nn.Module, plan: Any = None) -> nn.Module:
     """``--train.compile``: each repeated block compiled in place (regional compilation,
     :func:`elbowroom.activations.compile_blocks`), so what wraps the blocks (DDP, FSDP2, a plan's offload regions and
     checkpoints, the fused loss) stays as it is and one block's graph serves them all; a model without repeated
-    blocks is compiled whole. A plan's profile was measured on the eager blocks, which the log says. Returns the
+    blocks is compiled whole. A plan made here for one process or DDP was priced on the compiled blocks; one made
+    under FSDP2 or loaded from a file may have been priced on eager ones, which the log then says. Returns the
     module the steps call."""
     from elbowroom.activations import compile_blocks
 
@@ -884,7 +885,9 @@ def compile_model(model: nn.Module, fwd_model: nn.Module, planned: bool = False)
         log.info("compile: no repeated blocks found; compiling the whole model")
         return torch.compile(fwd_model)
     eager = f"; {done.eager} selective blocks offloading their kept outputs stay eager" if done.eager else ""
-    priced = "; the plan was priced on the eager blocks" if planned else ""
+    from elbowroom.plan.fit import COMPILED_NOTE
+
+    priced = "" if plan is None or COMPILED_NOTE in plan.notes else "; the plan was priced on the eager blocks"
     log.info("compile: %d blocks compiled in place (one graph per block shape and policy)%s%s", done.compiled, eager,
              priced)
     return fwd_model
