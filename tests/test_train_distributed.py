@@ -97,6 +97,8 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     # each block's forward compiled in place, inside DDP's wrapper (beside the fused loss) and FSDP2's units
     res["ddp_compile"] = _train(tmp_path / "ddp-compile", *DDP, "--train.compile", "--train.fused_loss")
     res["fsdp_compile"] = _train(tmp_path / "fsdp-compile", *FSDP, *RECOMPUTE, "--train.compile")
+    res["fsdp_budget_compile"] = _train(tmp_path / "fsdp-budget-compile", *FSDP, "--budget", "64GiB",
+                                        "--train.compile")  # the rank's plan priced on the compiled blocks
     # a Hugging Face model under DDP and FSDP2: checkpoints written (its wrapper's state_dict is the model's own,
     # whose keys torch.distributed.checkpoint walks) and resumed
     hf = tmp_path / "hf-llama"
@@ -176,9 +178,12 @@ def test_trainer_data_parallel_equals_one_process(tmp_path: Path, capsys) -> Non
     ddp_plan = Plan.load(tmp_path / "ddp_budget" / "plan.toml")
     assert ddp_plan.persistent_gradients and not ddp_plan.offload_gradients
     _close(r0["ddp_budget"]["losses"], ref["plain"]["losses"], 1e-5, "ddp_budget")
-    for name in ("ddp_compile", "fsdp_compile"):  # (the compiled kernels round differently from the eager ones)
+    for name in ("ddp_compile", "fsdp_compile", "fsdp_budget_compile"):  # (compiled kernels round differently)
         _close(r0[name]["losses"], ref["plain"]["losses"], 1e-4, name)
         assert r1[name]["losses"] == r0[name]["losses"], name
+    from elbowroom.plan.fit import COMPILED_NOTE
+
+    assert COMPILED_NOTE in Plan.load(tmp_path / "fsdp-budget-compile" / "plan.toml").notes
 
     if "hf_ddp" in r0:  # the FSDP2 run resumed at step 3 continues the DDP run's curve
         assert sorted(r0["hf_ddp"]["losses"]) == list(range(1, 7))

@@ -286,7 +286,7 @@ ROOT_TERMS = ("gathered root", "root gradients")
 """The terms of :func:`fsdp_held_bytes` that the root's own units hold only around the head."""
 
 
-def as_fsdp_computes(model: Any, sample: Any, whole: Any, amp_dtype: Any) -> Any:
+def as_fsdp_computes(model: Any, sample: Any, whole: Any, amp_dtype: Any, compiled: bool = False) -> Any:
     """The whole model's profile with the bytes it saves under FSDP2, which all-gathers its shards in the autocast
     dtype (``MixedPrecisionPolicy(param_dtype=...)``, :func:`elbowroom.train.distributed_run._fsdp_param_dtype`):
     its blocks then compute as a bf16 model's do, the residual stream and the norms in bf16, where the profile of
@@ -294,7 +294,8 @@ def as_fsdp_computes(model: Any, sample: Any, whole: Any, amp_dtype: Any) -> Any
     snapshot, 128 in the profile). The bytes come from a bf16 copy profiled as the bf16 layout's are
     (:func:`elbowroom.plan.fit.profile_bf16_copy`: measured on the device, else traced); the times stay the
     profile's, less the casts of the rank's shard (``Profile.gathered_in_compute_dtype``: FSDP2 casts on its all-gather
-    stream). Unchanged when the run computes in fp32 or the weights are already in the compute dtype."""
+    stream). Unchanged when the run computes in fp32 or the weights are already in the compute dtype. ``compiled``:
+    the copy runs its blocks compiled, as ``whole`` was profiled (``profile(compiled=True)``)."""
     import torch
 
     from elbowroom.plan.fit import profile_bf16_copy
@@ -303,7 +304,8 @@ def as_fsdp_computes(model: Any, sample: Any, whole: Any, amp_dtype: Any) -> Any
 
     if amp_dtype not in (torch.bfloat16, torch.float16) or whole.param_dtype != "float32":
         return whole
-    return with_bytes_of(whole, profile_bf16_copy(model, sample, whole, profile, None, reentrant=False))
+    return with_bytes_of(whole, profile_bf16_copy(model, sample, whole, profile, None, reentrant=False,
+                                                  compiled=compiled))
 
 
 def with_host_memory(profile: Any, host_bytes: int | None) -> Any:

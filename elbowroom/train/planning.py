@@ -221,13 +221,15 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
     from elbowroom.distributed.data_parallel import root_apart_share
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
+    from elbowroom.plan.fit import COMPILED_NOTE
     from elbowroom.plan.ranks import as_fsdp_computes, per_rank_profile, with_host_memory
 
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
     try:
+        compiled = cfg.train.compile  # priced on the blocks as they will run
         whole = profile(model, (sample["input_ids"], sample["targets"]), cache_dir=str(cfg.data.cache_dir or
-                        default_cache_dir()), dtype=amp_dtype, reentrant=False)
-        whole = as_fsdp_computes(model, (sample["input_ids"], sample["targets"]), whole, amp_dtype)
+                        default_cache_dir()), dtype=amp_dtype, reentrant=False, compiled=compiled)
+        whole = as_fsdp_computes(model, (sample["input_ids"], sample["targets"]), whole, amp_dtype, compiled)
         rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
                                 ranks_per_host=_ranks_per_host(cfg), link=shared_link,
                                 root_apart=root_apart_share(model))
@@ -241,7 +243,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
                         weight_layouts=("fp32", "bf16"), grad_clipping=bool(cfg.train.max_grad_norm),
                         gradient_offload_allowed=True, offload_config=cfg.offload,
                         stream_allowed=False)  # (the optimizer streams whole parameters, not FSDP2's shards)
-        plan = replace(plan, notes=(*plan.notes, _FSDP_TIME_NOTE))
+        plan = replace(plan, notes=(*plan.notes, _FSDP_TIME_NOTE, *([COMPILED_NOTE] if compiled else [])))
     except BudgetError as e:
         raise _budget_error(e, cfg) from None
     except ValueError as e:

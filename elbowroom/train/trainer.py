@@ -874,9 +874,8 @@ def compile_model(model: nn.Module, fwd_model: nn.Module, plan: Any = None) -> n
     """``--train.compile``: each repeated block compiled in place (regional compilation,
     :func:`elbowroom.activations.compile_blocks`), so what wraps the blocks (DDP, FSDP2, a plan's offload regions and
     checkpoints, the fused loss) stays as it is and one block's graph serves them all; a model without repeated
-    blocks is compiled whole. A plan made here for one process or DDP was priced on the compiled blocks; one made
-    under FSDP2 or loaded from a file may have been priced on eager ones, which the log then says. Returns the
-    module the steps call."""
+    blocks is compiled whole. A plan made here was priced on the compiled blocks; one loaded from a file may have
+    been priced on eager ones, which the log then says. Returns the module the steps call."""
     from elbowroom.activations import compile_blocks
 
     try:
