@@ -70,8 +70,8 @@ if part 1; then
   fi
   run single-plain 1 --data.batch_size 4
   run single-budget24 1 --data.batch_size 4 --budget 24GiB --optimizer.param_dtype bfloat16
-  # ... its blocks compiled in place (the plan is made on the eager profile: the compiled step should run faster and
-  # in no more memory than predicted), against single-compile below
+  # ... its blocks compiled in place, the plan priced on them compiled (profile(compiled=True)), against
+  # single-compile below
   run single-budget24-compile 1 --data.batch_size 4 --budget 24GiB --optimizer.param_dtype bfloat16 --train.compile true
 fi
 # 2. DDP and FSDP2 on N GPUs at N x the single-GPU batch, without and with the memory engines; the profiler trace of
