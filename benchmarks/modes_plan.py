@@ -27,6 +27,7 @@
   micro-batch with accumulation (the loop then runs the plan's micro-batches);
   ``+host=32GiB`` gives the planner that much host memory (``fit(host_memory=...)``; the row's
   ``host_B_per_offloaded_param`` is the optimizer's own count);
+  ``+compile`` compiles the blocks in place and prices the plan on them compiled (``fit(compile=True)``);
   ``+cap`` caps the process's CUDA allocator at the budget once the plan is applied
   (``torch.cuda.set_per_process_memory_fraction``), as on a device of the budget's size: the allocator then frees
   its cache and retries (``alloc_retries``) or runs out of memory, where an uncapped row only reports what it
@@ -73,7 +74,8 @@ def resolve(name: str) -> Callable[..., Setup] | None:
                                              precision="bf16" if "bf16" in prefix else "fp32",
                                              fused=getattr(args, "fused_loss", False), clip="clip" in flags,
                                              split="gb" in flags, cap="cap" in flags, og="nog" not in flags,
-                                             host=next((f[5:] for f in flags if f.startswith("host=")), None))
+                                             host=next((f[5:] for f in flags if f.startswith("host=")), None),
+                                             compiled="compile" in flags)
     return None
 
 
@@ -92,7 +94,7 @@ def _cap_at(budget_bytes: int) -> float | None:
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
            plan_file: str | None = None, fused: bool = False, clip: bool = False,
            split: bool = False, uniform: str | None = None, cap: bool = False, og: bool = True,
-           host: str | None = None) -> Setup:
+           host: str | None = None, compiled: bool = False) -> Setup:
     import os
 
     from elbowroom.plan import Plan, apply, fit
@@ -108,7 +110,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
     else:
         # the harness's loss (cross-entropy over its own targets) and loop (no clipping: the host step may start
         # as soon as the late blocks' gradients are final)
-        with _kept_profiles(getattr(args, "workload", "model"), precision):
+        with _kept_profiles(getattr(args, "workload", "model"), precision + ("-compiled" if compiled else "")):
             model, opt, plan = fit(model, (idx, tgt), budget=budget, precision=precision, fused_loss=fused,
                                    source="measured", grad_clipping=clip, lr=1e-4, fused=True,
                                    # the workload's step as the global batch: with +gb, or when it accumulates
@@ -121,6 +123,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
                                    # the device only, as before streaming existed)
                                    stream=False if os.environ.get("ELBOWROOM_BENCH_NO_STREAM") else None,
                                    host_memory=host,  # +host=32GiB: the host memory the plan may use
+                                   compile=compiled,  # +compile: the blocks compiled, the plan priced on them so
                                    **_threads())
         if clip:
             def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None

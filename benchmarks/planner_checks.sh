@@ -9,6 +9,7 @@
 #   PARTS="3 2" bash benchmarks/planner_checks.sh    # GPT-2-XL, then W1 (the parts run in the order given)
 #   TRACE="3" bash benchmarks/planner_checks.sh      # and a profiler trace of the last step of part 3's rows
 #   PARTS="4 5 6" bash benchmarks/planner_checks.sh  # W2, then the 7B shape at one and at eight sequences a step
+#   PARTS="7" bash benchmarks/planner_checks.sh      # the W1 frontier with the blocks compiled (plans priced so)
 #   PEERS=1 PARTS=2 bash benchmarks/planner_checks.sh  # the W1 frontier with the peers beside it (torch checkpoint,
 #                                                      # torchao's CPU offload when importable, FSDP2's CPU offload)
 set -u
@@ -53,7 +54,12 @@ for part in $PARTS; do
     6)  # the 7B shape at eight sequences a step (accumulation 8), three timed steps (the last --steps counts)
       timeout 300 $BENCH --steps 3 --workload w3-accum8 --json "$OUT/w3-accum8.jsonl" \
         --modes fit_bf16@76GiB+cap+fl 2>&1 | tee "$OUT/logs/w3-accum8.log" | grep "^|" ;;
-    *) echo "planner_checks: no part $part (1 to 6)" >&2; exit 2 ;;
+    7)  # W1 at 24, 16 and 8 GiB with the blocks compiled, each plan priced on them compiled (fit(compile=True)),
+      # against plain (eager: the frontier's reference) and the eager plans' rows of part 2
+      timeout 480 $BENCH --workload w1 --json "$OUT/w1-compiled.jsonl" \
+        --modes plain,fit_bf16@24GiB+cap+fl+compile,fit_bf16@16GiB+cap+fl+compile,fit_bf16@8GiB+cap+fl+compile 2>&1 \
+        | tee "$OUT/logs/w1-compiled.log" | grep "^|" ;;
+    *) echo "planner_checks: no part $part (1 to 7)" >&2; exit 2 ;;
   esac
 done
 rows=$(ls "$OUT"/*.jsonl 2>/dev/null)

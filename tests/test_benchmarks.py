@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_smoke_rows(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
     modes = ["plain", "torch_ckpt", "fsdp2", "ours_offload_ckpt_inputs", "ours_selective_offload", "fit@1GiB+cap",
-             "er_optim_late0.4"]
+             "fit@1GiB+compile", "er_optim_late0.4"]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--workload", "smoke", "--modes", ",".join(modes),
            "--steps", "2", "--warmup", "1", "--in-process", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -26,6 +26,9 @@ def test_bench_smoke_rows(tmp_path: Path) -> None:
     assert "| smoke | plain |" in proc.stdout  # the table
     capped = next(r for r in rows if r["mode"] == "fit@1GiB+cap")
     assert capped["notes"]["capped_GiB"] is None and "pred_step_s" in capped  # +cap: no cap without CUDA
+    compiled = next(r for r in rows if r["mode"] == "fit@1GiB+compile")  # the plan priced on compiled blocks
+    assert "priced on the blocks compiled, as they run (compile_blocks)" in compiled["settings"]["mechanism"]["plan"][
+        "notes"]
     # every row carries what produced it, and can be measured again from that alone
     recorded = rows[-1]["settings"]
     assert recorded["mode"] == modes[-1] and recorded["workload"]["seq_len"] == 128
