@@ -200,6 +200,9 @@ run 7b-pp2 2 --model.preset 7b --data.batch_size 8 --parallel.pp 2 --parallel.pp
   --parallel.pp_microbatches 8 --activations.checkpoint full --steps 6
 run 7b-tp2 2 --model.preset 7b --data.batch_size 1 --train.gradient_accumulation_steps 8 --parallel.tp 2 \
   --activations.checkpoint full --steps 6 --profile.steps 4-5  # the trace: GPU busy, or waiting for the host?
+# ... its blocks compiled in place over their shards: DTensor's per-op host dispatch gone from the blocks
+run 7b-tp2-compile 2 --model.preset 7b --data.batch_size 1 --train.gradient_accumulation_steps 8 --parallel.tp 2 \
+  --activations.checkpoint full --steps 6 --train.compile true
 fi
 # 5. gradient compression on DDP: bytes on the wire per step (comm_bytes_per_step), tokens/s, loss after 300 steps
 #    (sequences of 1024 tokens, so that 300 steps fit a call and communication weighs more than at 4096)
