@@ -257,7 +257,6 @@ def test_sharded_checkpoint_verification_finds_a_flipped_byte(tmp_path: Path) ->
         ("2", [*FSDP, "--parallel.fsdp_cpu_offload", *OFFLOAD], "choose one"),
         ("2", [*FSDP, "--parallel.fsdp_cpu_offload", "--budget", "1GiB"], "drop --parallel.fsdp_cpu_offload"),
         ("2", [*FSDP, "--parallel.comm_hook", "fp16"], "set --parallel.dp_shard 1 or --parallel.comm_hook none"),
-        ("2", ["--parallel.pp", "2", "--train.compile"], "--train.compile does not run with --parallel.pp 2"),
         ("2", [*DDP, "--distill.teacher", "runs/teacher"], "drop --distill.teacher under DDP"),
         ("2", [*DDP, "--parallel.ddp_bucket_mb", "0"], "parallel.ddp_bucket_mb must be a positive number of MiB"),
     ],

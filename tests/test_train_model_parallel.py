@@ -48,6 +48,7 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     res = {name: _train(tmp_path / name, *args) for name, args in CASES.items()}
     res["half"] = _train(tmp_path / "tp-half", *TP, *FIRST_HALF)
     res["tp_compile"] = _train(tmp_path / "tp-compile", *TP, *RECOMPUTE, "--train.compile")  # DTensor blocks compiled
+    res["pp_compile"] = _train(tmp_path / "pp-compile", *PP_1F1B, "--train.compile")  # each stage's blocks compiled
     res["pp_half"] = _train(tmp_path / "pp-half", *PP_1F1B, *FIRST_HALF)
     res["bad_heads"] = _cli(tmp_path / "bad-heads", *BAD_HEADS)
     # the parent's single-process checkpoint of step 3: a pipeline stage refuses it, tensor parallel continues it
@@ -81,9 +82,11 @@ def test_trainer_model_parallel_equals_one_process(tmp_path: Path) -> None:
         _close(got["losses"], want["losses"], 1e-5, name)  # the global loss, logged by rank 0
         assert r1[name]["losses"] == got["losses"], name  # every rank agrees on the loss it reports
         _close(got["val"], want["val"], 1e-5, name)  # validation (whole logits, or through the pipeline)
-    # the blocks compiled in place over their tensor-parallel shards (the compiled kernels round differently)
-    _close(r0["tp_compile"]["losses"], ref["plain"]["losses"], 1e-4, "tp_compile")
-    assert r1["tp_compile"]["losses"] == r0["tp_compile"]["losses"]
+    # the blocks compiled in place, over their tensor-parallel shards or in their stage (compiled kernels round
+    # differently)
+    for name in ("tp_compile", "pp_compile"):
+        _close(r0[name]["losses"], ref["plain"]["losses"], 1e-4, name)
+        assert r1[name]["losses"] == r0[name]["losses"], name
     # rank 0 alone writes the metrics: one row per step and evaluation
     assert len((tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()) == 6 + 2
 

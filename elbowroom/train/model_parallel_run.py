@@ -5,8 +5,7 @@ from a data-parallel one; the library is :mod:`elbowroom.distributed.model_paral
 
 - **Set-up** (:func:`check_setup`): what the trainer cannot run split is refused before anything starts
   (ConfigError, exit 2): the CPU-offloaded optimizer and bf16 weights (they step plain tensors, not DTensor shards
-  or a stage's subset), ``--train.compile`` under pipeline parallel (under tensor parallel the blocks compile in
-  place over their shards), fp16 (its GradScaler does not see the pipeline's backward),
+  or a stage's subset), fp16 (its GradScaler does not see the pipeline's backward),
   distillation and QAT, ``--model.hf`` models and tied embeddings
   (:func:`~elbowroom.distributed.model_parallel.validate_layout`), and under pipeline parallel the fused loss (its
   last stage computes cross-entropy on whole logits) and variable-length batches (a step's micro-batches are joined
@@ -55,7 +54,6 @@ def check_setup(cfg: Config) -> None:
          "the CPU-offloaded optimizer steps plain tensors, not tensor-parallel shards or one stage's parameters"),
         ("--optimizer.param_dtype bfloat16", o.param_dtype != "float32" or o.offload_param_dtype != "float32",
          "bf16 weights with fp32 masters are the CPU-offloaded optimizer's"),
-        ("--train.compile", cfg.train.compile and p.pp > 1, "compiling a pipeline stage is not supported here yet"),
         ("--train.dtype fp16", cfg.train.dtype == "fp16", "its GradScaler does not see the pipeline's backward; "
                                                           "use bf16"),
         ("--distill.teacher", cfg.distill.teacher is not None, "distillation reads the whole output head"),
