@@ -473,6 +473,12 @@ def test_compile_blocks_compiles_one_graph_per_policy(name: str) -> None:
         # what the forward saved went out, came back (a selective cache's dropped tail need not), and left no host
         # buffer taken
         assert s.offloaded_bytes >= s.reloaded_bytes > 0 and s.host_pool_in_use_bytes == 0
+    if pol is not None:  # a policy removed takes a wrapper's compiled forward with it: compiled again, not skipped
+        from elbowroom.activations import remove_activation_policy
+
+        remove_activation_policy(model)
+        assert compile_blocks(model) == CompiledBlocks(compiled=3, eager=0)
+        assert all("forward" in blk.__dict__ for blk in model.blocks)
 
 
 def test_compile_blocks_under_a_plan_of_mixed_policies() -> None:

@@ -74,9 +74,10 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
     blocks = find_blocks(model) if blocks is None else blocks
     compiled = eager = 0
     for blk in blocks:
-        if blk.__dict__.get(_MARK):
+        if _in_place(blk):
             compiled += 1
             continue
+        blk.__dict__.pop(_MARK, None)  # a mark whose function a policy change has since dropped
         pol = _wrap.get_policy(blk)
         if pol is None or (pol.recompute is not None and pol.recompute.mode == "selective"):
             if pol is not None and pol.offload is not None and (pol.offload.ratio > 0 or pol.offload.cache_ratio > 0):
@@ -91,6 +92,15 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
         blk.__dict__[_MARK] = (fn, before)
         compiled += 1
     return CompiledBlocks(compiled, eager)
+
+
+def _in_place(blk: nn.Module) -> bool:
+    """Whether ``blk``'s compiled function is still the one its forward calls."""
+    mark = blk.__dict__.get(_MARK)
+    if mark is None:
+        return False
+    pol = _wrap.get_policy(blk)
+    return (pol is not None and pol.orig_forward is mark[0]) or blk.__dict__.get("forward") is mark[0]
 
 
 def uncompile_blocks(blocks: nn.ModuleList) -> None:
