@@ -498,6 +498,45 @@ def test_compile_blocks_under_a_plan_of_mixed_policies() -> None:
     assert s.offloaded_bytes > 0 and s.offloaded_bytes == s.reloaded_bytes and s.host_pool_in_use_bytes == 0
 
 
+def test_compiled_blocks_with_the_offloading_optimizer_waiting_in_forward() -> None:
+    # CPUOffloadOptimizer.overlap_with_forward: each module owning offloaded weights waits for their update in a
+    # forward pre-hook. compile_blocks moves those waits from a block's submodules to the block, outside the
+    # compiled forward (traced, a wait guards on the optimizer's state and recompiles at every step): the losses
+    # are the eager run's, one graph serves all steps and blocks, and the block alone carries the wait
+    from torch._dynamo.utils import counters
+
+    from elbowroom.activations import compile_blocks
+    from elbowroom.optim import CPUOffloadOptimizer
+    from elbowroom.optim.handover import WEIGHT_WAIT
+
+    def losses(compiled: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = small_model("llama", dropout=0.0)
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, offload_fraction=1.0)
+        opt.overlap_with_forward(model)
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            compile_blocks(model)
+            for blk in model.blocks:
+                assert [getattr(h, WEIGHT_WAIT, False) for h in blk._forward_pre_hooks.values()] == [True]
+                assert not any(getattr(h, WEIGHT_WAIT, False) for m in blk.modules() if m is not blk
+                               for h in m._forward_pre_hooks.values())
+        out = []
+        for _ in range(4):
+            loss = model(batch()).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        opt.close()
+        return out
+
+    eager = losses(compiled=False)
+    assert losses(compiled=True) == pytest.approx(eager, rel=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and not counters["recompiles"]
+
+
 def test_compiled_selective_blocks_replay_dropout() -> None:
     # GPT-2 blocks with dropout on, compiled: recomputed selectively under the compiler, whole in eager around a
     # compiled forward, or kept; each run draws the same masks from the same seed, so the three give one gradient

@@ -809,7 +809,8 @@ def test_garbage_collection_on_the_trainers_schedule() -> None:
 
 
 @pytest.mark.parametrize("extra", [["--train.fused_loss", "--activations.checkpoint", "full"],
-                                   ["--activations.checkpoint", "selective"], ["--budget", "64GiB"]])
+                                   ["--activations.checkpoint", "selective"], ["--budget", "64GiB"],
+                                   ["--optimizer.offload_fraction", "1.0"]])
 def test_compiled_blocks_follow_the_eager_curve(tmp_path: Path, extra: list[str], caplog) -> None:
     """--train.compile compiles each block's forward in place (regional), beside the fused loss, the recompute
     wrapper and a plan: the losses are the eager run's within the compiled kernels' rounding, and the log says how

@@ -9,6 +9,7 @@ What is compiled is the block's own forward; everything around it stays eager an
 - the activation policy's wrapper (offload region, checkpoint, backward prefetch): a recomputed block runs its
   compiled forward again in backward, and an offloading block's hooks pack what the compiled forward saves;
 - DDP's and FSDP2's module hooks, and the parameters they gather or all-reduce;
+- an offloading optimizer's waits for updated weights (moved from the block's submodules to the block);
 - the embedding, the head, the loss (the fused head + loss too) and the optimizer.
 
 A selective block is compiled with its wrapper: our selective dispatch modes must see every op, which a compiled
@@ -51,7 +52,9 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
     """Compile each of ``model``'s repeated blocks, in place.
 
     Apply activation policies (``apply_block_policies``, a plan's ``apply``) before, and data-parallel wrappers
-    before or after: a block compiled already is left as it is.
+    before or after: a block compiled already is left as it is. Build an offloading optimizer that waits for its
+    weights in forward (``CPUOffloadOptimizer.overlap_with_forward``) before: its waits on a block's submodules
+    move to the block, outside the compiled forward (added after, each would break the graph where it stands).
 
     - A block kept whole, recomputed whole or offloading: its own forward is compiled, inside the policy's wrapper
       (the offload region and the checkpoint stay eager around it; a recomputed block runs the compiled forward
@@ -78,6 +81,7 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
             compiled += 1
             continue
         blk.__dict__.pop(_MARK, None)  # a mark whose function a policy change has since dropped
+        _hoist_weight_waits(blk)
         pol = _wrap.get_policy(blk)
         if pol is None or (pol.recompute is not None and pol.recompute.mode == "selective"):
             if pol is not None and pol.offload is not None and (pol.offload.ratio > 0 or pol.offload.cache_ratio > 0):
@@ -92,6 +96,33 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
         blk.__dict__[_MARK] = (fn, before)
         compiled += 1
     return CompiledBlocks(compiled, eager)
+
+
+def _hoist_weight_waits(blk: nn.Module) -> None:
+    """Move the forward pre-hooks that wait for updated weights (an offloading optimizer's, marked
+    ``elbowroom_waits_for_weights``) from ``blk``'s submodules to ``blk`` itself, in the order the submodules
+    were registered: inside a compiled forward each would break the graph. The block then waits for all its
+    weights before it starts, where it waited for each submodule's as that submodule started: at most one block's
+    host steps overlap less with its own forward."""
+    from elbowroom.optim.handover import WEIGHT_WAIT
+
+    waits = []
+    for sub in blk.modules():
+        if sub is blk:
+            continue
+        for key, hook in list(sub._forward_pre_hooks.items()):
+            if getattr(hook, WEIGHT_WAIT, False):
+                waits.append(hook)
+                del sub._forward_pre_hooks[key]  # (the optimizer's handle then removes nothing: it finds no key)
+    if not waits:
+        return
+
+    def wait_all(module: nn.Module, args: Any) -> None:
+        for hook in waits:
+            hook(module, args)
+
+    setattr(wait_all, WEIGHT_WAIT, True)
+    blk.register_forward_pre_hook(wait_all, prepend=True)
 
 
 def _in_place(blk: nn.Module) -> bool:

@@ -467,15 +467,24 @@ def _fsdp_readers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return readers
 
 
+WEIGHT_WAIT = "elbowroom_waits_for_weights"
+"""The attribute that marks a forward pre-hook as a wait for updated weights: ``compile_blocks`` moves such hooks
+from a block's submodules to the block, outside its compiled forward."""
+
+
 def forward_hook(opt: CPUOffloadOptimizer, buckets: list[Bucket]) -> Callable[..., None]:
-    """A forward pre-hook that waits for ``buckets`` (lazy mode), holding the optimizer weakly."""
+    """A forward pre-hook that waits for ``buckets`` (lazy mode), holding the optimizer weakly. Never traced by
+    torch.compile: it waits on the host for other threads, which a compiled graph cannot (traced, it would guard on
+    the optimizer's state and recompile at every step)."""
     ref = weakref.ref(opt)  # a module's hook must not keep the optimizer alive
 
+    @torch.compiler.disable
     def hook(module: torch.nn.Module, args: Any) -> None:
         o = ref()
         if o is not None and o._handover.inflight:
             o._handover.await_buckets(buckets)
 
+    setattr(hook, WEIGHT_WAIT, True)
     return hook
 
 
