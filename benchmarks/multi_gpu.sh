@@ -7,6 +7,11 @@
 #   N=2 PARTS="3 4" DEADLINE=555 ...; N=2 PARTS="5" ...                      # ~9 and ~5 min
 #   N=2 PARTS="2 4 5" ONLY="ddp-budget24 fsdp-budget16 7b-tp2 ddp-hook-topk ddp-hook-int8" ...   # chosen runs
 #
+# A Hugging Face model in place of W1 (a config saved to a directory: TinyLlama-1.1B's shape in the nineteenth session):
+#   W1_ARGS="--model.hf DIR --data.seq_len 4096 --train.dtype bf16 --optimizer.lr 3e-4 --scheduler.warmup_steps 10 \
+#     --steps 30 --train.eval_batches 0 --checkpoint.enabled false --logging.log_every 1 --logging.progress false" \
+#   SUFFIX=-hf N=4 PARTS="1 2 3" ONLY="single-plain fsdp fsdp-budget16 fsdp-budget7.5-clip1.0" bash benchmarks/multi_gpu.sh
+#
 # Rounds, for arms whose speed varies from run to run (the clipped host step: 0.30 to 0.56 s in one call), interleaved
 # in one call: for r in 1 2; do SUFFIX=-r$r DEADLINE=270 ... bash benchmarks/multi_gpu.sh; done
 #

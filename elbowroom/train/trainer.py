@@ -887,6 +887,6 @@ def compile_model(model: nn.Module, fwd_model: nn.Module, plan: Any = None) -> n
     from elbowroom.plan.fit import COMPILED_NOTE
 
     priced = "" if plan is None or COMPILED_NOTE in plan.notes else "; the plan was priced on the eager blocks"
-    log.info("compile: %d blocks compiled in place (one graph per block shape and policy)%s%s", done.compiled, eager,
-             priced)
+    log.info("compile: %d blocks compiled in place (one graph per block shape and policy; the first step compiles "
+             "it)%s%s", done.compiled, eager, priced)
     return fwd_model
