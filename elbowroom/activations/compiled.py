@@ -117,6 +117,7 @@ def _hoist_weight_waits(blk: nn.Module) -> None:
     if not waits:
         return
 
+    @torch.compiler.disable  # (a host wait: never traced, should the block sit inside a compiled region after all)
     def wait_all(module: nn.Module, args: Any) -> None:
         for hook in waits:
             hook(module, args)
