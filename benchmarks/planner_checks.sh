@@ -56,7 +56,7 @@ for part in $PARTS; do
         --modes fit_bf16@76GiB+cap+fl 2>&1 | tee "$OUT/logs/w3-accum8.log" | grep "^|" ;;
     7)  # W1 at 24, 16 and 8 GiB with the blocks compiled, each plan priced on them compiled (fit(compile=True)),
       # against plain (eager: the frontier's reference) and the eager plans' rows of part 2
-      timeout 480 $BENCH --workload w1 --json "$OUT/w1-compiled.jsonl" \
+      timeout 560 $BENCH --workload w1 --json "$OUT/w1-compiled.jsonl" \
         --modes plain,fit_bf16@24GiB+cap+fl+compile,fit_bf16@16GiB+cap+fl+compile,fit_bf16@8GiB+cap+fl+compile 2>&1 \
         | tee "$OUT/logs/w1-compiled.log" | grep "^|" ;;
     *) echo "planner_checks: no part $part (1 to 7)" >&2; exit 2 ;;
