@@ -433,6 +433,26 @@ def test_measured_profile_on_cuda(tmp_path) -> None:
 
 
 @pytest.mark.gpu
+def test_compiled_profile_on_cuda(tmp_path) -> None:
+    # the profile of compiled blocks under bf16 autocast on CUDA (the Triton kernels give way to the compiler's):
+    # positive times, a block kept whole saving no more than eager, selective less than kept, the model as found
+    machine = measure_machine("cuda", cache_dir=tmp_path, matmul_size=4096, adam_numel=5_000_000)
+    cfg = ModelConfig(n_layers=2, dim=256, n_heads=4, ffn_dim=768, max_seq_len=256)
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (2, 256), device="cuda")
+    eager = profile(model, ids, machine=machine)
+    compiled = profile(model, ids, machine=machine, compiled=True)
+    assert compiled.extra["compiled_blocks"] is True
+    for c, e in zip(compiled.blocks, eager.blocks):
+        assert c.forward_s > 0 and c.backward_s > 0
+        assert 0 < c.total_saved_bytes <= e.total_saved_bytes and c.selective_saved_bytes < c.total_saved_bytes
+    for blk in model.blocks:
+        assert "forward" not in blk.__dict__ and not any(k.startswith("_elbowroom") for k in blk.__dict__)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.gpu
 def test_analytic_equals_measured_on_cuda_hf_llama() -> None:
     # a model with no elbowroom kernels in it: the meta trace for an H100 must save what CUDA saves
     make = _hf_llama()
