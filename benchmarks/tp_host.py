@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/tp_host.py --preset 7b --layers 4 --seq 4096   # GPUs, NCCL
     torchrun --nproc-per-node 2 benchmarks/tp_host.py --preset tiny --seq 64               # CPU, gloo
     python benchmarks/tp_host.py --preset 7b --layers 4 --seq 4096 --fake-world 2           # one GPU, no comms
+    ... --compiled                                                                          # the blocks compiled
 
 Builds the preset with ``--layers`` blocks, splits it by :func:`apply_tensor_parallel` over every rank (the
 trainer's layout: sequence parallel, loss parallel) and times forward, loss and backward of one micro-batch,
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--modes", default="none,full", help="recompute modes, comma-separated")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--compiled", action="store_true", help="each block compiled in place (elbowroom.compile_blocks, "
+                    "the trainer's --train.compile): DTensor's per-op dispatch leaves the blocks")
     ap.add_argument("--fake-world", type=int, default=0,
                     help="one process acting as rank 0 of this many over torch's fake process group: collectives "
                          "do nothing, DTensor's dispatch and the local kernels are real (host cost on one GPU)")
@@ -77,13 +80,17 @@ def main() -> None:
             print(*a, flush=True)
 
     say(f"{args.preset} x {args.layers} blocks, {args.batch} x {args.seq} tokens, world {world}, {device.type}, "
-        f"torch {torch.__version__}")
+        f"torch {torch.__version__}{', blocks compiled' if args.compiled else ''}")
     for mode in args.modes.split(","):
         torch.manual_seed(0)
         model = build_model(cfg, device=device).to(dtype)
         if mesh is not None:
             apply_tensor_parallel(model, mesh, loss_parallel=True)
         apply_activation_policy(model, ActivationConfig(checkpoint=mode))
+        if args.compiled:
+            from elbowroom.activations import compile_blocks
+
+            compile_blocks(model)
         for _ in range(2):  # warm-up: caches of sharding propagation, kernels
             _microbatch(model, idx, tgt, mesh is not None)
         if cuda:
