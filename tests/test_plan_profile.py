@@ -678,3 +678,6 @@ def test_compiled_profile_counts_what_the_compiled_blocks_save(mode: str | None)
         assert [b.saved_bytes["input"] for b in compiled.blocks] == [b.input_bytes for b in eager.blocks]
     with pytest.raises(ValueError, match="compiled=True needs a measured profile"):
         profile(model, ids, source="analytic", machine=CPU, compiled=True)
+    if mode is None:  # blocks the caller compiled: refused, not silently uncompiled
+        with pytest.raises(ValueError, match="profile the model before compiling its blocks"):
+            _quick(ref, ids)

@@ -32,7 +32,7 @@ import torch.nn as nn
 from elbowroom.activations import _wrap
 from elbowroom.activations.recompute import find_blocks
 
-__all__ = ["CompiledBlocks", "compile_blocks", "uncompile_blocks"]
+__all__ = ["CompiledBlocks", "compile_blocks", "is_compiled", "uncompile_blocks"]
 
 _MARK = "_elbowroom_compiled"
 
@@ -124,6 +124,11 @@ def _hoist_weight_waits(blk: nn.Module) -> None:
 
     setattr(wait_all, WEIGHT_WAIT, True)
     blk.register_forward_pre_hook(wait_all, prepend=True)
+
+
+def is_compiled(blk: nn.Module) -> bool:
+    """Whether :func:`compile_blocks` compiled ``blk`` and its forward still calls the compiled function."""
+    return _in_place(blk)
 
 
 def _in_place(blk: nn.Module) -> bool:

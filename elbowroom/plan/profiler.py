@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from elbowroom.activations import _wrap
-from elbowroom.activations.compiled import compile_blocks, uncompile_blocks
+from elbowroom.activations.compiled import compile_blocks, is_compiled, uncompile_blocks
 from elbowroom.activations.recompute import checkpoint, reentrant_default, uncheckpoint
 from elbowroom.plan._trace import HEAD, KINDS, Clock, MetaEmulation, OpRecorder, Tracer, skey
 from elbowroom.plan.devices import allocator_settings_setter, expandable_segments_on, get_device
@@ -288,7 +288,8 @@ def profile(
 
     Raises:
         ValueError: on an unknown source, a measured profile of a meta model, blocks already wrapped by
-            elbowroom, a dict batch without a loss, or ``compiled`` on an analytic profile.
+            elbowroom or compiled by ``compile_blocks``, a dict batch without a loss, or ``compiled`` on an analytic
+            profile.
         TypeError: on a sample batch of another form.
     """
     if source not in ("auto", "measured", "analytic"):
@@ -317,6 +318,9 @@ def profile(
         if _wrap.get_policy(b) is not None:
             raise ValueError("profile the model before applying recompute or offload to its blocks "
                              "(elbowroom.activations.remove_activation_policy(model) undoes them)")
+        if is_compiled(b):
+            raise ValueError("profile the model before compiling its blocks: pass compiled=True to price them "
+                             "compiled (elbowroom.activations.uncompile_blocks(blocks) undoes compile_blocks)")
 
     if machine is None:
         machine = measure_machine(device, cache_dir=cache_dir) if source == "measured" else get_device("h100-80gb")
