@@ -359,6 +359,7 @@ def profile(
         if compiled:
             logger.warning("profile: the plain step does not fit the device, so the blocks are priced eager "
                            "(compiled=True measures a plain compiled step)")
+            runner.compiled = False  # (times and bytes alike)
         prof = _profile_recomputed(model, block_list, block_path, batch, loss_fn, runner, machine, micro_batch,
                                    seq_len, dtype, param_dtype, warmup, iters)
     else:
