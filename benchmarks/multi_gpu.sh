@@ -117,6 +117,11 @@ run ddp-acc4 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.grad
 #   one GPU ran 106.3% of plain and DDP had no step within 100 s; now each block's forward is compiled in place
 run single-compile 1 --data.batch_size 4 --train.compile true
 run ddp-compile "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.compile true
+# ... and with bf16 weights (DDP's best at one micro-batch: 93.0-94.8%): fewer memory-bound kernels left to slow down
+#   beside the all-reduce
+run single-bf16-compile 1 --data.batch_size 4 --optimizer.param_dtype bfloat16 --train.compile true
+run ddp-bf16-compile "$N" --data.batch_size $B --parallel.dp_replicate "$N" --optimizer.param_dtype bfloat16 \
+  --train.compile true
 run ddp-gc50 "$N" --data.batch_size $B --parallel.dp_replicate "$N" --train.gc_every 50
 run ddp-nobcast "$N" --data.batch_size $B --parallel.dp_replicate "$N" --parallel.ddp_broadcast_buffers false
 # - tried and reverted (2026-11-28, 2 and 4 H200s): the backward's cuBLASLt matmuls told to leave 16 or 32 SMs to NCCL

@@ -37,7 +37,8 @@ def main(out: str, n: int) -> None:
                "single-bf16" if core.endswith("-bf16") else
                # compiled on N GPUs against one GPU compiled; one GPU's compiled plan against eager plain (issue 13's
                # reference)
-               "single-compile" if core.endswith("-compile") and not core.startswith("single") else "single-plain")
+               ("single-bf16-compile" if "-bf16" in core else "single-compile")
+               if core.endswith("-compile") and not core.startswith("single") else "single-plain")
         base = single.get(key + suffix) or single.get(key) or statistics.median(
             [v for k, v in single.items() if re.fullmatch(re.escape(key) + r"-r\d+", k)] or [0.0])
         return f"{tps / (base * (1 if 'single' in name else n)):.1%}" if base else ""
