@@ -138,6 +138,11 @@ run fsdp-budget16 "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16
   --profile.steps 20-21
 run fsdp-budget16-compile "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB \
   --optimizer.param_dtype bfloat16 --train.compile true
+# ... each unit all-gathering the next two ahead (the traced 16 GiB step waited ~12 ms at its start on the embedding's
+#   and block 0's gathers, and ~9 ms five times at the end of its backward, the host in autograd): expected 10-20 ms
+#   off a 0.40 s step
+run fsdp-budget16-prefetch2 "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB \
+  --optimizer.param_dtype bfloat16 --parallel.fsdp_prefetch 2
 # ... logging every 10 steps (against single-log10): its traced step starts with ~12 ms of FSDP2's host work before
 # the first kernel (the embedding unit's pre_forward and all-gather), which a loss read every step leaves exposed
 run fsdp-budget16-log10 "$N" --data.batch_size $B --parallel.dp_shard "$N" --budget 16GiB \

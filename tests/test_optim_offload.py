@@ -1665,3 +1665,41 @@ def test_scale_in_kernel_host_paths_agree_bitwise() -> None:
 def test_scale_in_kernel_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="scale_in_kernel must be True or False"):
         CPUOffloadConfig(scale_in_kernel=1)
+
+
+def test_fsdp2_forward_prefetch_waits_for_the_prefetched_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    # parallel.fsdp_prefetch: unit i all-gathers unit i + 1 in its own pre-forward, so the offloading optimizer's
+    # wait on unit i covers unit i + 1's updated shards too (else that all-gather could read the step before's).
+    # Every wait in forward names its own unit's buckets and the next one's, and training follows plain AdamW.
+    from torch.distributed.fsdp import fully_shard
+
+    from elbowroom.distributed.data_parallel import set_prefetch
+    from elbowroom.optim.handover import Handover
+    from tests.distributed_utils import one_process_group
+
+    with one_process_group(monkeypatch):
+        plain = make_model()
+        ref = torch.optim.AdamW(plain.parameters(), **OPTIMS["adamw"][1])
+        model = make_model()
+        units = [layer for layer in model if isinstance(layer, nn.Linear)]
+        for unit in units:
+            fully_shard(unit)
+        fully_shard(model)
+        set_prefetch(units, 1)
+        opt = make_opt(model.parameters(), torch.optim.AdamW, offload_fraction=1.0, **OPTIMS["adamw"][1])
+        opt.overlap_with_forward(model)
+        own = {id(u): {id(opt._placement.hp_of[p].bucket) for p in u.parameters()} for u in units}
+        waited: list[set[int]] = []
+        real = Handover.await_buckets
+        monkeypatch.setattr(Handover, "await_buckets",
+                            lambda self, buckets: (waited.append({id(b) for b in buckets}), real(self, buckets))[1])
+        data = batches(3)
+        train(plain, ref, data, clip=1.0)
+        train(model, opt, data, clip=1.0)
+        opt.wait_for_weights()  # (the last step's updates, still landing: nothing read them yet)
+        opt.close()
+        for a, b in zip(plain.parameters(), model.parameters()):
+            torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6)
+    want = [own[id(u)] | (own[id(units[i + 1])] if i + 1 < len(units) else set()) for i, u in enumerate(units)]
+    assert waited and all(w in want for w in waited), (waited, want)
+    assert any(len(w) > len(own[id(units[0])]) for w in waited)  # some wait covered a unit ahead

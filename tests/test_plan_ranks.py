@@ -249,3 +249,13 @@ def test_fit_plans_one_rank_of_a_shared_host(monkeypatch) -> None:
     (one, p1), (two, p2) = seen
     assert two.host_adam_params_per_s * 2 == one.host_adam_params_per_s and not p1 and p2
     assert two.host_memory_bytes == one.host_memory_bytes // 2
+
+
+def test_units_gathered_ahead_are_held_too() -> None:
+    # parallel.fsdp_prefetch N: the block in flight and N ahead are gathered at once (FSDP2's default counts two)
+    from elbowroom.plan.ranks import fsdp_held_bytes
+
+    _, prof = _model_and_profile(LLAMA)
+    default = fsdp_held_bytes(prof, 4)["gathered blocks"]
+    assert fsdp_held_bytes(prof, 4, prefetch=1)["gathered blocks"] == default
+    assert fsdp_held_bytes(prof, 4, prefetch=3)["gathered blocks"] == 2 * default

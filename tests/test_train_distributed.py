@@ -38,6 +38,8 @@ CASES = {
     # FSDP2's reduced shards straight to host buffers during backward (the step, clipped, waits for the norm only)
     "fsdp_offload_gradients": FSDP + OFFLOAD + ACCUM + ["--optimizer.offload_gradients"],
     "hsdp_2x1": DDP + HSDP, "hsdp_1x2_offload": FSDP + HSDP + OFFLOAD,
+    # each block unit all-gathers the next ahead (its optimizer wait covering that unit's shards)
+    "fsdp_prefetch_offload": FSDP + OFFLOAD + ["--parallel.fsdp_prefetch", "1"],
     # the fused head + loss reads the head weight after DDP's forward: its gradient is all-reduced as any other
     "ddp_fused": DDP + ACCUM + ["--train.fused_loss"],
     # ... and in the head's own forward, where FSDP2 gathers its weight (and the offloading optimizer, whose late
@@ -259,6 +261,7 @@ def test_sharded_checkpoint_verification_finds_a_flipped_byte(tmp_path: Path) ->
         ("2", [*FSDP, "--parallel.comm_hook", "fp16"], "set --parallel.dp_shard 1 or --parallel.comm_hook none"),
         ("2", [*DDP, "--distill.teacher", "runs/teacher"], "drop --distill.teacher under DDP"),
         ("2", [*DDP, "--parallel.ddp_bucket_mb", "0"], "parallel.ddp_bucket_mb must be a positive number of MiB"),
+        ("2", [*DDP, "--parallel.fsdp_prefetch", "1"], "or drop --parallel.fsdp_prefetch"),
     ],
 )
 def test_bad_setups_exit_2(tmp_path: Path, monkeypatch, capsys, world: str | None, args: list[str],

@@ -52,8 +52,15 @@ class ParallelConfig:
     fsdp_cpu_offload: bool = False
     """FSDP2's own CPUOffloadPolicy (parameters, gradients and the step on the host); elbowroom's optimizer
     offload (optimizer.offload_fraction) is the faster engine for the same job."""
+    fsdp_prefetch: int = 0
+    """FSDP2: each block unit issues the all-gathers of the next N units in forward (and of the N before it in
+    backward) from its own pre-forward, so they do not wait for the host to reach those units (torch's
+    set_modules_to_forward_prefetch); 0: FSDP2's default. An offloading optimizer's wait moves ahead with them, and
+    a --budget plan counts the units gathered at once."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.fsdp_prefetch, bool) or not isinstance(self.fsdp_prefetch, int) or self.fsdp_prefetch < 0:
+            raise ValueError(f"parallel.fsdp_prefetch must be a whole number of units >= 0, got {self.fsdp_prefetch!r}")
         if isinstance(self.ddp_bucket_mb, bool) or not isinstance(self.ddp_bucket_mb, (int, float)) or not (
                 self.ddp_bucket_mb > 0):
             raise ValueError(f"parallel.ddp_bucket_mb must be a positive number of MiB, got {self.ddp_bucket_mb!r}")
@@ -83,6 +90,9 @@ class ParallelConfig:
             raise ValueError(f"parallel.topk_ratio must be in (0, 1], got {self.topk_ratio}")
         if self.fsdp_cpu_offload and self.dp_shard == 1 and self.dp_replicate > 1:
             raise ValueError("parallel.fsdp_cpu_offload needs FSDP2 (dp_shard > 1, or a world size of 1)")
+        if self.fsdp_prefetch and self.mode not in ("fsdp", "hsdp"):
+            raise ValueError(f"parallel.fsdp_prefetch sets FSDP2's all-gathers ahead, but this mesh runs {self.mode}; "
+                             "shard with --parallel.dp_shard, or drop --parallel.fsdp_prefetch")
 
     def _check_model_parallel(self) -> None:
         if self.pp_schedule not in ("gpipe", "1f1b", *_MULTI_STAGE_SCHEDULES):

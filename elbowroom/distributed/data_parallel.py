@@ -178,7 +178,27 @@ def apply_data_parallel(
     for part in _outer_units(model, units):
         fully_shard(part, **kw)
     fully_shard(model, **kw)
+    set_prefetch(units, topo.parallel.fsdp_prefetch)
     return model, None
+
+
+PREFETCHED = "_elbowroom_forward_prefetch"
+"""The attribute of an FSDP2 unit that lists the units it all-gathers ahead in forward (:func:`set_prefetch`):
+an offloading optimizer's wait on that unit waits for their updated shards too."""
+
+
+def set_prefetch(units: list[nn.Module], ahead: int) -> None:
+    """Each of the FSDP2 block ``units`` all-gathers the next ``ahead`` units in its forward and the ``ahead`` before
+    it in backward (0: FSDP2's default, nothing set). The forward's all-gathers then leave when the unit before
+    starts, not when the host reaches each unit: a host-bound step (per-block hooks, recompute) stops holding them
+    back, at ``ahead`` more units' gathered parameters in memory."""
+    if ahead <= 0:
+        return
+    for i, unit in enumerate(units):
+        later = units[i + 1:i + 1 + ahead]
+        unit.set_modules_to_forward_prefetch(later)
+        unit.set_modules_to_backward_prefetch(units[max(0, i - ahead):i][::-1])
+        setattr(unit, PREFETCHED, later)
 
 
 def _outer_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:

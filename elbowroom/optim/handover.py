@@ -382,6 +382,13 @@ class Handover:
                 # model.state_dict() (or a block's) right after step() would hand out weights whose update has not
                 # landed: saved, they are the step before's, or half of it
                 owners.append((mod, buckets))
+        # a unit that all-gathers later units ahead in forward (parallel.fsdp_prefetch) reads their shards from its
+        # own pre-forward: it waits for their updates too
+        from elbowroom.distributed.data_parallel import PREFETCHED
+
+        for reader, have in list(waits.values()):
+            for later in getattr(reader, PREFETCHED, ()):
+                have.extend(b for b in waits.get(id(later), (later, []))[1] if b not in have)
         hooks = [reader.register_forward_pre_hook(forward_hook(opt, buckets), prepend=_is_fsdp(reader))
                  for reader, buckets in waits.values()]
         hooks += [mod.register_state_dict_pre_hook(state_dict_hook(opt, buckets)) for mod, buckets in owners]

@@ -247,12 +247,13 @@ REDUCE_BYTES = 4
 """Bytes per element of FSDP2's gradient reduction (``reduce_dtype`` float32, as the trainer wraps it)."""
 
 
-def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1) -> dict[str, int]:
+def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1, prefetch: int = 0) -> dict[str, int]:
     """What one rank of FSDP2 holds beyond its shards and its activations, by cause.
 
     - ``gathered blocks``: the unsharded parameters of the block in flight and of the next one, prefetched, in the
       compute dtype (FSDP2's ``MixedPrecisionPolicy.param_dtype``: the run's autocast dtype), in forward and again
-      in backward: twice the largest block.
+      in backward: twice the largest block; with ``prefetch`` units gathered ahead (``parallel.fsdp_prefetch``),
+      the block in flight and those.
     - ``unsharded gradients``: in backward, one block's gradient in the reduce dtype before its reduce-scatter; under
       accumulation (gradient sync off for all but the last micro-batch) every parameter's unsharded gradient in the
       reduce dtype, from the first micro-batch's backward to the last one's.
@@ -267,6 +268,7 @@ def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1) -> d
         profile: the whole model's profile (``elbowroom.plan.Profile``), before :func:`per_rank_profile`.
         shard_factor: ranks each parameter is sharded over (FSDP2 pads each to a multiple of it).
         accumulation: micro-batches per optimizer step.
+        prefetch: the units each block unit all-gathers ahead (0: FSDP2's default, one ahead in backward).
     """
     item = 4 if profile.compute_dtype == "float32" else 2
 
@@ -278,7 +280,8 @@ def fsdp_held_bytes(profile: Any, shard_factor: int, accumulation: int = 1) -> d
     grads = REDUCE_BYTES * block
     if accumulation > 1:
         grads = REDUCE_BYTES * (root + sum(whole(b.num_params) for b in profile.blocks))
-    return {"gathered blocks": 2 * item * block, "unsharded gradients": grads, "gathered root": item * root,
+    return {"gathered blocks": (1 + max(1, prefetch)) * item * block, "unsharded gradients": grads,
+            "gathered root": item * root,
             "root gradients": item * root}
 
 
@@ -344,7 +347,8 @@ def host_share(machine: Any, ranks_per_host: int, link: tuple[float, float, floa
 
 
 def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, ranks_per_host: int = 1,
-                     link: tuple[float, float, float] | None = None, root_apart: float = 0.0) -> Any:
+                     link: tuple[float, float, float] | None = None, root_apart: float = 0.0,
+                     prefetch: int = 0) -> Any:
     """The profile one rank plans under FSDP2 (or HSDP) sharding over ``shard_factor`` ranks.
 
     Each rank holds ``1 / shard_factor`` of every parameter (fp32), of its gradient (the reduce-scatter's fp32
@@ -369,6 +373,8 @@ def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, 
         root_apart: the share of the parameters outside the blocks in FSDP2 units of their own that hold no block
             (the trainer's wrap: ``elbowroom.distributed.data_parallel.root_apart_share``); 0 counts them all
             gathered all step.
+        prefetch: the units each block unit all-gathers ahead (``parallel.fsdp_prefetch``; see
+            :func:`fsdp_held_bytes`).
 
     Returns:
         The per-rank profile (a new frozen object; ``extra["shard_factor"]`` records the factor, which the plan
@@ -382,7 +388,7 @@ def per_rank_profile(profile: Any, shard_factor: int, *, accumulation: int = 1, 
 
     if not 0.0 <= root_apart <= 1.0:
         raise ValueError(f"root_apart is a share of the parameters outside the blocks, in [0, 1]; got {root_apart}")
-    held = fsdp_held_bytes(profile, shard_factor, accumulation)
+    held = fsdp_held_bytes(profile, shard_factor, accumulation, prefetch)
     around_head = int(root_apart * sum(v for k, v in held.items() if k in ROOT_TERMS))
     blocks = tuple(dataclasses.replace(b, num_params=shard(b.num_params), param_bytes=shard(b.param_bytes))
                    for b in profile.blocks)

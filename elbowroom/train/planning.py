@@ -232,7 +232,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
         whole = as_fsdp_computes(model, (sample["input_ids"], sample["targets"]), whole, amp_dtype, compiled)
         rank = per_rank_profile(whole, cfg.parallel.dp_shard, accumulation=cfg.train.gradient_accumulation_steps,
                                 ranks_per_host=_ranks_per_host(cfg), link=shared_link,
-                                root_apart=root_apart_share(model))
+                                root_apart=root_apart_share(model), prefetch=cfg.parallel.fsdp_prefetch)
         if cfg.host_budget is not None:  # this rank's host memory
             rank = with_host_memory(rank, parse_budget(cfg.host_budget))
         # FSDP2 shards fp32 weights (cast to --train.dtype by its MixedPrecisionPolicy) or, where
