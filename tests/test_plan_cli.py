@@ -63,6 +63,7 @@ def test_table_and_out(profile_file: str, tmp_path: Path, capsys: pytest.Capture
         (["--budget", "24GiB", "--precision", "fp8"], "invalid choice"),
         (["--budget", "24GiB", "--dp-shard", "0"], "--dp-shard must be a positive number of ranks"),
         (["--budget", "24GiB", "--dp-replicate", "0"], "--dp-replicate must be a positive number of ranks"),
+        (["--budget", "24GiB", "--fsdp-prefetch", "2"], "--fsdp-prefetch 2 needs --dp-shard above 1"),
         (["--budget", "24GiB", "--shared-link", "37,32,19"], "--shared-link is the link of several ranks"),
         (["--budget", "24GiB", "--dp-shard", "4", "--shared-link", "37,32"], "--shared-link takes three positive"),
         (["--budget", "24GiB", "--dp-shard", "4", "--shared-link", "37,x,19"], "--shared-link takes three positive"),

@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-shard", type=int, default=1, help="plan one rank of FSDP2 sharding over this many ranks "
                    "(the trainer's --parallel.dp_shard; --budget is then one GPU's, --batch one rank's micro-batch, "
                    "8 ranks per host at most share its memory)")
+    p.add_argument("--fsdp-prefetch", type=int, default=0, help="with --dp-shard: the units each block unit "
+                   "all-gathers ahead (the trainer's --parallel.fsdp_prefetch), held at once beside the one in flight")
     p.add_argument("--dp-replicate", type=int, default=1, help="plan one rank of DDP over this many replicas (the "
                    "trainer's --parallel.dp_replicate; with --dp-shard, HSDP): DDP's buckets hold every gradient "
                    "all step, and up to 8 ranks share the host's memory and optimizer rate")
@@ -78,7 +80,8 @@ def _presets() -> list[str]:
     return list(PRESETS)
 
 
-_VALUED = ("--budget", "--host-memory", "--batch", "--global-batch", "--dp-shard", "--dp-replicate", "--shared-link")
+_VALUED = ("--budget", "--host-memory", "--batch", "--global-batch", "--dp-shard", "--dp-replicate", "--shared-link",
+           "--fsdp-prefetch")
 """Options whose value may begin with a minus sign."""
 
 
@@ -220,6 +223,9 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
         if args.dp_replicate < 1:
             raise _UsageError(f"elbowroom plan: --dp-replicate must be a positive number of ranks, got "
                               f"{args.dp_replicate}")
+        if args.fsdp_prefetch < 0 or (args.fsdp_prefetch and args.dp_shard == 1):
+            raise _UsageError(f"elbowroom plan: --fsdp-prefetch {args.fsdp_prefetch} needs --dp-shard above 1 and a "
+                              "number of units >= 0")
         link = _shared_link(args.shared_link, args.dp_shard * args.dp_replicate)
         if args.profile is not None:
             from elbowroom.config import file_kind
@@ -255,7 +261,8 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
             from elbowroom.plan.ranks import per_rank_profile
 
             prof = per_rank_profile(prof, args.dp_shard, ranks_per_host=per_host, link=link,
-                                    root_apart=float(args.profile is None and _untied(args)))
+                                    root_apart=float(args.profile is None and _untied(args)),
+                                    prefetch=args.fsdp_prefetch)
             sharded = {"weight_layouts": ("fp32", "bf16")}  # no bf16 device copies of fp32 shards
         elif args.dp_replicate > 1:  # as the trainer plans a rank under DDP
             from dataclasses import replace
