@@ -422,7 +422,7 @@ def test_dropped_tail_of_an_offloaded_selective_cache_is_never_brought_back() ->
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_compiled_blocks_recompute(mode: str) -> None:
     # torch's own per-block compile (`blk.compile()`, the whole wrapper under the compiler) over recomputed blocks:
-    # dynamo breaks its graph at the wrapper's checkpoint, and the gradients stay the plain run's
+    # the wrapper's checkpoint is traced into the graph, and the gradients stay the plain run's
     model = small_model("llama", dropout=0.0, n_layers=2)
     idx = batch()
     ref = grads(model, idx)

@@ -77,7 +77,7 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
     blocks = find_blocks(model) if blocks is None else blocks
     compiled = eager = 0
     for blk in blocks:
-        if _in_place(blk):
+        if is_compiled(blk):
             compiled += 1
             continue
         blk.__dict__.pop(_MARK, None)  # a mark whose function a policy change has since dropped
@@ -128,11 +128,6 @@ def _hoist_weight_waits(blk: nn.Module) -> None:
 
 def is_compiled(blk: nn.Module) -> bool:
     """Whether :func:`compile_blocks` compiled ``blk`` and its forward still calls the compiled function."""
-    return _in_place(blk)
-
-
-def _in_place(blk: nn.Module) -> bool:
-    """Whether ``blk``'s compiled function is still the one its forward calls."""
     mark = blk.__dict__.get(_MARK)
     if mark is None:
         return False

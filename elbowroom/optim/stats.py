@@ -91,6 +91,8 @@ def trace_summary(events: list[tuple[str, int, float, float]]) -> dict[str, dict
     for kind, _, a, b in events:
         k = out.setdefault(kind, {"count": 0, "busy_s": 0.0, "first_s": a, "last_s": b})
         k["count"] += 1
-        k["busy_s"] = round(k["busy_s"] + (b - a), 5)
+        k["busy_s"] += b - a
         k["first_s"], k["last_s"] = min(k["first_s"], a), max(k["last_s"], b)
+    for k in out.values():
+        k["busy_s"] = round(k["busy_s"], 5)
     return out

@@ -209,12 +209,8 @@ def fit(
     resolve_blocks(model, blocks)  # no repeated blocks: say so before profiling
     from elbowroom.plan.profiler import profile as take_profile  # the profiler: imported when first needed
 
-    if compile:
-        on_meta = next(model.parameters()).device.type == "meta"
-        if source == "analytic" or on_meta:
-            raise ValueError("compile=True prices the blocks as they run compiled, which needs a measured profile: "
-                             "fit the model on its device, or leave compile off")
-        reentrant = False  # (torch.compile traces the non-reentrant checkpoint only)
+    if compile:  # (an analytic profile refuses compiled=True: it prices eager blocks)
+        reentrant = False  # torch.compile traces the non-reentrant checkpoint only
     if reentrant is None:
         from elbowroom.activations.recompute import reentrant_default
 
