@@ -75,6 +75,15 @@ def setup_plain(model, args) -> Setup:
     return Setup(fused_adamw(model))
 
 
+def setup_plain_compiled(model, args) -> Setup:
+    """plain with its blocks compiled in place (``elbowroom.compile_blocks``, as ``+compile`` rows and
+    ``--train.compile`` do): the reference a compiled plan should also be read against."""
+    from elbowroom import compile_blocks
+
+    compile_blocks(model)
+    return Setup(fused_adamw(model))
+
+
 def _wrap_blocks(model, fn) -> None:
     """Replace each block's forward by ``fn(original_forward, x)`` (state_dict keys unchanged)."""
     for blk in model.blocks:
@@ -155,6 +164,7 @@ def setup_torchao_optim_ckpt(model, args) -> Setup:
 
 MODES: dict[str, Callable[..., Setup]] = {
     "plain": setup_plain,
+    "plain_compiled": setup_plain_compiled,
     "torch_ckpt": setup_torch_ckpt,
     "torch_sac": setup_torch_sac,
     "save_on_cpu": setup_save_on_cpu,

@@ -99,6 +99,10 @@ class ModulePolicy:
         self.offload: OffloadSpec | None = None
         self.chain: PrefetchChain | None = None
         self.index = 0
+        self.compiled_checkpoint: tuple[Callable[..., Any], RecomputeSpec] | None = None
+        """A compiled selective checkpoint of ``orig_forward`` and the spec it was compiled for
+        (:func:`~elbowroom.activations.compile_blocks`, a selective block that offloads what it keeps): run inside
+        the offload region in place of the wrapper's own checkpoint, while ``recompute`` is still that spec."""
 
     def empty(self) -> bool:
         return self.recompute is None and self.offload is None and self.chain is None
@@ -203,13 +207,25 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     chain = pol.chain
     prev = chain.before(pol.index) if chain is not None else None
     off = pol.offload
-    region = (
-        off.engine.group(off.tag, ratio=off.ratio, cache_ratio=off.cache_ratio) if off is not None else nullcontext()
-    )
+    compiled = pol.compiled_checkpoint if pol.compiled_checkpoint is not None and rc is pol.compiled_checkpoint[1] \
+        else None
+    if compiled is not None and off is not None:
+        # what the compiled checkpoint saves reaches the hooks as saved tensors, its kept outputs among them: offload
+        # the cache's share of them, under a tag of their own (their sizes are the compiled graph's)
+        region = off.engine.group((off.tag, "compiled"), ratio=off.cache_ratio, cache_ratio=off.cache_ratio)
+    elif off is not None:
+        region = off.engine.group(off.tag, ratio=off.ratio, cache_ratio=off.cache_ratio)
+    else:
+        region = nullcontext()
     with region as group, _without_weight_cache(args, kwargs):
         if chain is not None:
             chain.groups[pol.index] = group
-        out = fn(*args, **kwargs) if rc is None else _checkpointed(fn, rc, group, args, kwargs)
+        if compiled is not None:
+            if group is not None and off.ratio == 0:
+                group.keep_tensors(tree_flatten((args, kwargs))[0])  # the inputs stay, as the eager checkpoint's
+            out = compiled[0](*args, **kwargs)
+        else:
+            out = fn(*args, **kwargs) if rc is None else _checkpointed(fn, rc, group, args, kwargs)
     own = group if group is not None and (group.ratio > 0 or group.cache_ratio > 0) else None
     if prev is not None or own is not None:
         t = _first_grad_tensor(out)
@@ -260,6 +276,12 @@ def _kv_cache_in_use(args: tuple, kwargs: dict) -> str | None:
         if hasattr(a, "get_seq_length") and hasattr(a, "update"):
             return f"a {type(a).__name__} argument"
     return None
+
+
+def checkpointed_call(fn: Callable[..., Any], rc: RecomputeSpec, *args: Any, **kwargs: Any) -> Any:
+    """``fn`` under ``rc``'s checkpoint with no offload region of its own: what :func:`compile_blocks` compiles for a
+    selective block that offloads what it keeps (the region stays outside, eager)."""
+    return _checkpointed(fn, rc, None, args, kwargs)
 
 
 def _checkpointed(fn: Callable[..., Any], rc: RecomputeSpec, group: Any, args: tuple, kwargs: dict) -> Any:

@@ -22,6 +22,7 @@ kept outputs stays eager: the offload region's saved-tensor hooks are not traced
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,10 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
       again in backward).
     - A selective block: the wrapper is compiled with the forward, so its checkpoint runs under torch's selective
       modes, which tag the graph for the compiler's recompute (ours must see every op, which a compiled forward
-      hides). One that offloads its kept outputs stays eager.
+      hides). One that offloads its kept outputs compiles its checkpoint alone, and the offload region stays eager
+      around it: what the compiled graph saves (the kept outputs, largest first, to the region's share of their
+      bytes; the block's inputs only when all of it leaves) travels as a kept block's saved tensors do. One that
+      offloads its input and a share of its kept outputs stays eager.
 
     Args:
         model: the model (its blocks are found as the planner finds them, :func:`find_blocks`).
@@ -83,10 +87,20 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
         blk.__dict__.pop(_MARK, None)  # a mark whose function a policy change has since dropped
         _hoist_weight_waits(blk)
         pol = _wrap.get_policy(blk)
-        if pol is None or (pol.recompute is not None and pol.recompute.mode == "selective"):
-            if pol is not None and pol.offload is not None and (pol.offload.ratio > 0 or pol.offload.cache_ratio > 0):
+        selective = pol is not None and pol.recompute is not None and pol.recompute.mode == "selective"
+        if selective and pol.offload is not None and pol.offload.cache_ratio > 0:
+            if 0 < pol.offload.ratio and min(pol.offload.ratio, pol.offload.cache_ratio) < 1:
+                # its input and a share of the rest: the compiled graph's saved tensors do not tell them apart
                 eager += 1
                 continue
+            # the checkpoint compiled, the offload region eager around it (the wrapper runs it in the region)
+            inner = pol.orig_forward if pol.orig_forward is not None else types.MethodType(type(blk).forward, blk)
+            fn = torch.compile(functools.partial(_wrap.checkpointed_call, inner, pol.recompute), **compile_kwargs)
+            pol.compiled_checkpoint = (fn, pol.recompute)
+            blk.__dict__[_MARK] = (fn, None)
+            compiled += 1
+            continue
+        if pol is None or selective:
             before = blk.__dict__.get("forward")  # the policy's wrapper, one set by someone else, or none
             blk.forward = fn = torch.compile(blk.forward, **compile_kwargs)
         else:
@@ -132,6 +146,8 @@ def is_compiled(blk: nn.Module) -> bool:
     if mark is None:
         return False
     pol = _wrap.get_policy(blk)
+    if pol is not None and pol.compiled_checkpoint is not None and pol.compiled_checkpoint[0] is mark[0]:
+        return pol.compiled_checkpoint[1] is pol.recompute  # (the wrapper runs it while the spec is unchanged)
     return (pol is not None and pol.orig_forward is mark[0]) or blk.__dict__.get("forward") is mark[0]
 
 
@@ -143,7 +159,9 @@ def uncompile_blocks(blocks: nn.ModuleList) -> None:
             continue
         fn, before = mark
         pol = _wrap.get_policy(blk)
-        if pol is not None and pol.orig_forward is fn:
+        if pol is not None and pol.compiled_checkpoint is not None and pol.compiled_checkpoint[0] is fn:
+            pol.compiled_checkpoint = None
+        elif pol is not None and pol.orig_forward is fn:
             pol.orig_forward = before
         elif blk.__dict__.get("forward") is fn:
             if before is None:

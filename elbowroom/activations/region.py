@@ -57,6 +57,13 @@ class OffloadGroup:
         self._hooks = None
         self.engine._exit(self)
 
+    def keep_tensors(self, tensors: list[Any]) -> None:
+        """Keep the storages of these tensors (the region's inputs) on the device, whatever the ratio says: they
+        are not counted among the sizes the ratio picks from."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._kept_ptrs.add(t.untyped_storage().data_ptr())
+
     def entry(self, kind: str) -> _Entry:
         e = self._entries.get(kind)
         if e is None:
