@@ -3,6 +3,7 @@ plain AdamW first, then ``fit`` at each budget, each row with the plan's predict
 
     python3 benchmarks/hf_fit.py --arch llama --budgets 16GiB,10GiB --json runs/hf.jsonl
     python3 benchmarks/hf_fit.py --arch gpt2 --budgets 12GiB,8GiB                      # dropout on
+    python3 benchmarks/hf_fit.py --arch llama --budgets 16GiB --compile   # fit(compile=True), and plain compiled too
 
 The loop is the one a user writes for a Hugging Face model (``model(**batch).loss``, ``loss.backward()``,
 ``optimizer.step()``, ``optimizer.zero_grad()``), under bf16 autocast; ``fit`` is the only change. Each row runs in
@@ -57,16 +58,22 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
     from elbowroom.plan import fit
 
     model = build(arch, args.tiny, device)
+    model.config.use_cache = False  # training: no KV cache (compiled blocks would recompile for one)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
     batch = {"input_ids": ids, "labels": ids}
-    row: dict[str, Any] = {"workload": f"hf-{arch}{'-tiny' if args.tiny else ''}", "mode": budget or "plain",
+    mode = (budget or "plain") + ("+compile" if args.compile else "")
+    row: dict[str, Any] = {"workload": f"hf-{arch}{'-tiny' if args.tiny else ''}", "mode": mode,
                            "batch": f"{args.batch}x{args.seq}", "params_M": sum(p.numel() for p in model.parameters())
                            // 10**6}
     t0 = time.perf_counter()
     if budget is None:
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
         plan = None
+        if args.compile:  # the reference for compiled plans: the same blocks compiled the same way
+            from elbowroom import compile_blocks
+
+            compile_blocks(model)
     else:
         extra: dict[str, Any] = {}
         if args.trace_steps:
@@ -74,7 +81,8 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
 
             extra["offload_config"] = CPUOffloadConfig(trace_steps=True)
         model, opt, plan = fit(model, batch, budget=budget, precision="bf16", grad_clipping=False, lr=1e-4,
-                               fused=device.type == "cuda", stream=False if args.no_stream else None, **extra)
+                               fused=device.type == "cuda", stream=False if args.no_stream else None,
+                               compile=args.compile, **extra)
         row["plan_seconds"] = round(time.perf_counter() - t0, 1)
     cuda = device.type == "cuda"
     if cuda:
@@ -177,6 +185,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small config that runs on CPU")
     ap.add_argument("--no-stream", action="store_true", help="fit(stream=False): no block streams its optimizer state")
     ap.add_argument("--no-plain", action="store_true", help="only the fit rows (no plain AdamW row first)")
+    ap.add_argument("--compile", action="store_true",
+                    help="fit(compile=True): the blocks compiled in place and the plans priced on them so; the plain "
+                         "row compiles its blocks the same way (run without the flag for eager plain)")
     ap.add_argument("--json", help="append each row to this JSONL file")
     ap.add_argument("--trace", default=None, help="write the last step's profiler trace (gzipped Chrome JSON) here; "
                     "its time is left out of the median by --steps > warm-up + 1")

@@ -750,3 +750,24 @@ def test_compiled_policies_on_hugging_face_layers(arch: str) -> None:
     assert_grads_close(hf_grads(model, steps=3), ref, tol=1e-5)
     s = get_offload_engine(model).stats()
     assert s.offloaded_bytes == s.reloaded_bytes > 0 and s.host_pool_in_use_bytes == 0
+
+
+def test_compile_blocks_warns_of_a_hugging_face_kv_cache_in_training(caplog: pytest.LogCaptureFixture) -> None:
+    # with config.use_cache on, every forward hands each block a fresh KV cache whose state the compiled blocks guard
+    # on: they recompile layer after layer until torch turns them back to eager. compile_blocks says so, once
+    transformers = pytest.importorskip("transformers")
+    from elbowroom.activations import compile_blocks, uncompile_blocks
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=32))
+    assert model.config.use_cache
+    with caplog.at_level("WARNING", logger="elbowroom.activations.compiled"):
+        compile_blocks(model)
+    assert [r.message for r in caplog.records if "use_cache" in r.message] != []
+    caplog.clear()
+    model.config.use_cache = False
+    uncompile_blocks(model.model.layers)
+    with caplog.at_level("WARNING", logger="elbowroom.activations.compiled"):
+        compile_blocks(model)
+    assert not [r for r in caplog.records if "use_cache" in r.message]

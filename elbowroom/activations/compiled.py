@@ -23,6 +23,7 @@ kept outputs stays eager: the offload region's saved-tensor hooks are not traced
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ import torch.nn as nn
 
 from elbowroom.activations import _wrap
 from elbowroom.activations.recompute import find_blocks
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CompiledBlocks", "compile_blocks", "is_compiled", "uncompile_blocks"]
 
@@ -79,6 +82,13 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
         ValueError: if ``model`` has no repeated blocks (compile it whole with ``torch.compile`` instead).
     """
     blocks = find_blocks(model) if blocks is None else blocks
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        # a Hugging Face model builds a KV cache in every forward unless told not to, and hands it to each block:
+        # the compiled blocks guard on its state, which differs from layer to layer, and recompile until torch's
+        # limit turns them back to eager
+        logger.warning("compile_blocks: model.config.use_cache is True, so each forward builds a KV cache and the "
+                       "compiled blocks recompile for it; for training set model.config.use_cache = False (or call "
+                       "the model with use_cache=False)")
     compiled = eager = 0
     for blk in blocks:
         if is_compiled(blk):
