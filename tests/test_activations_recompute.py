@@ -481,10 +481,10 @@ def test_compile_blocks_compiles_one_graph_per_policy(name: str) -> None:
         assert all("forward" in blk.__dict__ for blk in model.blocks)
 
 
-def _saved_storages(model: Any, idx: torch.Tensor) -> list[tuple[int, int, bool]]:
-    """(storage pointer, bytes, whether it is the block's input) of what the blocks' compiled forwards save in one
-    forward, by the saved-tensor hooks alone; the model's parameters and buffers (never offloaded) left out."""
-    seen: list[tuple[int, int, bool]] = []
+def _saved_storages(model: Any, idx: torch.Tensor) -> list[tuple[int, int, bool, torch.dtype]]:
+    """(storage pointer, bytes, whether it is the block's input, dtype) of what the blocks' compiled forwards save in
+    one forward, by the saved-tensor hooks alone; the model's parameters and buffers (never offloaded) left out."""
+    seen: list[tuple[int, int, bool, torch.dtype]] = []
     inputs: set[int] = set()
     state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     inside = [False]
@@ -499,7 +499,7 @@ def _saved_storages(model: Any, idx: torch.Tensor) -> list[tuple[int, int, bool]
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         if inside[0] and st.data_ptr() not in state:
-            seen.append((st.data_ptr(), st.nbytes(), st.data_ptr() in inputs))
+            seen.append((st.data_ptr(), st.nbytes(), st.data_ptr() in inputs, t.dtype))
         return t
 
     handles = [h for blk in model.blocks for h in (blk.register_forward_pre_hook(pre),
@@ -529,8 +529,8 @@ def test_compiled_selective_block_offloads_its_kept_outputs_largest_first(ratio:
     model(idx).float().pow(2).mean().backward()  # compiled: the hooks then see the compiled graph's tensors
     model.zero_grad(set_to_none=True)
     saved = _saved_storages(model, idx)
-    assert any(is_input for _, _, is_input in saved)  # the graph does save its input
-    candidates = {ptr: nbytes for ptr, nbytes, is_input in saved if offload_input or not is_input}
+    assert any(is_input for _, _, is_input, _ in saved)  # the graph does save its input
+    candidates = {ptr: nbytes for ptr, nbytes, is_input, _ in saved if offload_input or not is_input}
     sizes = sorted(candidates.values(), reverse=True)
     one = sizes[::2]  # the two blocks save the same sizes: one block's, largest first
     assert sorted(sizes[1::2], reverse=True) == one
@@ -549,6 +549,33 @@ def test_compiled_selective_block_offloads_its_kept_outputs_largest_first(ratio:
     before = engine.stats().offloaded_bytes
     grads(model, idx)
     assert engine.stats().offloaded_bytes - before == 2 * acc, (ratio, one)
+
+
+def test_compiled_full_recompute_saves_only_the_inputs_and_evaluates_compiled() -> None:
+    # a block recomputed whole compiles its checkpoint with its forward: the backward graph recomputes, so what the
+    # compiled forward saves is the block's input alone (as the eager checkpoint saves), whatever the policy's
+    # reentrant flag; under no_grad the same compiled function runs the forward alone, no graph break and no eager
+    from torch._dynamo.utils import counters
+
+    from elbowroom.activations import CompiledBlocks, compile_blocks
+
+    model = small_model("llama", dropout=0.0, n_layers=2)
+    idx = batch()
+    ref = grads(copy.deepcopy(model), idx)
+    with torch.no_grad():
+        ref_out = copy.deepcopy(model).eval()(idx)
+    apply_block_policies(model, [BlockPolicy("full")] * 2, use_reentrant=True)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_blocks(model) == CompiledBlocks(compiled=2, eager=0)
+    assert_grads_close(grads(model, idx, steps=2), ref, tol=1e-5)
+    saved = _saved_storages(model, idx)
+    # the input, and the CPU generator's state that the checkpoint keeps to replay random ops (16 bytes on CUDA)
+    assert saved and all(is_input or dtype == torch.uint8 for _, _, is_input, dtype in saved), saved
+    assert sum(is_input for _, _, is_input, _ in saved) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(idx), ref_out, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2 and not dict(counters["graph_break"])  # training, no_grad
 
 
 def test_compiled_selective_block_offloading_its_input_and_part_of_the_rest_stays_eager() -> None:
@@ -621,8 +648,9 @@ def test_compiled_blocks_with_the_offloading_optimizer_waiting_in_forward() -> N
 
 
 def test_compiled_selective_blocks_replay_dropout() -> None:
-    # GPT-2 blocks with dropout on, compiled: recomputed selectively under the compiler, whole in eager around a
-    # compiled forward, or kept; each run draws the same masks from the same seed, so the three give one gradient
+    # GPT-2 blocks with dropout on, compiled: recomputed selectively or whole under the compiler (the checkpoint
+    # compiled with the forward), or kept; each run draws the same masks from the same seed, so the three give one
+    # gradient
     # (a recompute that drew new masks would not). Another seed gives another, so dropout is on.
     from elbowroom.activations import compile_blocks
 

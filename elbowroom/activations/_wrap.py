@@ -100,9 +100,10 @@ class ModulePolicy:
         self.chain: PrefetchChain | None = None
         self.index = 0
         self.compiled_checkpoint: tuple[Callable[..., Any], RecomputeSpec] | None = None
-        """A compiled selective checkpoint of ``orig_forward`` and the spec it was compiled for
-        (:func:`~elbowroom.activations.compile_blocks`, a selective block that offloads what it keeps): run inside
-        the offload region in place of the wrapper's own checkpoint, while ``recompute`` is still that spec."""
+        """A compiled checkpoint of ``orig_forward`` and the spec it was compiled for
+        (:func:`~elbowroom.activations.compile_blocks`: a block recomputed whole, or selective and offloading what it
+        keeps): run inside the offload region in place of the wrapper's own checkpoint, while ``recompute`` is still
+        that spec."""
 
     def empty(self) -> bool:
         return self.recompute is None and self.offload is None and self.chain is None
@@ -195,10 +196,12 @@ def _prefetch_hook(*groups: Any) -> Callable[[torch.Tensor], None]:
 def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     pol: ModulePolicy = self.__dict__[_ATTR]
     fn = pol.orig_forward if pol.orig_forward is not None else functools.partial(type(self).forward, self)
-    if not torch.is_grad_enabled():
-        # nothing is saved for backward: no recompute, no offload
-        return fn(*args, **kwargs)
     rc = pol.recompute
+    compiled = pol.compiled_checkpoint if pol.compiled_checkpoint is not None and rc is pol.compiled_checkpoint[1] \
+        else None
+    if not torch.is_grad_enabled():
+        # nothing is saved for backward: no recompute, no offload (a compiled checkpoint runs its forward alone)
+        return compiled[0](*args, **kwargs) if compiled is not None else fn(*args, **kwargs)
     if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
         # inside backward: an enclosing checkpoint is recomputing this module. Its hooks must see what
         # is saved here, so no offload region; a nested checkpoint is fine (torch supports nesting)
@@ -207,12 +210,12 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     chain = pol.chain
     prev = chain.before(pol.index) if chain is not None else None
     off = pol.offload
-    compiled = pol.compiled_checkpoint if pol.compiled_checkpoint is not None and rc is pol.compiled_checkpoint[1] \
-        else None
     if compiled is not None and off is not None:
-        # what the compiled checkpoint saves reaches the hooks as saved tensors, its kept outputs among them: offload
-        # the cache's share of them, under a tag of their own (their sizes are the compiled graph's)
-        region = off.engine.group((off.tag, "compiled"), ratio=off.cache_ratio, cache_ratio=off.cache_ratio)
+        # what the compiled checkpoint saves reaches the hooks as saved tensors: a full one's are its inputs (their
+        # share: the input's), a selective one's its kept outputs too (the cache's share), under a tag of their own
+        # (their sizes are the compiled graph's)
+        share = off.cache_ratio if rc.mode == "selective" else off.ratio
+        region = off.engine.group((off.tag, "compiled"), ratio=share, cache_ratio=share)
     elif off is not None:
         region = off.engine.group(off.tag, ratio=off.ratio, cache_ratio=off.cache_ratio)
     else:
@@ -221,7 +224,7 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if chain is not None:
             chain.groups[pol.index] = group
         if compiled is not None:
-            if group is not None and off.ratio == 0:
+            if group is not None and off.ratio == 0 and rc.mode == "selective":
                 group.keep_tensors(tree_flatten((args, kwargs))[0])  # the inputs stay, as the eager checkpoint's
             out = compiled[0](*args, **kwargs)
         else:
@@ -280,7 +283,7 @@ def _kv_cache_in_use(args: tuple, kwargs: dict) -> str | None:
 
 def checkpointed_call(fn: Callable[..., Any], rc: RecomputeSpec, *args: Any, **kwargs: Any) -> Any:
     """``fn`` under ``rc``'s checkpoint with no offload region of its own: what :func:`compile_blocks` compiles for a
-    selective block that offloads what it keeps (the region stays outside, eager)."""
+    block recomputed whole or selective and offloading (the region stays outside, eager)."""
     return _checkpointed(fn, rc, None, args, kwargs)
 
 

@@ -883,7 +883,8 @@ def compile_model(model: nn.Module, fwd_model: nn.Module, plan: Any = None) -> n
     except ValueError:
         log.info("compile: no repeated blocks found; compiling the whole model")
         return torch.compile(fwd_model)
-    eager = f"; {done.eager} selective blocks offloading their inputs and kept outputs stay eager" if done.eager else ""
+    eager = (f"; {done.eager} selective blocks stay eager (offloading their input and part of what they keep, or "
+             "offloading over tensor-parallel shards)" if done.eager else "")
     from elbowroom.plan.fit import COMPILED_NOTE
 
     priced = "" if plan is None or COMPILED_NOTE in plan.notes else "; the plan was priced on the eager blocks"
