@@ -799,3 +799,30 @@ def test_compile_blocks_warns_of_a_hugging_face_kv_cache_in_training(caplog: pyt
     with caplog.at_level("WARNING", logger="elbowroom.activations.compiled"):
         compile_blocks(model)
     assert not [r for r in caplog.records if "use_cache" in r.message]
+
+
+@pytest.mark.parametrize("tp", [False, True])
+def test_what_compile_blocks_compiles_of_each_policy(tp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the arrangement per policy, and over tensor-parallel shards (whose DTensors' device mesh the partitioner will
+    # not save for a compiled checkpoint's backward: the checkpoint stays eager there)
+    from elbowroom.activations import _wrap, compiled
+
+    monkeypatch.setattr(compiled, "_tensor_parallel", lambda blk: tp)
+    want = {
+        None: "wrapper",
+        BlockPolicy(): "forward",  # (kept in a plan that offloads: its region recasts the weights' casts)
+        BlockPolicy(offload_ratio=0.5): "forward",
+        BlockPolicy("full"): "forward" if tp else "checkpoint",
+        BlockPolicy("full", offload_input=True): "forward" if tp else "checkpoint",
+        BlockPolicy("selective"): "wrapper",
+        BlockPolicy("selective", offload_ratio=0.5): "eager" if tp else "checkpoint",
+        BlockPolicy("selective", offload_ratio=1.0, offload_input=True): "eager" if tp else "checkpoint",
+        BlockPolicy("selective", offload_ratio=0.5, offload_input=True): "eager",
+    }
+    for pol, how in want.items():
+        model = small_model("llama", dropout=0.0, n_layers=2)
+        if pol is not None:  # (beside an offloading block: a kept one then has a region that recasts)
+            apply_block_policies(model, [pol, BlockPolicy(offload_ratio=0.5)], min_offload_bytes=0,
+                                 simulate_host=True)
+        blk = model.blocks[0]
+        assert compiled._arrangement(blk, _wrap.get_policy(blk)) == how, pol

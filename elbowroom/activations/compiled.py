@@ -104,39 +104,54 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
         blk.__dict__.pop(_MARK, None)  # a mark whose function a policy change has since dropped
         _hoist_weight_waits(blk)
         pol = _wrap.get_policy(blk)
-        rc = pol.recompute if pol is not None else None
-        selective = rc is not None and rc.mode == "selective"
-        offloads = pol is not None and pol.offload is not None and (pol.offload.ratio > 0 or pol.offload.cache_ratio > 0)
-        sharded = _tensor_parallel(blk)
-        if selective and offloads and sharded:
-            eager += 1  # (tensor parallel: see below)
+        how = _arrangement(blk, pol)
+        if how == "eager":
+            eager += 1
             continue
-        if ((rc is not None and rc.mode == "full") or (selective and offloads)) and not sharded:
-            # (over tensor-parallel shards the compiler saves the DTensors' device mesh for the backward, which
-            # torch's partitioner refuses: the checkpoint stays eager around a compiled forward there)
-            if selective and 0 < pol.offload.ratio and min(pol.offload.ratio, pol.offload.cache_ratio) < 1:
-                # its input and a share of the rest: the compiled graph's saved tensors do not tell them apart
-                eager += 1
-                continue
-            # the checkpoint compiled with the forward (a full one non-reentrant: the compiler traces that one
-            # only), the offload region eager around it (the wrapper runs it there)
+        if how == "checkpoint":  # run by the wrapper inside its offload region, in place of its own checkpoint
             inner = pol.orig_forward if pol.orig_forward is not None else types.MethodType(type(blk).forward, blk)
-            spec = dataclasses.replace(rc, use_reentrant=False)
+            spec = dataclasses.replace(pol.recompute, use_reentrant=False)  # (the one the compiler traces)
             fn = torch.compile(functools.partial(_wrap.checkpointed_call, inner, spec), **compile_kwargs)
-            pol.compiled_checkpoint = (fn, rc)
-            blk.__dict__[_MARK] = (fn, None)
-            compiled += 1
-            continue
-        if pol is None or selective:
+            pol.compiled_checkpoint = (fn, pol.recompute)
+            before = None
+        elif how == "wrapper":
             before = blk.__dict__.get("forward")  # the policy's wrapper, one set by someone else, or none
             blk.forward = fn = torch.compile(blk.forward, **compile_kwargs)
-        else:
+        else:  # "forward", inside the policy's wrapper
             before = pol.orig_forward
             inner = before if before is not None else types.MethodType(type(blk).forward, blk)
             pol.orig_forward = fn = torch.compile(inner, **compile_kwargs)
         blk.__dict__[_MARK] = (fn, before)
         compiled += 1
     return CompiledBlocks(compiled, eager)
+
+
+def _arrangement(blk: nn.Module, pol: Any) -> str:
+    """What :func:`compile_blocks` compiles of ``blk`` under its policy ``pol`` (None: no policy):
+
+    - ``"wrapper"``: the block's forward as it is called (no policy, or the policy's wrapper of a selective block
+      that offloads nothing: its checkpoint runs under torch's selective modes, traced);
+    - ``"forward"``: the block's own forward, inside the policy's wrapper (kept; a whole-block checkpoint over
+      tensor-parallel shards, where the compiler would save the DTensors' device mesh for the backward, which its
+      partitioner refuses);
+    - ``"checkpoint"``: the checkpoint with the forward, run by the wrapper inside its offload region (recomputed
+      whole; selective and offloading);
+    - ``"eager"``: nothing (selective and offloading its input with a share of the rest, whose saved tensors the
+      compiled graph does not tell apart; selective and offloading over tensor-parallel shards).
+    """
+    if pol is None:
+        return "wrapper"
+    rc, off = pol.recompute, pol.offload
+    if rc is None:
+        return "forward"
+    tp = _tensor_parallel(blk)
+    if rc.mode == "full":
+        return "forward" if tp else "checkpoint"
+    if off is None or (off.ratio <= 0 and off.cache_ratio <= 0):
+        return "wrapper"
+    if tp or (0 < off.ratio and min(off.ratio, off.cache_ratio) < 1):
+        return "eager"
+    return "checkpoint"
 
 
 def _tensor_parallel(blk: nn.Module) -> bool:
