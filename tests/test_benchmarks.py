@@ -7,13 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_smoke_rows(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
     modes = ["plain", "torch_ckpt", "fsdp2", "ours_offload_ckpt_inputs", "ours_selective_offload", "fit@1GiB+cap",
-             "fit@1GiB+compile", "er_optim_late0.4"]
+             "fit@1GiB+compile", "plain_compiled", "er_optim_late0.4"]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--workload", "smoke", "--modes", ",".join(modes),
            "--steps", "2", "--warmup", "1", "--in-process", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -42,6 +44,31 @@ def test_bench_smoke_rows(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--modes", "bogus_mode"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "unknown mode 'bogus_mode'" in bad.stderr
+
+
+def test_hugging_face_harnesses_compiled(tmp_path: Path) -> None:
+    # hf_fit.py --compile: the plain row compiled as the fit rows are, each fit row priced on compiled blocks; and
+    # hf_compiled_policies.py, a planner's mix compiled and eager in its own process, on the tiny shape on CPU
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_fit.py"), "--arch", "llama", "--tiny",
+                           "--budgets", "1GiB", "--compile", "--steps", "3", "--warmup", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain, fitted = [json.loads(line) for line in out.read_text().splitlines()]
+    assert plain["mode"] == "plain+compile" and fitted["mode"] == "1GiB+compile"
+    assert plain["loss_last"] < plain["loss_first"] and fitted["loss_last"] < fitted["loss_first"]
+    assert "priced on the blocks compiled, as they run (compile_blocks)" in fitted["settings"]["mechanism"]["plan"][
+        "notes"]
+    rows = {}
+    for extra in ([], ["--eager"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_compiled_policies.py"), "--tiny",
+                               "--cases", "mix", "--weights", "bf16", "--host", *extra],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| mix |")]
+        rows[bool(extra)] = json.loads(line.split("|")[4].strip())  # the three losses, or the fault's line
+    assert len(rows[False]) == 3 and rows[False] == pytest.approx(rows[True], rel=1e-2)
 
 
 def test_bf16_model_mode_and_microbatch_harness(tmp_path: Path) -> None:
