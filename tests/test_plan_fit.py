@@ -6,6 +6,7 @@ run without it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +16,7 @@ from elbowroom.activations import _wrap
 from elbowroom.activations.recompute import find_blocks
 from elbowroom.optim import CPUOffloadConfig, CPUOffloadOptimizer
 from elbowroom.plan import BudgetError, fit, parse_budget, plan_for
+from elbowroom.plan.types import profile_from_dict
 
 DEVICE = "h100-80gb"  # a device of the table: analytic profiles plan for it; the run itself is on the CPU
 
@@ -219,6 +221,12 @@ def test_fit_compiled_prices_and_runs_the_compiled_blocks() -> None:
     model, opt, plan = fit(copy.deepcopy(ref), IDS, budget=e.value.minimum_bytes, machine="cpu", compile=True,
                            lr=1e-2, offload_config=KNOBS)
     assert COMPILED_NOTE in plan.notes
+    # the note comes from the profile, so a plan made from a saved one (elbowroom plan --profile) carries it too,
+    # and one whose profile ran eager does not
+    big = e.value.minimum_bytes * 4
+    assert COMPILED_NOTE in plan_for(profile_from_dict(prof.to_dict()), big, offload_config=KNOBS).notes
+    eager = dataclasses.replace(prof, extra={**prof.extra, "compiled_blocks": False})
+    assert COMPILED_NOTE not in plan_for(eager, big, offload_config=KNOBS).notes
     assert any(b.checkpoint != "none" or b.offload_ratio or b.offload_input for b in plan.blocks) or \
         plan.offloads_optimizer
     assert compile_blocks(model) == CompiledBlocks(compiled=4, eager=0)  # compiled already: nothing new

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from elbowroom.plan.plan import Plan
+from elbowroom.plan.search import COMPILED_NOTE  # (re-exported: the note plan_for gives a compiled profile's plans)
 
 __all__ = ["fit", "parse_budget"]
 
@@ -72,10 +73,6 @@ def parse_budget(budget: str | int, *, name: str = "budget") -> int:
     if value <= 0:
         raise ValueError(f"{name} must be at least one byte, got {budget!r}; {forms}")
     return value
-
-
-COMPILED_NOTE = "priced on the blocks compiled, as they run (compile_blocks)"
-"""The note of a plan whose profile ran the blocks compiled (``fit(compile=True)``, ``--train.compile``)."""
 
 
 def fit(
@@ -246,8 +243,6 @@ def fit(
         plan = dataclasses.replace(plan, notes=(*plan.notes, (
             f"one of {ranks_per_host} ranks on this host: planned on 1/{ranks_per_host} of its memory and of its host "
             f"optimizer rate ({prof.machine.host_adam_params_per_s / 1e9:.2f} G params/s)")))
-    if compile:
-        plan = dataclasses.replace(plan, notes=(*plan.notes, COMPILED_NOTE))
     model, opt = apply(model, plan, optimizer, blocks=blocks, reentrant=reentrant, **opt_kwargs)
     if compile:
         from elbowroom.activations import compile_blocks

@@ -303,6 +303,8 @@ def plan_for(
     stream_ok = offload_allowed and link_ok and stream_allowed
     if offload_allowed and not link_ok:
         notes.append(f"{m.name} has no host link in the profile: nothing is offloaded")
+    if profile.extra.get("compiled_blocks"):
+        notes.append(COMPILED_NOTE)
     layouts, layout_notes = cost.layouts_for(profile, precision)
     notes += layout_notes
     if weight_layouts is not None:
@@ -614,6 +616,10 @@ def _budget_error(
         msg += " (" + "; ".join(hints) + ")"
     return BudgetError(msg, low)
 
+
+COMPILED_NOTE = "priced on the blocks compiled, as they run (compile_blocks)"
+"""The note of a plan whose profile ran the blocks compiled (``profile(compiled=True)``: ``fit(compile=True)``,
+``--train.compile``)."""
 
 _SLOW_HOST_NOTE = "the host optimizer step"
 

@@ -221,7 +221,6 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
     from elbowroom.distributed.data_parallel import root_apart_share
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
-    from elbowroom.plan.fit import COMPILED_NOTE
     from elbowroom.plan.ranks import as_fsdp_computes, per_rank_profile, with_host_memory
 
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
@@ -243,7 +242,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
                         weight_layouts=("fp32", "bf16"), grad_clipping=bool(cfg.train.max_grad_norm),
                         gradient_offload_allowed=True, offload_config=cfg.offload,
                         stream_allowed=False)  # (the optimizer streams whole parameters, not FSDP2's shards)
-        plan = replace(plan, notes=(*plan.notes, _FSDP_TIME_NOTE, *([COMPILED_NOTE] if compiled else [])))
+        plan = replace(plan, notes=(*plan.notes, _FSDP_TIME_NOTE))
     except BudgetError as e:
         raise _budget_error(e, cfg) from None
     except ValueError as e:
