@@ -6,6 +6,7 @@ with fp32 weights under autocast, trained.
     python3 benchmarks/hf_compiled_policies.py                          # fp32 weights + autocast, AdamW on the device
     python3 benchmarks/hf_compiled_policies.py --weights bf16 --host    # a plan's bf16 layout, the optimizer on the host
     CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/hf_compiled_policies.py --weights bf16 --host --cases mix
+    python3 benchmarks/hf_compiled_policies.py --weights bf16 --host --cases mix --cap 4   # allocator capped, expandable
 
 Each case builds the model (TinyLlama's widths, ``--layers`` layers, 4 x 2048 tokens), applies a hand Plan through
 ``elbowroom.plan.apply`` (as ``fit`` does: the weight layout, the optimizer, the activation policies), compiles the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +67,9 @@ def one(case: str, args: argparse.Namespace) -> dict:
                 offload_param_dtype="bfloat16" if bf16 else "float32", offload_gradients=host,
                 offload_other_params=host)
     model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=device.type == "cuda")
+    if args.cap and device.type == "cuda":  # as fit's rows run: the allocator capped at a budget (see main for the rest)
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap * 2**30 / torch.cuda.mem_get_info()[1]))
     if not args.eager:
         compile_blocks(model)
     seq = 32 if args.tiny else 2048
@@ -93,6 +98,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--eager", action="store_true", help="the same cases without compiling (the reference)")
     ap.add_argument("--tiny", action="store_true", help="small widths, on CPU")
+    ap.add_argument("--cap", type=float, default=0.0,
+                    help="cap the CUDA allocator at this many GiB once the plan is applied, with expandable segments, "
+                         "as a plan's run is: a cap that binds makes the allocator free and unmap its cache")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a subprocess's own case
     args = ap.parse_args()
     if args.one:
@@ -101,13 +109,16 @@ def main() -> None:
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
         raise SystemExit(f"hf_compiled_policies: unknown case(s) {unknown}; known: {', '.join(CASES)}")
-    passed = ["--weights", args.weights, "--layers", str(args.layers)]
+    passed = ["--weights", args.weights, "--layers", str(args.layers), "--cap", str(args.cap)]
     passed += [flag for flag, on in (("--host", args.host), ("--eager", args.eager), ("--tiny", args.tiny)) if on]
-    print(f"| case | weights | host | {'eager' if args.eager else 'compiled'} |")
+    print(f"| case | weights | host | {'eager' if args.eager else 'compiled'}{f', capped at {args.cap:g} GiB' if args.cap else ''} |")
     print("|---|---|---|---|")
     for case in args.cases.split(","):
+        env = dict(os.environ)
+        if args.cap:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         r = subprocess.run([sys.executable, __file__, *passed, "--one", case], capture_output=True, text=True,
-                           timeout=300)
+                           timeout=300, env=env)
         if r.returncode == 0:
             got = json.loads(r.stdout.strip().splitlines()[-1])["losses"]
         else:
