@@ -802,12 +802,11 @@ def test_compile_blocks_warns_of_a_hugging_face_kv_cache_in_training(caplog: pyt
 
 
 @pytest.mark.parametrize("tp", [False, True])
-def test_what_compile_blocks_compiles_of_each_policy(tp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_compile_blocks_compiles_of_each_policy(tp: bool) -> None:
     # the arrangement per policy, and over tensor-parallel shards (whose DTensors' device mesh the partitioner will
     # not save for a compiled checkpoint's backward: the checkpoint stays eager there)
-    from elbowroom.activations import _wrap, compiled
-
-    monkeypatch.setattr(compiled, "_tensor_parallel", lambda blk: tp)
+    from elbowroom.activations import _wrap
+    from elbowroom.activations.compiled import arrangement
     want = {
         None: "wrapper",
         BlockPolicy(): "forward",  # (kept in a plan that offloads: its region recasts the weights' casts)
@@ -825,4 +824,6 @@ def test_what_compile_blocks_compiles_of_each_policy(tp: bool, monkeypatch: pyte
             apply_block_policies(model, [pol, BlockPolicy(offload_ratio=0.5)], min_offload_bytes=0,
                                  simulate_host=True)
         blk = model.blocks[0]
-        assert compiled._arrangement(blk, _wrap.get_policy(blk)) == how, pol
+        assert arrangement(blk, _wrap.get_policy(blk), tensor_parallel=tp) == how, pol
+        if not tp:
+            assert arrangement(blk, _wrap.get_policy(blk)) == how  # (these blocks' parameters are plain tensors)

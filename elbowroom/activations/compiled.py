@@ -104,7 +104,7 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
         blk.__dict__.pop(_MARK, None)  # a mark whose function a policy change has since dropped
         _hoist_weight_waits(blk)
         pol = _wrap.get_policy(blk)
-        how = _arrangement(blk, pol)
+        how = arrangement(blk, pol)
         if how == "eager":
             eager += 1
             continue
@@ -126,8 +126,9 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
     return CompiledBlocks(compiled, eager)
 
 
-def _arrangement(blk: nn.Module, pol: Any) -> str:
-    """What :func:`compile_blocks` compiles of ``blk`` under its policy ``pol`` (None: no policy):
+def arrangement(blk: nn.Module, pol: Any, tensor_parallel: bool | None = None) -> str:
+    """What :func:`compile_blocks` compiles of ``blk`` under its policy ``pol`` (None: no policy); ``tensor_parallel``:
+    whether its parameters are tensor-parallel DTensors (None: look):
 
     - ``"wrapper"``: the block's forward as it is called (no policy, or the policy's wrapper of a selective block
       that offloads nothing: its checkpoint runs under torch's selective modes, traced);
@@ -144,7 +145,7 @@ def _arrangement(blk: nn.Module, pol: Any) -> str:
     rc, off = pol.recompute, pol.offload
     if rc is None:
         return "forward"
-    tp = _tensor_parallel(blk)
+    tp = _tensor_parallel(blk) if tensor_parallel is None else tensor_parallel
     if rc.mode == "full":
         return "forward" if tp else "checkpoint"
     if off is None or (off.ratio <= 0 and off.cache_ratio <= 0):
