@@ -3,10 +3,10 @@ trains, and which faults. A diagnostic for the twentieth session's fault (``BENC
 the TinyLlama shape at 16 GiB died with an illegal memory access in its first backward, where each policy alone,
 with fp32 weights under autocast, trained.
 
-    python3 benchmarks/hf_compiled_policies.py                          # fp32 weights + autocast, AdamW on the device
-    python3 benchmarks/hf_compiled_policies.py --weights bf16 --host    # a plan's bf16 layout, the optimizer on the host
+    python3 benchmarks/hf_compiled_policies.py                        # fp32 weights + autocast, AdamW on the device
+    python3 benchmarks/hf_compiled_policies.py --weights bf16 --host  # a plan's bf16 layout, the optimizer on the host
     CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/hf_compiled_policies.py --weights bf16 --host --cases mix
-    python3 benchmarks/hf_compiled_policies.py --weights bf16 --host --cases mix --cap 4   # allocator capped, expandable
+    python3 benchmarks/hf_compiled_policies.py --weights bf16 --host --cases mix --cap 4  # capped, expandable
 
 Each case builds the model (TinyLlama's widths, ``--layers`` layers, 4 x 2048 tokens), applies a hand Plan through
 ``elbowroom.plan.apply`` (as ``fit`` does: the weight layout, the optimizer, the activation policies), compiles the
@@ -67,7 +67,7 @@ def one(case: str, args: argparse.Namespace) -> dict:
                 offload_param_dtype="bfloat16" if bf16 else "float32", offload_gradients=host,
                 offload_other_params=host)
     model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=device.type == "cuda")
-    if args.cap and device.type == "cuda":  # as fit's rows run: the allocator capped at a budget (see main for the rest)
+    if args.cap and device.type == "cuda":  # as fit's rows run: the allocator capped at a budget (and see main)
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap * 2**30 / torch.cuda.mem_get_info()[1]))
     if not args.eager:
@@ -111,7 +111,8 @@ def main() -> None:
         raise SystemExit(f"hf_compiled_policies: unknown case(s) {unknown}; known: {', '.join(CASES)}")
     passed = ["--weights", args.weights, "--layers", str(args.layers), "--cap", str(args.cap)]
     passed += [flag for flag, on in (("--host", args.host), ("--eager", args.eager), ("--tiny", args.tiny)) if on]
-    print(f"| case | weights | host | {'eager' if args.eager else 'compiled'}{f', capped at {args.cap:g} GiB' if args.cap else ''} |")
+    how = ("eager" if args.eager else "compiled") + (f", capped at {args.cap:g} GiB" if args.cap else "")
+    print(f"| case | weights | host | {how} |")
     print("|---|---|---|---|")
     for case in args.cases.split(","):
         env = dict(os.environ)

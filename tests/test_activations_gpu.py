@@ -107,7 +107,7 @@ def test_compiled_blocks_match_compiled_plain(mode: str) -> None:
     model = make("llama", dim=512, layers=5, dropout=0.0)
     apply_activation_policy(model, **with_offload_kwargs(MODES[mode]))
     compile_blocks(model)
-    for _ in range(3):  # (a selective block offloading its input and half the rest runs eager: its kernels round otherwise)
+    for _ in range(3):  # (a selective block offloading its input and half the rest runs eager: it rounds otherwise)
         loss = step(model, idx, bf16=False)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=0)
         for k, p in model.named_parameters():

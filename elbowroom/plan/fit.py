@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from elbowroom.plan.plan import Plan
-from elbowroom.plan.search import COMPILED_NOTE  # (re-exported: the note plan_for gives a compiled profile's plans)
+from elbowroom.plan.search import COMPILED_NOTE  # noqa: F401  (re-exported: the note of a compiled profile's plans)
 
 __all__ = ["fit", "parse_budget"]
 
