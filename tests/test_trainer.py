@@ -102,7 +102,11 @@ def test_accumulation_equals_one_big_batch(variable: bool, arch: str) -> None:
                                     "bfloat16", "--train.dtype", "bf16"],
                                    ["--optimizer.offload_fraction", "0.5", "--optimizer.param_dtype", "bfloat16",
                                     "--train.dtype", "bf16", "--train.gradient_accumulation_steps", "2"],
-                                   ["--optimizer.param_dtype", "bfloat16", "--train.dtype", "bf16"]])
+                                   ["--optimizer.param_dtype", "bfloat16", "--train.dtype", "bf16"],
+                                   # blocks compiled with their whole-block checkpoint, dropout replayed in the
+                                   # compiled recompute
+                                   ["--train.compile", "--activations.checkpoint", "full", "--model.arch", "gpt2",
+                                    "--model.dropout", "0.1"]])
 def test_resume_continues_the_exact_loss_curve(tmp_path: Path, extra: list[str]) -> None:
     full, part = tmp_path / "full", tmp_path / "part"
     assert run(full, "--steps", "20", *extra) == 0
