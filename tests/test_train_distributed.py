@@ -96,8 +96,9 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     res["ddp_fp16"] = _train(tmp_path / "ddp_fp16", *DDP, "--parallel.comm_hook", "fp16")
     res["after_reduction"] = _offload_after_reduction(rank)
     res["ddp_budget"] = _train(tmp_path / "ddp_budget", *DDP, "--budget", "64GiB")  # planned for DDP's buckets
-    # each block's forward compiled in place, inside DDP's wrapper (beside the fused loss) and FSDP2's units
-    res["ddp_compile"] = _train(tmp_path / "ddp-compile", *DDP, "--train.compile", "--train.fused_loss")
+    # each block compiled in place, inside DDP's wrapper (beside the fused loss; recomputed whole, its checkpoint
+    # compiled with it) and FSDP2's units
+    res["ddp_compile"] = _train(tmp_path / "ddp-compile", *DDP, *RECOMPUTE, "--train.compile", "--train.fused_loss")
     res["fsdp_compile"] = _train(tmp_path / "fsdp-compile", *FSDP, *RECOMPUTE, "--train.compile")
     res["fsdp_budget_compile"] = _train(tmp_path / "fsdp-budget-compile", *FSDP, "--budget", "64GiB",
                                         "--train.compile")  # the rank's plan priced on the compiled blocks
