@@ -4,18 +4,20 @@ One compiled graph serves every block of one class and input shape (``torch.comp
 parameters are the graph's inputs), so a 24-block model compiles one block's worth. Compiled whole, W1 under DDP on
 4 GPUs had not reached its first step after 100 s (``BENCHMARKS.md``, nineteenth session).
 
-What is compiled is the block's own forward; everything around it stays eager and works as it does without:
+What is compiled is the block's forward, with its checkpoint where it has one; everything around it stays eager and
+works as it does without:
 
-- the activation policy's wrapper (offload region, checkpoint, backward prefetch): a recomputed block runs its
-  compiled forward again in backward, and an offloading block's hooks pack what the compiled forward saves;
+- the activation policy's offload region and backward prefetch: an offloading block's hooks pack what the compiled
+  graph saves (saved-tensor hooks are not traced, so the region is never inside the compiled function);
 - DDP's and FSDP2's module hooks, and the parameters they gather or all-reduce;
 - an offloading optimizer's waits for updated weights (moved from the block's submodules to the block);
 - the embedding, the head, the loss (the fused head + loss too) and the optimizer.
 
-A selective block is compiled with its wrapper: our selective dispatch modes must see every op, which a compiled
-forward hides, so under the compiler the checkpoint runs torch's own selective modes, which tag the graph for the
-compiler's recompute (keep matmul and attention outputs, recompute the rest). A selective block that offloads its
-kept outputs stays eager: the offload region's saved-tensor hooks are not traced.
+A recomputed block compiles its checkpoint with its forward, so the backward graph recomputes: whole blocks under
+torch's non-reentrant checkpoint (the one the compiler traces), selective ones under torch's own selective modes,
+which tag the graph for the compiler's recompute (keep matmul and attention outputs, recompute the rest), as our
+selective dispatch modes must see every op, which a compiled forward hides. :func:`arrangement` says which blocks
+keep an eager checkpoint around a compiled forward (tensor parallel) or stay eager.
 
 ``state_dict`` keys do not change (nothing is wrapped in ``OptimizedModule``), so checkpoints load either way.
 """
