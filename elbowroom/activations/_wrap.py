@@ -108,6 +108,12 @@ class ModulePolicy:
     def empty(self) -> bool:
         return self.recompute is None and self.offload is None and self.chain is None
 
+    def active_compiled_checkpoint(self) -> Callable[..., Any] | None:
+        """The compiled checkpoint the wrapper runs: ``compiled_checkpoint``'s function while ``recompute`` is still
+        the spec it was compiled for, else None."""
+        cc = self.compiled_checkpoint
+        return cc[0] if cc is not None and cc[1] is self.recompute else None
+
 
 def get_policy(module: nn.Module) -> ModulePolicy | None:
     """The module's policy, or None when it is not wrapped."""
@@ -197,11 +203,10 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     pol: ModulePolicy = self.__dict__[_ATTR]
     fn = pol.orig_forward if pol.orig_forward is not None else functools.partial(type(self).forward, self)
     rc = pol.recompute
-    compiled = pol.compiled_checkpoint if pol.compiled_checkpoint is not None and rc is pol.compiled_checkpoint[1] \
-        else None
+    compiled = pol.active_compiled_checkpoint()
     if not torch.is_grad_enabled():
         # nothing is saved for backward: no recompute, no offload (a compiled checkpoint runs its forward alone)
-        return compiled[0](*args, **kwargs) if compiled is not None else fn(*args, **kwargs)
+        return (compiled or fn)(*args, **kwargs)
     if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
         # inside backward: an enclosing checkpoint is recomputing this module. Its hooks must see what
         # is saved here, so no offload region; a nested checkpoint is fine (torch supports nesting)
@@ -226,7 +231,7 @@ def _policy_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if compiled is not None:
             if group is not None and off.ratio == 0 and rc.mode == "selective":
                 group.keep_tensors(tree_flatten((args, kwargs))[0])  # the inputs stay, as the eager checkpoint's
-            out = compiled[0](*args, **kwargs)
+            out = compiled(*args, **kwargs)
         else:
             out = fn(*args, **kwargs) if rc is None else _checkpointed(fn, rc, group, args, kwargs)
     own = group if group is not None and (group.ratio > 0 or group.cache_ratio > 0) else None

@@ -68,10 +68,11 @@ def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, **comp
     - A block recomputed whole: its checkpoint is compiled with its forward (torch's non-reentrant one, which the
       compiler traces, whatever the policy asked), so the backward graph recomputes the forward itself: what it
       saves is the block's inputs, and the offload region, where its input leaves, stays eager around it. Eager
-      around a compiled forward, the checkpoint cost the host 0.63 ms a block on the development CPU, against 0.38
-      compiled with it and 0.25 for a kept block. Over tensor-parallel DTensor parameters the checkpoint stays eager
-      around the compiled forward (the compiler would save their device mesh for the backward; apply tensor
-      parallel before compiling). FSDP2's units compile their checkpoint: the compiler sees gathered tensors.
+      around a compiled forward, a recomputed block cost the host 0.80-0.89 ms on the development CPU
+      (``benchmarks/host_overhead.py --compiled``), compiled with its checkpoint 0.38, a kept block 0.26. Over
+      tensor-parallel DTensor parameters the checkpoint stays eager around the compiled forward (the compiler
+      would save their device mesh for the backward; apply tensor parallel before compiling). FSDP2's units compile
+      their checkpoint: the compiler sees gathered tensors.
     - A selective block: the wrapper is compiled with the forward, so its checkpoint runs under torch's selective
       modes, which tag the graph for the compiler's recompute (ours must see every op, which a compiled forward
       hides). One that offloads its kept outputs compiles its checkpoint alone, and the offload region stays eager
@@ -207,9 +208,9 @@ def is_compiled(blk: nn.Module) -> bool:
     if mark is None:
         return False
     pol = _wrap.get_policy(blk)
-    if pol is not None and pol.compiled_checkpoint is not None and pol.compiled_checkpoint[0] is mark[0]:
-        return pol.compiled_checkpoint[1] is pol.recompute  # (the wrapper runs it while the spec is unchanged)
-    return (pol is not None and pol.orig_forward is mark[0]) or blk.__dict__.get("forward") is mark[0]
+    if pol is not None and (pol.active_compiled_checkpoint() is mark[0] or pol.orig_forward is mark[0]):
+        return True
+    return blk.__dict__.get("forward") is mark[0]
 
 
 def uncompile_blocks(blocks: nn.ModuleList) -> None:

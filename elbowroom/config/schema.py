@@ -113,9 +113,8 @@ class TrainSection:
     """Validation micro-batches per evaluation."""
     compile: bool = False
     """Compile each repeated block with torch.compile, in place (one graph serves all blocks alike, so it compiles in
-    seconds); DDP, FSDP2, offload regions, whole-block checkpoints, the head and the fused loss stay eager around it;
-    selective blocks compile with their checkpoint, except those offloading their kept outputs. A model without
-    repeated blocks is compiled whole."""
+    seconds), with its checkpoint where it recomputes; DDP, FSDP2, offload regions, the head and the fused loss stay
+    eager around it. A model without repeated blocks is compiled whole."""
     fused_loss: bool = False
     """Output head and cross-entropy chunk by chunk: the logits never exist whole (~tokens x vocab x 10 bytes less
     peak memory, same FLOPs)."""
