@@ -18,6 +18,7 @@ without compiling, the reference. ``--tiny`` runs them on CPU in seconds (no cop
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -42,6 +43,23 @@ CASES = {
 }
 
 
+def _blocks(plan, change):
+    return dataclasses.replace(plan, blocks=tuple(dataclasses.replace(b, **change(b)) for b in plan.blocks))
+
+
+# variants of a saved plan (--plan): which of its parts a fault needs
+PLAN_VARIANTS = {
+    "as-is": lambda p: p,
+    "no-input-offload": lambda p: _blocks(p, lambda b: {"offload_input": False}),
+    "no-activation-offload": lambda p: _blocks(p, lambda b: {"offload_input": False, "offload_ratio": 0.0}),
+    "no-host": lambda p: dataclasses.replace(_blocks(p, lambda b: {"optimizer_on_host": False,
+                                                                          "optimizer_streamed": False}),
+                                             offload_gradients=False, offload_other_params=False,
+                                             offload_head_params=False),
+    "recompute-all": lambda p: _blocks(p, lambda b: {"checkpoint": "full", "offload_ratio": 0.0}),
+}
+
+
 def one(case: str, args: argparse.Namespace) -> dict:
     import transformers
 
@@ -55,17 +73,22 @@ def one(case: str, args: argparse.Namespace) -> dict:
     if args.tiny:
         kw.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                   max_position_embeddings=128)
-    cfg = transformers.LlamaConfig(**kw, num_hidden_layers=args.layers, attn_implementation="sdpa", use_cache=False)
+    layers = len(Plan.load(args.plan).blocks) if args.plan else args.layers
+    cfg = transformers.LlamaConfig(**kw, num_hidden_layers=layers, attn_implementation="sdpa", use_cache=False)
     model = transformers.LlamaForCausalLM(cfg).to(device)
-    rows = CASES[case]
-    host = args.host
-    blocks = tuple(BlockPlan(index=i, **rows[i % len(rows)], optimizer_on_host=host and i >= args.layers // 2)
-                   for i in range(args.layers))
-    bf16 = args.weights == "bf16"
-    plan = Plan(blocks=blocks, budget_bytes=1 << 40, predicted_peak_bytes=0, predicted_step_seconds=1.0,
-                predicted_tokens_per_s=1.0, weight_dtype="bfloat16" if bf16 else "float32",
-                offload_param_dtype="bfloat16" if bf16 else "float32", offload_gradients=host,
-                offload_other_params=host)
+    if args.plan:  # a saved plan (fit's), varied by ``case`` (see PLAN_VARIANTS)
+        plan = PLAN_VARIANTS[case](Plan.load(args.plan))
+        bf16 = plan.weight_dtype == "bfloat16"
+    else:
+        rows = CASES[case]
+        host = args.host
+        blocks = tuple(BlockPlan(index=i, **rows[i % len(rows)], optimizer_on_host=host and i >= args.layers // 2)
+                       for i in range(args.layers))
+        bf16 = args.weights == "bf16"
+        plan = Plan(blocks=blocks, budget_bytes=1 << 40, predicted_peak_bytes=0, predicted_step_seconds=1.0,
+                    predicted_tokens_per_s=1.0, weight_dtype="bfloat16" if bf16 else "float32",
+                    offload_param_dtype="bfloat16" if bf16 else "float32", offload_gradients=host,
+                    offload_other_params=host)
     model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=device.type == "cuda")
     if args.cap and device.type == "cuda":  # as fit's rows run: the allocator capped at a budget (and see main)
         torch.cuda.empty_cache()
@@ -101,15 +124,21 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=0.0,
                     help="cap the CUDA allocator at this many GiB once the plan is applied, with expandable segments, "
                          "as a plan's run is: a cap that binds makes the allocator free and unmap its cache")
+    ap.add_argument("--plan", help="apply this saved plan (as hf_fit.py --save-plans writes fit's) in place of the "
+                    f"hand plans; --cases then names its variants, of {', '.join(PLAN_VARIANTS)}")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a subprocess's own case
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args.one, args)))
         return
-    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    known = PLAN_VARIANTS if args.plan else CASES
+    if args.plan and args.cases == ",".join(CASES):
+        args.cases = ",".join(PLAN_VARIANTS)
+    unknown = [c for c in args.cases.split(",") if c not in known]
     if unknown:
-        raise SystemExit(f"hf_compiled_policies: unknown case(s) {unknown}; known: {', '.join(CASES)}")
+        raise SystemExit(f"hf_compiled_policies: unknown case(s) {unknown}; known: {', '.join(known)}")
     passed = ["--weights", args.weights, "--layers", str(args.layers), "--cap", str(args.cap)]
+    passed += ["--plan", args.plan] if args.plan else []
     passed += [flag for flag, on in (("--host", args.host), ("--eager", args.eager), ("--tiny", args.tiny)) if on]
     how = ("eager" if args.eager else "compiled") + (f", capped at {args.cap:g} GiB" if args.cap else "")
     print(f"| case | weights | host | {how} |")
@@ -128,7 +157,8 @@ def main() -> None:
                       ("elbowroom" in ln or "/torch/" in ln)]
             err = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
             got = f"rc {r.returncode}: {err[:160]} (at {frames[-1][:160] if frames else '?'})"
-        print(f"| {case} | {args.weights} | {args.host} | {got} |", flush=True)
+        weights, host = ("plan's", "plan's") if args.plan else (args.weights, args.host)
+        print(f"| {case} | {weights} | {host} | {got} |", flush=True)
 
 
 if __name__ == "__main__":

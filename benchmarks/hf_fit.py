@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import math
 import os
@@ -84,12 +85,15 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
                                fused=device.type == "cuda", stream=False if args.no_stream else None,
                                compile=args.compile, **extra)
         row["plan_seconds"] = round(time.perf_counter() - t0, 1)
+        if args.save_plans:  # before the first step: a plan whose run faults is kept
+            Path(args.save_plans).mkdir(parents=True, exist_ok=True)
+            plan.save(Path(args.save_plans) / f"{row['workload']}-{mode.replace('+', '-')}.toml")
     cuda = device.type == "cuda"
     if cuda:
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        if plan is not None:
+        if plan is not None and not args.no_cap:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, plan.budget_bytes / total))
         torch.cuda.reset_peak_memory_stats()
@@ -193,7 +197,14 @@ def main() -> None:
                     "its time is left out of the median by --steps > warm-up + 1")
     ap.add_argument("--trace-steps", action="store_true",
                     help="record the offloaded optimizer's host timeline (CPUOffloadConfig.trace_steps) in each row")
+    ap.add_argument("--save-plans", default=None, help="save each fit's plan (TOML) in this folder before its first step")
+    ap.add_argument("--no-cap", action="store_true", help="leave the allocator uncapped (a diagnostic: the fit rows "
+                    "then hold their budget only as planned)")
+    ap.add_argument("--no-donate", action="store_true", help="torch._functorch.config.donated_buffer = False: the "
+                    "compiled backward writes no intermediate into the tensors saved for it (a diagnostic)")
     args = ap.parse_args()
+    if args.no_donate:
+        importlib.import_module("torch._functorch.config").donated_buffer = False
     if args.batch is None:
         args.batch = 2 if args.tiny else (4 if args.arch == "llama" else 8)
     if args.seq is None:

@@ -435,21 +435,39 @@ def test_measured_profile_on_cuda(tmp_path) -> None:
 @pytest.mark.gpu
 def test_compiled_profile_on_cuda(tmp_path) -> None:
     # the profile of compiled blocks under bf16 autocast on CUDA (the Triton kernels give way to the compiler's):
-    # positive times, a block kept whole saving no more than eager, selective less than kept, the model as found
+    # positive times, selective less than kept, the model as found, and the bytes it counts are what the caching
+    # allocator holds after a forward of the blocks compiled. (Not "no more than eager": at this size the
+    # partitioner saves 6.4 MB a block where eager, with the fused RMSNorm and SwiGLU, saves 5.0;
+    # benchmarks/compiled_saved.py prints both.)
+    from elbowroom import compile_blocks
+
     machine = measure_machine("cuda", cache_dir=tmp_path, matmul_size=4096, adam_numel=5_000_000)
     cfg = ModelConfig(n_layers=2, dim=256, n_heads=4, ffn_dim=768, max_seq_len=256)
     torch.manual_seed(0)
     model = build_model(cfg, device="cuda")
     ids = torch.randint(0, cfg.vocab_size, (2, 256), device="cuda")
-    eager = profile(model, ids, machine=machine)
     compiled = profile(model, ids, machine=machine, compiled=True)
     assert compiled.extra["compiled_blocks"] is True
-    for c, e in zip(compiled.blocks, eager.blocks):
+    for c in compiled.blocks:
         assert c.forward_s > 0 and c.backward_s > 0
-        assert 0 < c.total_saved_bytes <= e.total_saved_bytes and c.selective_saved_bytes < c.total_saved_bytes
+        assert c.input_bytes < c.selective_saved_bytes < c.total_saved_bytes
     for blk in model.blocks:
         assert "forward" not in blk.__dict__ and not any(k.startswith("_elbowroom") for k in blk.__dict__)
     assert all(p.grad is None for p in model.parameters())
+    compile_blocks(model)
+    for _ in range(2):  # the first compiles
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids)
+        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+        del logits
+        alive = torch.cuda.memory_allocated() - base
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    predicted = (sum(b.total_saved_bytes for b in compiled.blocks) + compiled.head.saved_bytes
+                 + sum(compiled.extra["state_saved_bytes"]) + compiled.extra["head_state_saved_bytes"])
+    assert 0.95 * predicted <= alive <= predicted * 1.1 + (4 << 20)
 
 
 @pytest.mark.gpu

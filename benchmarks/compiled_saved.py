@@ -1,0 +1,50 @@
+"""What a profile counts as saved per block, eager against compiled (``profile(..., compiled=True)``), by kind, on
+the reference Llama at a size given on the command line: the partitioner's saved bytes against eager autograd's
+(with elbowroom's Triton kernels where the device has them), and what selective recompute keeps in each.
+
+    python3 benchmarks/compiled_saved.py                          # the GPU test's size: 2 layers of 256, 2 x 256
+    python3 benchmarks/compiled_saved.py --dim 4096 --ffn 11008 --heads 32 --batch 1 --seq 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from elbowroom.models import ModelConfig, build_model  # noqa: E402
+from elbowroom.plan import measure_machine, profile  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = ModelConfig(n_layers=args.layers, dim=args.dim, n_heads=args.heads, ffn_dim=args.ffn,
+                      max_seq_len=args.seq)
+    torch.manual_seed(0)
+    model = build_model(cfg, device=dev)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=dev)
+    machine = measure_machine(dev, cache_dir=tempfile.mkdtemp(), matmul_size=1024, adam_numel=1_000_000)
+    for name, compiled in (("eager", False), ("compiled", True)):
+        prof = profile(model, ids, machine=machine, compiled=compiled)
+        b = prof.blocks[0]
+        print(f"{name}: total {b.total_saved_bytes} selective {b.selective_saved_bytes} input {b.input_bytes}")
+        print(f"  by kind {dict(b.saved_bytes)}")
+        print(f"  saved sizes {sorted(b.saved_sizes, reverse=True)}")
+        print(f"  kept sizes {sorted(b.kept_sizes, reverse=True)}")
+
+
+if __name__ == "__main__":
+    main()
