@@ -197,7 +197,8 @@ def main() -> None:
                     "its time is left out of the median by --steps > warm-up + 1")
     ap.add_argument("--trace-steps", action="store_true",
                     help="record the offloaded optimizer's host timeline (CPUOffloadConfig.trace_steps) in each row")
-    ap.add_argument("--save-plans", default=None, help="save each fit's plan (TOML) in this folder before its first step")
+    ap.add_argument("--save-plans", default=None,
+                    help="save each fit's plan (TOML) in this folder before its first step")
     ap.add_argument("--no-cap", action="store_true", help="leave the allocator uncapped (a diagnostic: the fit rows "
                     "then hold their budget only as planned)")
     ap.add_argument("--no-donate", action="store_true", help="torch._functorch.config.donated_buffer = False: the "
