@@ -7,6 +7,13 @@ with fp32 weights under autocast, trained.
     python3 benchmarks/hf_compiled_policies.py --weights bf16 --host  # a plan's bf16 layout, the optimizer on the host
     CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/hf_compiled_policies.py --weights bf16 --host --cases mix
     python3 benchmarks/hf_compiled_policies.py --weights bf16 --host --cases mix --cap 4  # capped, expandable
+    python3 benchmarks/hf_compiled_policies.py --plan PLAN.toml --cases as-is,no-host  # fit's plan (hf_fit.py
+        --save-plans), and variants of it
+    python3 benchmarks/hf_compiled_policies.py --plan PLAN.toml --cases as-is --profile-first fit  # as fit runs
+
+The twenty-first session's calls: fit's own 16 GiB plan, applied and compiled in a fresh process, trained in all five
+variants, where ``fit`` with that plan faulted (uncapped too, and without donated buffers); what fit does first, its
+compiled profiles in the same process, is what ``--profile-first`` adds.
 
 Each case builds the model (TinyLlama's widths, ``--layers`` layers, 4 x 2048 tokens), applies a hand Plan through
 ``elbowroom.plan.apply`` (as ``fit`` does: the weight layout, the optimizer, the activation policies), compiles the
@@ -89,14 +96,27 @@ def one(case: str, args: argparse.Namespace) -> dict:
                     predicted_tokens_per_s=1.0, weight_dtype="bfloat16" if bf16 else "float32",
                     offload_param_dtype="bfloat16" if bf16 else "float32", offload_gradients=host,
                     offload_other_params=host)
-    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=device.type == "cuda")
+    seq = 32 if args.tiny else 2048
+    ids = torch.randint(0, cfg.vocab_size, (4, seq), device=device)
+    if args.profile_first != "none":  # what fit does before it applies a plan: profile the model in this process
+        from elbowroom.plan import profile
+        from elbowroom.plan.fit import profile_bf16_copy
+        from elbowroom.plan.profiler import profile as take_profile
+
+        batch = {"input_ids": ids, "labels": ids}
+        prof = profile(model, batch, compiled=not args.eager, reentrant=False, dtype=torch.bfloat16)
+        if args.profile_first == "fit":  # and its bf16 copy, profiled the same way
+            profile_bf16_copy(model, batch, prof, take_profile, None, False, compiled=not args.eager)
+        if args.dynamo_reset:
+            torch._dynamo.reset()
+    # (fit applies with the non-reentrant checkpoint when it compiles)
+    model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=device.type == "cuda",
+                       reentrant=None if args.eager else False)
     if args.cap and device.type == "cuda":  # as fit's rows run: the allocator capped at a budget (and see main)
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap * 2**30 / torch.cuda.mem_get_info()[1]))
     if not args.eager:
         compile_blocks(model)
-    seq = 32 if args.tiny else 2048
-    ids = torch.randint(0, cfg.vocab_size, (4, seq), device=device)
     losses = []
     for _ in range(3):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16):
@@ -126,6 +146,10 @@ def main() -> None:
                          "as a plan's run is: a cap that binds makes the allocator free and unmap its cache")
     ap.add_argument("--plan", help="apply this saved plan (as hf_fit.py --save-plans writes fit's) in place of the "
                     f"hand plans; --cases then names its variants, of {', '.join(PLAN_VARIANTS)}")
+    ap.add_argument("--profile-first", default="none", choices=["none", "plain", "fit"],
+                    help="profile the model in the case's process before applying the plan, as fit does: 'plain' "
+                         "the model's profile, 'fit' also its bf16 copy's (compiled unless --eager)")
+    ap.add_argument("--dynamo-reset", action="store_true", help="torch._dynamo.reset() after --profile-first")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a subprocess's own case
     args = ap.parse_args()
     if args.one:
@@ -139,6 +163,7 @@ def main() -> None:
         raise SystemExit(f"hf_compiled_policies: unknown case(s) {unknown}; known: {', '.join(known)}")
     passed = ["--weights", args.weights, "--layers", str(args.layers), "--cap", str(args.cap)]
     passed += ["--plan", args.plan] if args.plan else []
+    passed += ["--profile-first", args.profile_first] + ["--dynamo-reset"] * args.dynamo_reset
     passed += [flag for flag, on in (("--host", args.host), ("--eager", args.eager), ("--tiny", args.tiny)) if on]
     how = ("eager" if args.eager else "compiled") + (f", capped at {args.cap:g} GiB" if args.cap else "")
     print(f"| case | weights | host | {how} |")
