@@ -1,6 +1,8 @@
 """What a profile counts as saved per block, eager against compiled (``profile(..., compiled=True)``), by kind, on
 the reference Llama at a size given on the command line: the partitioner's saved bytes against eager autograd's
-(with elbowroom's Triton kernels where the device has them), and what selective recompute keeps in each.
+(with elbowroom's Triton kernels where the device has them), and what selective recompute keeps in each. Then, with
+no hooks of the profile's, what the compiled blocks' autograd nodes hold after a forward under bf16 autocast (their
+saved tensors, parameters left out), and on CUDA what the caching allocator holds: three counts of one thing.
 
     python3 benchmarks/compiled_saved.py                          # the GPU test's size: 2 layers of 256, 2 x 256
     python3 benchmarks/compiled_saved.py --dim 4096 --ffn 11008 --heads 32 --batch 1 --seq 4096
@@ -38,12 +40,40 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=dev)
     machine = measure_machine(dev, cache_dir=tempfile.mkdtemp(), matmul_size=1024, adam_numel=1_000_000)
     for name, compiled in (("eager", False), ("compiled", True)):
-        prof = profile(model, ids, machine=machine, compiled=compiled)
+        prof = profile(model, ids, machine=machine, compiled=compiled, dtype=torch.bfloat16)
         b = prof.blocks[0]
         print(f"{name}: total {b.total_saved_bytes} selective {b.selective_saved_bytes} input {b.input_bytes}")
         print(f"  by kind {dict(b.saved_bytes)}")
         print(f"  saved sizes {sorted(b.saved_sizes, reverse=True)}")
         print(f"  kept sizes {sorted(b.kept_sizes, reverse=True)}")
+    from elbowroom import compile_blocks
+
+    compile_blocks(model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for step in range(2):  # the first compiles
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            logits = model(ids)
+        alive = torch.cuda.memory_allocated() - base if dev == "cuda" else None
+        seen, stack, held = set(), [logits.grad_fn], []
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            stack.extend(f for f, _ in node.next_functions)
+            if "Compiled" in type(node).__name__:
+                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for t in node.saved_tensors if t is not None}
+                held.append({k: v for k, v in storages.items() if k not in params})
+        if step == 1:
+            for i, h in enumerate(held):
+                print(f"compiled node {i}: holds {sum(h.values())} {sorted(h.values(), reverse=True)}")
+            print(f"allocated after the forward (blocks, head and logits): {alive}")
+        logits.float().sum().backward()
+        model.zero_grad(set_to_none=True)
 
 
 if __name__ == "__main__":
