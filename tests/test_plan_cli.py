@@ -260,3 +260,71 @@ def test_budget_hints_name_this_commands_flags(profile_file: str, capsys: pytest
     for extra in (["--dp-replicate", "2"], ["--dp-shard", "2"]):
         assert cmd_plan(["--profile", profile_file, "--budget", "1GiB", "--no-fused-loss", *extra]) == 2
         assert "the fused head and loss (no --no-fused-loss) shrinks" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ a local Hugging Face model (--hf DIR)
+def _hf_dir(tmp_path: Path, arch: str = "llama", positions: int = 256) -> Path:
+    transformers = pytest.importorskip("transformers")
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=260,
+                                       max_position_embeddings=positions)
+    else:
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=5, n_head=4, vocab_size=260, n_positions=positions)
+    d = tmp_path / arch
+    cfg.save_pretrained(d)
+    return d
+
+
+def test_a_hugging_face_directory_is_planned_from_its_config(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # a laptop's question before any GPU: does this model fit that card. Built on meta from config.json: the
+    # weights are never read (a corrupt weights file beside it changes nothing), one block row per layer
+    from elbowroom.plan import get_device, plan_for, profile
+
+    d = _hf_dir(tmp_path)
+    (d / "model.safetensors").write_bytes(b"not weights")
+    assert cmd_plan(["--hf", str(d), "--device", "h100", "--budget", "1GiB", "--batch", "2x128", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert len(got["blocks"]) == 3 and got["predicted_peak_bytes"] <= got["budget_bytes"] == 1 << 30
+    # the same plan as the library's, on the same model built on meta
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(d))
+    model.config.use_cache = False
+    ids = torch.zeros((2, 128), dtype=torch.long, device="meta")
+    prof = profile(model.train(), ids, source="analytic", machine=get_device("h100"))
+    want = plan_for(prof, 1 << 30, fused_loss_allowed=True, grad_clipping=True, gradient_offload_allowed=True)
+    assert got["predicted_peak_bytes"] == want.predicted_peak_bytes
+    assert got["predicted_step_seconds"] == pytest.approx(want.predicted_step_seconds)
+    # GPT-2's blocks (model.transformer.h), the default batch one sequence of the position table
+    assert cmd_plan(["--hf", str(_hf_dir(tmp_path, "gpt2")), "--device", "h100", "--budget", "1GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["blocks"]) == 5 and out["profile"]["seq_len"] == 256 and out["micro_batch"] == 1
+
+
+def test_hf_bad_input_returns_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = _hf_dir(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    long = _hf_dir(tmp_path / "long", positions=131072)
+    cases = [
+        (["--hf", str(tmp_path / "nope")], "is not a directory"),
+        (["--hf", str(empty)], "has no config.json"),
+        (["--hf", str(d), "--model", "w1"], "leave out --model and --arch"),
+        (["--hf", str(d), "--batch", "1x512"], "position table holds 256 tokens; pass at most 1x256"),
+        (["--hf", str(long)], "up to 131072 tokens; say which with --batch"),
+        (["--hf", str(d), "--profile", "p.json"], "--profile plans a saved profile, --hf profiles a model"),
+        (["--hf", str(d), "--budget", "1KiB"], "below the minimum"),
+    ]
+    out = tmp_path / "plan.toml"
+    for args, match in cases:
+        argv = ["--device", "h100", *args, "--out", str(out)]
+        if "--budget" not in args:
+            argv += ["--budget", "1GiB"]
+        assert cmd_plan(argv) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and match in err[0], (args, err)
+        assert not out.exists()

@@ -5,8 +5,10 @@
     elbowroom plan --model w1 --device h100-80gb --budget 24GiB [--batch 4x4096] [--precision bf16]
                    [--global-batch N] [--no-stream] [--json] [--out plan.toml]
     elbowroom plan --profile profile.json --budget 24GiB     # a saved Profile (Profile.to_dict() as JSON)
+    elbowroom plan --hf DIR --device rtx4090 --budget 20GiB --batch 2x2048   # a local Hugging Face causal LM
 
-The model is built on the meta device (no memory) and profiled analytically (bytes from a trace, speeds from
+The model (a preset, or a Hugging Face causal LM from the ``config.json`` of a local directory: no download, no
+weights read) is built on the meta device (no memory) and profiled analytically (bytes from a trace, speeds from
 the device table ``elbowroom.plan.devices``). Prints the plan's table (or its JSON with ``--json``) and the
 predicted peak and step time; ``--out`` saves the plan as TOML or JSON for ``Plan.load``. Bad input (an unknown
 model or device, a bad budget or batch, a budget below the minimum) prints one line on stderr and returns 2,
@@ -39,8 +41,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="elbowroom plan", description="Plan a training step under a device-memory budget.")
-    p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(_presets())} (default tiny)")
+    p.add_argument("--model", default=None, help=f"model preset: {', '.join(_presets())} (default tiny)")
     p.add_argument("--arch", choices=("llama", "gpt2"), default=None, help="block family (default: the preset's)")
+    p.add_argument("--hf", default=None, metavar="DIR", help="plan the Hugging Face causal LM of this local "
+                   "directory (its config.json; as `elbowroom train --model.hf DIR` trains it) instead of a preset")
     p.add_argument("--device", default=None, help="device of the table elbowroom.plan.devices, e.g. h100-80gb")
     p.add_argument("--host-memory", default=None, help="host memory of the machine planned for, e.g. 128GiB "
                    "(default: this machine's): the host optimizer state and pinned activations must fit it")
@@ -150,14 +154,40 @@ def _known_devices() -> list[str]:
     return sorted(DEVICES)
 
 
+def _hf_model(args: argparse.Namespace) -> tuple[Any, int]:
+    """The Hugging Face causal LM of ``--hf DIR`` on the meta device, and the longest sequence its position table
+    holds (0: none)."""
+    import torch
+
+    from elbowroom.config import ConfigError
+    from elbowroom.train.hf import _transformers, hf_max_positions, load_hf_config
+
+    if args.model is not None or args.arch is not None:
+        raise _UsageError("elbowroom plan: --hf plans the model of its directory; leave out --model and --arch")
+    try:
+        config = load_hf_config(args.hf)
+        transformers = _transformers()
+    except ConfigError as e:
+        raise _UsageError(f"elbowroom plan: --hf: {str(e).removeprefix('model.hf ')}") from None
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ValueError, KeyError) as e:
+        raise _UsageError(f"elbowroom plan: --hf {args.hf}: transformers cannot build a causal LM from its "
+                          f"config.json ({e})") from None
+    model.config.use_cache = False  # training: no KV cache
+    return model.train(), hf_max_positions(config) or 0
+
+
 def _profile_from_args(args: argparse.Namespace) -> Any:
     import torch
 
     from elbowroom.models import ModelConfig, build_model
     from elbowroom.models.decoder import PRESETS
 
-    if args.model not in PRESETS:
-        raise _UsageError(f"elbowroom plan: unknown model {args.model!r}; choose one of {', '.join(PRESETS)}")
+    if args.hf is None and (args.model or "tiny") not in PRESETS:
+        raise _UsageError(f"elbowroom plan: unknown model {args.model!r}; choose one of {', '.join(PRESETS)}, or "
+                          "pass --hf DIR for a local Hugging Face model")
     if args.device is None:
         raise _UsageError("elbowroom plan: --device is needed to profile a model (e.g. --device h100-80gb), or "
                           "pass --profile FILE.json")
@@ -168,15 +198,29 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
     except ValueError:
         raise _UsageError(f"elbowroom plan: unknown device {args.device!r}; known: {', '.join(_known_devices())} "
                           f"(aliases: {', '.join(ALIASES)})") from None
-    preset = PRESETS[args.model]
-    b, s = _parse_batch(args.batch) if args.batch else (1, preset.max_seq_len)
     try:
         from elbowroom.plan.profiler import profile
     except ImportError:
         raise _UsageError("elbowroom plan: the profiler (elbowroom.plan.profiler) is not in this build; pass "
                           "--profile FILE.json") from None
-    cfg = ModelConfig.from_preset(args.model, arch=args.arch, max_seq_len=max(preset.max_seq_len, s))
-    model = build_model(cfg, device="meta")
+    if args.hf is not None:
+        model, positions = _hf_model(args)
+        if args.batch:
+            b, s = _parse_batch(args.batch)
+        elif 0 < positions <= 8192:
+            b, s = 1, positions
+        else:
+            raise _UsageError(f"elbowroom plan: --hf {args.hf} holds sequences of up to "
+                              f"{positions or 'any number of'} tokens; say which with --batch SAMPLESxTOKENS, "
+                              "e.g. --batch 1x4096")
+        if positions and s > positions:
+            raise _UsageError(f"elbowroom plan: --batch {b}x{s}: the model's position table holds {positions} tokens; "
+                              f"pass at most {b}x{positions}")
+    else:
+        preset = PRESETS[args.model or "tiny"]
+        b, s = _parse_batch(args.batch) if args.batch else (1, preset.max_seq_len)
+        cfg = ModelConfig.from_preset(args.model or "tiny", arch=args.arch, max_seq_len=max(preset.max_seq_len, s))
+        model = build_model(cfg, device="meta")
     sample = torch.zeros((b, s), dtype=torch.long, device="meta")
     try:
         prof = profile(model, sample, source="analytic", machine=get_device(args.device, host_memory=args.host_bytes))
@@ -192,9 +236,13 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
 def _untied(args: argparse.Namespace) -> bool:
     """The preset's parameters outside the blocks are FSDP2 units of their own (no tied embedding), as the trainer
     wraps them; a profile read from a file does not say, and is planned with them gathered all step."""
+    if args.hf is not None:
+        from elbowroom.train.hf import load_hf_config
+
+        return not getattr(load_hf_config(args.hf), "tie_word_embeddings", False)
     from elbowroom.models import ModelConfig
 
-    return not ModelConfig.from_preset(args.model, arch=args.arch).tie_embeddings
+    return not ModelConfig.from_preset(args.model or "tiny", arch=args.arch).tie_embeddings
 
 
 def cmd_plan(argv: Sequence[str] | None = None) -> int:
@@ -227,6 +275,8 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"elbowroom plan: --fsdp-prefetch {args.fsdp_prefetch} needs --dp-shard above 1 and a "
                               "number of units >= 0")
         link = _shared_link(args.shared_link, args.dp_shard * args.dp_replicate)
+        if args.profile is not None and args.hf is not None:
+            raise _UsageError("elbowroom plan: --profile plans a saved profile, --hf profiles a model; pass one")
         if args.profile is not None:
             from elbowroom.config import file_kind
 
