@@ -168,7 +168,7 @@ def _hf_model(args: argparse.Namespace) -> tuple[Any, int]:
         config = load_hf_config(args.hf)
         transformers = _transformers()
     except ConfigError as e:
-        raise _UsageError(f"elbowroom plan: --hf: {str(e).removeprefix('model.hf ')}") from None
+        raise _UsageError(f"elbowroom plan: --hf {str(e).removeprefix('model.hf ')}") from None
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
