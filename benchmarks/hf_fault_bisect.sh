@@ -7,6 +7,7 @@
 # Each run is bounded, and runs that would pass DEADLINE are skipped; a table of outcomes ends the output.
 #
 #   export PYTHONPATH=$PWD; OUT=$OUT bash benchmarks/hf_fault_bisect.sh
+#   export PYTHONPATH=$PWD; OUT=$OUT ONLY="fit-recompiles-logged fit-stream-sanitizer" bash benchmarks/hf_fault_bisect.sh
 set -u
 OUT=${OUT:-/tmp/hf_fault}
 PLAN=${PLAN:-benchmarks/results/2026-11-28-s21/call4/plans/hf-llama-16GiB-compile.toml}
@@ -18,6 +19,7 @@ DEADLINE=${DEADLINE:-560}  # seconds from the start: a run that could end after 
 START=$SECONDS
 run() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   if (( SECONDS - START + secs > DEADLINE )); then
     names+=("$name"); results+=("skipped: ${secs}s would pass DEADLINE=${DEADLINE}s"); return
   fi
