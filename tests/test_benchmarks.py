@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from elbowroom.plan import Plan
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -52,10 +54,13 @@ def test_hugging_face_harnesses_compiled(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "hf.jsonl"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_fit.py"), "--arch", "llama", "--tiny",
-                           "--budgets", "1GiB", "--compile", "--steps", "3", "--warmup", "1", "--json", str(out)],
+                           "--budgets", "1GiB", "--compile", "--steps", "3", "--warmup", "1", "--json", str(out),
+                           "--save-plans", str(tmp_path / "plans")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     plain, fitted = [json.loads(line) for line in out.read_text().splitlines()]
+    saved = tmp_path / "plans" / "hf-llama-tiny-1GiB-compile.toml"  # written before the first step
+    assert Plan.load(saved).to_dict() == fitted["settings"]["mechanism"]["plan"]
     assert plain["mode"] == "plain+compile" and fitted["mode"] == "1GiB+compile"
     assert plain["loss_last"] < plain["loss_first"] and fitted["loss_last"] < fitted["loss_first"]
     assert "priced on the blocks compiled, as they run (compile_blocks)" in fitted["settings"]["mechanism"]["plan"][
@@ -69,6 +74,14 @@ def test_hugging_face_harnesses_compiled(tmp_path: Path) -> None:
         (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| mix |")]
         rows[bool(extra)] = json.loads(line.split("|")[4].strip())  # the three losses, or the fault's line
     assert len(rows[False]) == 3 and rows[False] == pytest.approx(rows[True], rel=1e-2)
+    # fit's saved plan applied in a fresh process, after fit's own profiles, with a variant of it: each trains
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_compiled_policies.py"), "--tiny", "--plan",
+                           str(saved), "--cases", "as-is,recompute-all", "--profile-first", "fit"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = {ln.split("|")[1].strip(): json.loads(ln.split("|")[4].strip()) for ln in proc.stdout.splitlines()
+           if ln.startswith(("| as-is |", "| recompute-all |"))}
+    assert len(got["as-is"]) == 3 and got["as-is"] == pytest.approx(got["recompute-all"], rel=1e-2)
 
 
 def test_bf16_model_mode_and_microbatch_harness(tmp_path: Path) -> None:
