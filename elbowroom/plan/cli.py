@@ -41,7 +41,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="elbowroom plan", description="Plan a training step under a device-memory budget.")
-    p.add_argument("--model", default=None, help=f"model preset: {', '.join(_presets())} (default tiny)")
+    p.add_argument("--model", default=None, help=f"model preset: {', '.join(_presets())} (default tiny), or a Hugging "
+                   "Face model's directory (as --hf)")
     p.add_argument("--arch", choices=("llama", "gpt2"), default=None, help="block family (default: the preset's)")
     p.add_argument("--hf", default=None, metavar="DIR", help="plan the Hugging Face causal LM of this local "
                    "directory (its config.json; as `elbowroom train --model.hf DIR` trains it) instead of a preset")
@@ -185,6 +186,9 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
     from elbowroom.models import ModelConfig, build_model
     from elbowroom.models.decoder import PRESETS
 
+    if args.hf is None and args.model not in PRESETS and args.model is not None and \
+            (Path(args.model) / "config.json").is_file():
+        args.hf, args.model = args.model, None  # a Hugging Face model's directory given as the model: --hf
     if args.hf is None and (args.model or "tiny") not in PRESETS:
         raise _UsageError(f"elbowroom plan: unknown model {args.model!r}; choose one of {', '.join(PRESETS)}, or "
                           "pass --hf DIR for a local Hugging Face model")
