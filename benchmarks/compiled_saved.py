@@ -2,7 +2,9 @@
 the reference Llama at a size given on the command line: the partitioner's saved bytes against eager autograd's
 (with elbowroom's Triton kernels where the device has them), and what selective recompute keeps in each. Then, with
 no hooks of the profile's, what the compiled blocks' autograd nodes hold after a forward under bf16 autocast (their
-saved tensors, parameters left out), and on CUDA what the caching allocator holds: three counts of one thing.
+saved tensors, parameters left out), and on CUDA what the caching allocator holds: three counts of one thing. Each
+compiled count twice: as ``compile_blocks`` compiles by default, and recomputing pointwise results in backward
+(``recompute_pointwise=True``).
 
     python3 benchmarks/compiled_saved.py                          # the GPU test's size: 2 layers of 256, 2 x 256
     python3 benchmarks/compiled_saved.py --dim 4096 --ffn 11008 --heads 32 --batch 1 --seq 4096
@@ -39,7 +41,8 @@ def main() -> None:
     model = build_model(cfg, device=dev)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=dev)
     machine = measure_machine(dev, cache_dir=tempfile.mkdtemp(), matmul_size=1024, adam_numel=1_000_000)
-    for name, compiled in (("eager", False), ("compiled", True)):
+    arms = (("eager", False), ("compiled", True), ("compiled, pointwise recomputed", {"recompute_pointwise": True}))
+    for name, compiled in arms:
         prof = profile(model, ids, machine=machine, compiled=compiled, dtype=torch.bfloat16)
         b = prof.blocks[0]
         print(f"{name}: total {b.total_saved_bytes} selective {b.selective_saved_bytes} input {b.input_bytes}")
@@ -47,8 +50,17 @@ def main() -> None:
         print(f"  saved sizes {sorted(b.saved_sizes, reverse=True)}")
         print(f"  kept sizes {sorted(b.kept_sizes, reverse=True)}")
     from elbowroom import compile_blocks
+    from elbowroom.activations import uncompile_blocks
 
-    compile_blocks(model)
+    for recompute_pointwise in (False, True):
+        print(f"-- the blocks compiled{', pointwise recomputed' if recompute_pointwise else ''}, no hooks:")
+        compile_blocks(model, recompute_pointwise=recompute_pointwise)
+        _held(model, ids, dev)
+        uncompile_blocks(model.blocks)
+
+
+def _held(model: torch.nn.Module, ids: torch.Tensor, dev: str) -> None:
+    """What the compiled blocks' autograd nodes hold after a forward (and on CUDA, what the allocator holds)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     for step in range(2):  # the first compiles
         if dev == "cuda":

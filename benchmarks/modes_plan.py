@@ -28,6 +28,8 @@
   ``+host=32GiB`` gives the planner that much host memory (``fit(host_memory=...)``; the row's
   ``host_B_per_offloaded_param`` is the optimizer's own count);
   ``+compile`` compiles the blocks in place and prices the plan on them compiled (``fit(compile=True)``);
+  ``+compile+rpw`` compiles them recomputing pointwise results in backward
+  (``fit(compile={"recompute_pointwise": True})``, ``elbowroom.activations.compiled.POINTWISE_RECOMPUTE``);
   ``+cap`` caps the process's CUDA allocator at the budget once the plan is applied
   (``torch.cuda.set_per_process_memory_fraction``), as on a device of the budget's size: the allocator then frees
   its cache and retries (``alloc_retries``) or runs out of memory, where an uncapped row only reports what it
@@ -75,7 +77,8 @@ def resolve(name: str) -> Callable[..., Setup] | None:
                                              fused=getattr(args, "fused_loss", False), clip="clip" in flags,
                                              split="gb" in flags, cap="cap" in flags, og="nog" not in flags,
                                              host=next((f[5:] for f in flags if f.startswith("host=")), None),
-                                             compiled="compile" in flags)
+                                             compiled=({"recompute_pointwise": True} if "rpw" in flags else True)
+                                             if "compile" in flags else False)
     return None
 
 
@@ -94,7 +97,7 @@ def _cap_at(budget_bytes: int) -> float | None:
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
            plan_file: str | None = None, fused: bool = False, clip: bool = False,
            split: bool = False, uniform: str | None = None, cap: bool = False, og: bool = True,
-           host: str | None = None, compiled: bool = False) -> Setup:
+           host: str | None = None, compiled: bool | dict[str, Any] = False) -> Setup:
     import os
 
     from elbowroom.plan import Plan, apply, fit
@@ -110,7 +113,8 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
     else:
         # the harness's loss (cross-entropy over its own targets) and loop (no clipping: the host step may start
         # as soon as the late blocks' gradients are final)
-        with _kept_profiles(getattr(args, "workload", "model"), precision + ("-compiled" if compiled else "")):
+        kept = precision + ("-compiled" if compiled else "") + ("-rpw" if isinstance(compiled, dict) else "")
+        with _kept_profiles(getattr(args, "workload", "model"), kept):
             model, opt, plan = fit(model, (idx, tgt), budget=budget, precision=precision, fused_loss=fused,
                                    source="measured", grad_clipping=clip, lr=1e-4, fused=True,
                                    # the workload's step as the global batch: with +gb, or when it accumulates

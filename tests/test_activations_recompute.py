@@ -827,3 +827,32 @@ def test_what_compile_blocks_compiles_of_each_policy(tp: bool) -> None:
         assert arrangement(blk, _wrap.get_policy(blk), tensor_parallel=tp) == how, pol
         if not tp:
             assert arrangement(blk, _wrap.get_policy(blk)) == how  # (these blocks' parameters are plain tensors)
+
+
+def test_compiled_blocks_recomputing_pointwise_save_less_and_train_alike() -> None:
+    # compile_blocks(recompute_pointwise=True): the partitioner recomputes in backward the pointwise results it would
+    # save (autocast's bf16 casts of the fp32 weights, the gate's product...): a kept block saves fewer bytes, the
+    # gradients are plain compiled's, and in one process a block compiled without the option keeps its own graph
+    # (the compiler's cache entries are guarded on the backend, not on the partitioner's settings)
+    from elbowroom.activations import compile_blocks, uncompile_blocks
+
+    model = small_model("llama", dropout=0.0, n_layers=2)
+    idx = batch()
+
+    def run(recompute_pointwise: bool) -> tuple[int, dict[str, torch.Tensor]]:
+        m = copy.deepcopy(model)
+        compile_blocks(m, recompute_pointwise=recompute_pointwise)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            saved = sum(n for _, n, _, _ in _saved_storages(m, idx))
+            got = grads(m, idx)
+        uncompile_blocks(m.blocks)
+        return saved, got
+
+    torch._dynamo.reset()
+    plain_bytes, plain_grads = run(False)
+    less_bytes, less_grads = run(True)
+    again_bytes, _ = run(False)
+    assert less_bytes < 0.6 * plain_bytes and again_bytes == plain_bytes  # (445 against 216 KB here)
+    assert_grads_close(less_grads, plain_grads)  # the recompute rounds as the forward did: equal
+    with pytest.raises(ValueError, match="compiles with inductor"):
+        compile_blocks(copy.deepcopy(model), recompute_pointwise=True, backend="eager")

@@ -237,6 +237,26 @@ def test_fit_compiled_prices_and_runs_the_compiled_blocks() -> None:
         fit(hf_llama(), IDS, budget="1GiB", source="analytic", machine=DEVICE, compile=True)
 
 
+def test_fit_compiled_with_compile_blocks_options() -> None:
+    # fit(compile={...}): compile_blocks' keyword arguments, the profile compiled so too (its extra says how) and the
+    # plan priced on what those blocks save; the loop trains as the plain one does. An unknown key is refused
+    # before any profiling
+    from elbowroom.plan.profiler import profile
+
+    ref = hf_llama()
+    opts = {"recompute_pointwise": True}
+    prof = profile(copy.deepcopy(ref), IDS, machine="cpu", compiled=opts, warmup=1, iters=1)
+    assert prof.extra["compile_options"] == opts and prof.extra["compiled_blocks"] is True
+    big = 4 * plan_for(prof, 1 << 40, offload_config=KNOBS).predicted_peak_bytes
+    model, opt, plan = fit(copy.deepcopy(ref), IDS, budget=big, machine="cpu", compile=opts, lr=1e-2,
+                           offload_config=KNOBS)
+    got = train(model, opt, 3)
+    want = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3)
+    assert got == pytest.approx(want, rel=1e-4)
+    with pytest.raises(ValueError, match=r"not \['recompute'\]"):
+        fit(hf_llama(), IDS, budget=big, machine="cpu", compile={"recompute": True})
+
+
 def test_compiled_fit_warns_on_a_hugging_face_model_on_cuda() -> None:
     # the open fault of fit(compile=True) on Hugging Face models on CUDA: warned there, nowhere else (on meta here:
     # what decides is the parameters' device type, which the test fakes with one CUDA-typed view per model)

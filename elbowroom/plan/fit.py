@@ -99,7 +99,7 @@ def fit(
     reentrant: bool | None = None,
     stream: bool | None = None,
     host_memory: str | int | None = None,
-    compile: bool = False,
+    compile: bool | dict[str, Any] = False,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -181,7 +181,8 @@ def fit(
             measures their times and the bytes they save with the blocks compiled (a compiled block kept whole
             saves what the compiler's partition keeps, W1-shaped blocks on CPU about a fifth less, and a selective
             one drops its per-op host work). Measured profiles only; whole blocks then recompute with the
-            non-reentrant checkpoint.
+            non-reentrant checkpoint. A dict: compiled so, with these keyword arguments of ``compile_blocks``
+            (``{"recompute_pointwise": True}``), in the profile and in the run alike.
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
 
     Returns:
@@ -206,6 +207,14 @@ def fit(
     resolve_blocks(model, blocks)  # no repeated blocks: say so before profiling
     from elbowroom.plan.profiler import profile as take_profile  # the profiler: imported when first needed
 
+    compile_options = dict(compile) if isinstance(compile, dict) else {}
+    if compile_options:
+        unknown = set(compile_options) - {"recompute_pointwise", "mode", "fullgraph", "dynamic", "backend", "options"}
+        if unknown:
+            raise ValueError(f"fit(compile=...) takes compile_blocks' keyword arguments (recompute_pointwise, and "
+                             f"torch.compile's mode, fullgraph, dynamic, backend, options), not {sorted(unknown)}")
+    compile = isinstance(compile, dict) or bool(compile)
+    compiled_as: bool | dict[str, Any] = compile_options or compile  # what the profiles compile with
     if compile:  # (an analytic profile refuses compiled=True: it prices eager blocks)
         reentrant = False  # torch.compile traces the non-reentrant checkpoint only
     if reentrant is None:
@@ -213,7 +222,7 @@ def fit(
 
         reentrant = reentrant_default()
     prof_kwargs: dict[str, Any] = {"source": source, "machine": machine, "blocks": blocks, "cache_dir": cache_dir,
-                                   "dtype": compute_dtype, "reentrant": reentrant, "compiled": compile}
+                                   "dtype": compute_dtype, "reentrant": reentrant, "compiled": compiled_as}
     if loss_fn is not None:
         prof_kwargs["loss_fn"] = loss_fn
     prof = take_profile(model, sample_batch, **prof_kwargs)
@@ -224,7 +233,8 @@ def fit(
     prof = with_host_memory(prof, host_bytes)
     bf16_prof = None
     if precision == "bf16" and prof.param_dtype != "bfloat16" and prof.compute_dtype == "bfloat16":
-        bf16_prof = profile_bf16_copy(model, sample_batch, prof, take_profile, loss_fn, reentrant, compiled=compile)
+        bf16_prof = profile_bf16_copy(model, sample_batch, prof, take_profile, loss_fn, reentrant,
+                                      compiled=compiled_as)
     plan = plan_for(
         prof,
         budget_bytes,
@@ -247,7 +257,7 @@ def fit(
     if compile:
         from elbowroom.activations import compile_blocks
 
-        compile_blocks(model, blocks=resolve_blocks(model, blocks))
+        compile_blocks(model, blocks=resolve_blocks(model, blocks), **compile_options)
         warning = compiled_fit_warning(model)
         if warning:
             logger.warning("%s", warning)
@@ -270,7 +280,8 @@ def compiled_fit_warning(model: nn.Module) -> str | None:
 
 
 def profile_bf16_copy(model: nn.Module, sample_batch: Any, prof: Any, take_profile: Callable[..., Any],
-                      loss_fn: Callable[..., torch.Tensor] | None, reentrant: bool, compiled: bool = False) -> Any:
+                      loss_fn: Callable[..., torch.Tensor] | None, reentrant: bool,
+                      compiled: bool | dict[str, Any] = False) -> Any:
     """The model with bf16 weights, profiled: measured on a bf16 copy on the device when the model was
     measured there (its bytes and its times: a bf16 model runs its norms and residuals in bf16 and casts no
     weights, W1 11% and GPT-2-XL 15% faster than fp32 weights under autocast on the H100, ``BENCHMARKS.md``),

@@ -249,7 +249,7 @@ def profile(
     warmup: int = 1,
     iters: int = 3,
     reentrant: bool | None = None,
-    compiled: bool = False,
+    compiled: bool | Mapping[str, Any] = False,
 ) -> Profile:
     """Profile ``model`` on one micro-batch: per block saved bytes by kind and times, the head, the machine.
 
@@ -281,7 +281,9 @@ def profile(
             ``--train.compile``): the times are measured with the blocks compiled, and so are the bytes they save
             kept whole and under selective recompute (saved-tensor hooks alone: the op recorder cannot see inside
             a compiled block, so those bytes are not split by kind). Measured source only; whole-block recompute
-            then uses the non-reentrant checkpoint, which the compiler traces.
+            then uses the non-reentrant checkpoint, which the compiler traces. A dict: compiled so, with these
+            keyword arguments of ``compile_blocks`` (``{"recompute_pointwise": True}``, ``{"mode": ...}``), as the
+            run will compile them; recorded in ``extra["compile_options"]``.
 
     Returns:
         The :class:`Profile`.
@@ -309,6 +311,8 @@ def profile(
         device = torch.device("meta")
     if warmup < 0 or iters < 1:
         raise ValueError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
+    compile_options = dict(compiled) if isinstance(compiled, Mapping) else {}
+    compiled = isinstance(compiled, Mapping) or bool(compiled)
     if compiled and source != "measured":
         raise ValueError("compiled=True needs a measured profile: the analytic one prices eager blocks")
     if compiled:
@@ -342,7 +346,8 @@ def profile(
     micro_batch, seq_len = _batch_shape(batch)
     step = _Step(model, batch, loss_fn)
     runner = _Runner(model, block_list, step, device, autocast_dtype, target,
-                     reentrant_default() if reentrant is None else reentrant, compiled=compiled)
+                     reentrant_default() if reentrant is None else reentrant, compiled=compiled,
+                     compile_options=compile_options)
 
     too_big = False
     with runner.preserved():
@@ -371,6 +376,8 @@ def profile(
     if source == "measured":  # which checkpoint the recompute times are of, and whether the blocks ran compiled
         prof = dataclasses.replace(prof, extra={**prof.extra, "reentrant_recompute": runner.reentrant,
                                                 "compiled_blocks": compiled and not too_big})
+        if compile_options and compiled and not too_big:
+            prof = dataclasses.replace(prof, extra={**prof.extra, "compile_options": compile_options})
     return prof
 
 
@@ -421,10 +428,11 @@ class _Runner:
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], step: _Step, device: torch.device,
                  autocast_dtype: torch.dtype | None, target: str, reentrant: bool = False,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, compile_options: dict[str, Any] | None = None) -> None:
         self.model, self.blocks, self.step, self.device = model, blocks, step, device
         self.reentrant = reentrant  # whole blocks recompute with torch's reentrant checkpoint
         self.compiled = compiled  # the timed steps (and compiled_saved) run the blocks compiled
+        self.compile_options = compile_options or {}  # compile_blocks' keyword arguments
         self.autocast_dtype, self.target = autocast_dtype, target
         self.clock = Clock(device)
         self.allocator_overhead = 0
@@ -513,7 +521,7 @@ class _Runner:
             else:
                 checkpoint(b, mode, use_reentrant=self.reentrant and mode == "full")
         if compiled:
-            compile_blocks(self.model, blocks=self.blocks)
+            compile_blocks(self.model, blocks=self.blocks, **self.compile_options)
 
     def compiled_saved(self) -> dict[str | None, Tracer]:
         """What the compiled blocks save, kept whole (None) and under selective recompute: one step each with the
