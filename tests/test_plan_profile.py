@@ -4,6 +4,7 @@ table and the machine measurement, and a model left exactly as it was."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -455,18 +456,8 @@ def test_compiled_profile_on_cuda(tmp_path) -> None:
         assert "forward" not in blk.__dict__ and not any(k.startswith("_elbowroom") for k in blk.__dict__)
     assert all(p.grad is None for p in model.parameters())
     compile_blocks(model)
-    for _ in range(2):  # the first compiles
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(ids)
-        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-        del logits
-        alive = torch.cuda.memory_allocated() - base
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-    predicted = (sum(b.total_saved_bytes for b in compiled.blocks) + compiled.head.saved_bytes
-                 + sum(compiled.extra["state_saved_bytes"]) + compiled.extra["head_state_saved_bytes"])
+    _alive_after_forward(model, ids)  # the first compiles
+    alive, predicted = _alive_after_forward(model, ids), _predicted_alive(compiled)
     # never fewer bytes than the allocator holds (a plan priced on them would overrun its budget). The H200 held
     # 14.3 MB of 17.7 predicted: 3.4 MB over, which is what the bf16 casts of the two blocks' matmul weights weigh;
     # the profile counts them because the compiled graph saves them (on CPU, its autograd nodes hold them), and the
@@ -507,6 +498,27 @@ def test_analytic_equals_measured_on_cuda_reference_llama_eager_swiglu() -> None
     _assert_same_bytes(measured, analytic, slack=64)
 
 
+def _alive_after_forward(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """The bytes the caching allocator holds after a forward under bf16 autocast and its loss (the step's backward
+    then runs, so that nothing stays)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(ids)
+    loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+    del logits
+    alive = torch.cuda.memory_allocated() - base
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return alive
+
+
+def _predicted_alive(prof: Any) -> int:
+    """What a profile says a forward leaves alive: the blocks' and the head's saved bytes, and their state's."""
+    return (sum(b.total_saved_bytes for b in prof.blocks) + prof.head.saved_bytes
+            + sum(prof.extra["state_saved_bytes"]) + prof.extra["head_state_saved_bytes"])
+
+
 @pytest.mark.gpu
 def test_saved_bytes_match_the_allocator_on_cuda() -> None:
     # what the profile says a plain forward keeps alive, against what the caching allocator holds after it
@@ -515,17 +527,7 @@ def test_saved_bytes_match_the_allocator_on_cuda() -> None:
     torch.manual_seed(0)
     model = build_model(cfg, device="cuda")
     prof = profile(model, ids, machine=get_device("h100-80gb"))
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = model(ids)
-    loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-    del logits
-    alive = torch.cuda.memory_allocated() - base
-    predicted = (sum(b.total_saved_bytes for b in prof.blocks) + prof.head.saved_bytes
-                 + sum(prof.extra["state_saved_bytes"]) + prof.extra["head_state_saved_bytes"])
-    loss.backward()
-    model.zero_grad(set_to_none=True)
+    alive, predicted = _alive_after_forward(model, ids), _predicted_alive(prof)
     # the allocator rounds every block up to 512 bytes; the head's state includes the ids (not allocated here)
     assert 0.95 * predicted <= alive <= predicted * 1.1 + (4 << 20)
 
