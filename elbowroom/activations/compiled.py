@@ -152,7 +152,12 @@ def _compile(fn: Any, recompute_pointwise: bool, compile_kwargs: dict[str, Any])
                          f"{kwargs['backend']!r}")
     kwargs.pop("backend", None)
     mode = kwargs.pop("mode", None)
-    patches = dict(torch._inductor.list_mode_options(mode)) if mode not in (None, "default") else {}
+    if mode not in (None, "default"):
+        from torch._inductor import list_mode_options
+
+        patches = dict(list_mode_options(mode))
+    else:
+        patches = {}
     patches.update(kwargs.pop("options", None) or {})
     return torch.compile(fn, backend=_pointwise_backend(tuple(sorted(patches.items()))), **kwargs)
 
