@@ -270,7 +270,11 @@ def test_compiled_fit_warns_on_a_hugging_face_model_on_cuda() -> None:
     class OnCuda:
         device = torch.device("cuda")
 
-    for model in (hf, ours):
+    from elbowroom.train.hf import HFCausalLM
+
+    wrapped = HFCausalLM(hf_llama())  # as the trainer's --model.hf holds it
+    for model in (hf, ours, wrapped):
         model.parameters = lambda: iter([OnCuda()])  # noqa: B023 (one model at a time)
     assert "compile=True" in compiled_fit_warning(hf) and "LlamaForCausalLM" in compiled_fit_warning(hf)
+    assert "LlamaForCausalLM" in compiled_fit_warning(wrapped)
     assert compiled_fit_warning(ours) is None

@@ -270,11 +270,12 @@ def compiled_fit_warning(model: nn.Module) -> str | None:
     model on a CUDA device, where a planned run died with an illegal memory access in its first steps (an open
     fault, ``BENCHMARKS.md``, twentieth and twenty-first sessions; the same plan applied in a fresh process trains).
     None elsewhere."""
-    if not type(model).__module__.startswith("transformers."):
+    hf = next((m for m in model.modules() if type(m).__module__.startswith("transformers.")), None)
+    if hf is None:  # (the trainer's --model.hf wraps the Hugging Face model: any module of it counts)
         return None
     if not any(p.device.type == "cuda" for p in model.parameters()):
         return None
-    return (f"fit(compile=True) on a Hugging Face model ({type(model).__name__}) on CUDA: a planned run of this kind "
+    return (f"fit(compile=True) on a Hugging Face model ({type(hf).__name__}) on CUDA: a planned run of this kind "
             "has died with an illegal memory access in its first steps (an open fault, see the README's known "
             "issue); plan it without compile=True (--train.compile off) until that is fixed")
 
