@@ -250,6 +250,7 @@ def test_fit_compiled_with_compile_blocks_options() -> None:
     big = 4 * plan_for(prof, 1 << 40, offload_config=KNOBS).predicted_peak_bytes
     model, opt, plan = fit(copy.deepcopy(ref), IDS, budget=big, machine="cpu", compile=opts, lr=1e-2,
                            offload_config=KNOBS)
+    assert "the blocks compiled with compile_blocks(recompute_pointwise=True)" in plan.notes
     got = train(model, opt, 3)
     want = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3)
     assert got == pytest.approx(want, rel=1e-4)

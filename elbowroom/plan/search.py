@@ -305,6 +305,9 @@ def plan_for(
         notes.append(f"{m.name} has no host link in the profile: nothing is offloaded")
     if profile.extra.get("compiled_blocks"):
         notes.append(COMPILED_NOTE)
+        if profile.extra.get("compile_options"):  # to run as priced, compile with the same options
+            compiled_with = ", ".join(f"{k}={v!r}" for k, v in sorted(profile.extra["compile_options"].items()))
+            notes.append(f"the blocks compiled with compile_blocks({compiled_with})")
     layouts, layout_notes = cost.layouts_for(profile, precision)
     notes += layout_notes
     if weight_layouts is not None:
