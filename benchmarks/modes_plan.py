@@ -7,7 +7,8 @@
   weights under autocast; ``fit_bf16@<budget>`` also allows bf16 device weights with fp32 masters (the row says
   which the plan chose). ``+fl`` lets the planner use the fused head and loss; the row follows the plan's choice.
 - ``plan@<file>``: apply a Plan file (TOML or JSON) as it is: a hand plan is a file, not a mode name
-  (``plan@<file>+cap``: capped at the plan's budget, as below)
+  (``plan@<file>+cap``: capped at the plan's budget, as below; ``+compile``: its blocks compiled after it is
+  applied, for a plan priced on compiled blocks)
   (``ELBOWROOM_BENCH_CPU_THREADS=N``: its host optimizer step on N threads; for ``fit`` modes too;
   ``ELBOWROOM_BENCH_STEP_ORDER=arrival|needed_first``: the order of the host steps with offloaded gradients,
   ``CPUOffloadConfig.step_order``).
@@ -66,8 +67,9 @@ def resolve(name: str) -> Callable[..., Setup] | None:
             arg = name[len(prefix):]
             if prefix == "plan@":
                 path, _, rest = arg.partition("+")
-                capped = "cap" in rest.split("+")
-                return lambda model, args: _setup(model, args, plan_file=path, fused=False, cap=capped)
+                capped, compiled = "cap" in rest.split("+"), "compile" in rest.split("+")
+                return lambda model, args: _setup(model, args, plan_file=path, fused=False, cap=capped,
+                                                 compiled=compiled)
             if prefix == "uniform@":
                 return lambda model, args: _setup(model, args, uniform=arg.split("+")[0],
                                                  fused=getattr(args, "fused_loss", False))
@@ -110,6 +112,10 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
     elif plan_file is not None:
         plan = Plan.load(plan_file)
         model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True, **_offload_config(plan))
+        if compiled:  # plan@FILE+compile: the blocks compiled after the plan is applied, as fit(compile=True) does
+            from elbowroom.activations import compile_blocks
+
+            compile_blocks(model, **(compiled if isinstance(compiled, dict) else {}))
     else:
         # the harness's loss (cross-entropy over its own targets) and loop (no clipping: the host step may start
         # as soon as the late blocks' gradients are final)
