@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The open fault of fit(compile=True) on a Hugging Face Llama (BENCHMARKS.md, twentieth and twenty-first sessions),
 # bisected in one device call, the most telling first: fit with expandable segments on from the start (so that no
-# profile switches the allocator setting at run time); fit's own plan applied in a fresh process after what fit does
+# profile switches the allocator setting at run time); fit with the compiler's caches cleared between its profiles
+# and apply (so that the planned run compiles its own graphs, as a fresh process does); fit's own plan applied in a fresh process after what fit does
 # first (its profiles), with and without the compiler's caches cleared; the three counts of what a compiled block
 # saves (compiled_saved.py); fit with the compiler's recompilations logged; fit under PyTorch's CUDA stream sanitizer.
 # Each run is bounded, and runs that would pass DEADLINE are skipped; a table of outcomes ends the output.
@@ -35,6 +36,7 @@ run() {  # name, seconds, command...
   echo "== $name: $what" >&2
 }
 run fit-expandable-from-start 130 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${FIT[@]}"
+run fit-dynamo-reset 130 "${FIT[@]}" --dynamo-reset
 run plan-after-fit-profiles 150 python3 benchmarks/hf_compiled_policies.py --plan "$PLAN" --cases as-is --profile-first fit $T
 run plan-after-fit-profiles-reset 150 python3 benchmarks/hf_compiled_policies.py --plan "$PLAN" --cases as-is \
   --profile-first fit --dynamo-reset $T

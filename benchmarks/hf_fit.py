@@ -203,7 +203,19 @@ def main() -> None:
                     "then hold their budget only as planned)")
     ap.add_argument("--no-donate", action="store_true", help="torch._functorch.config.donated_buffer = False: the "
                     "compiled backward writes no intermediate into the tensors saved for it (a diagnostic)")
+    ap.add_argument("--dynamo-reset", action="store_true", help="torch._dynamo.reset() inside fit, after its "
+                    "profiles and before it applies the plan (a diagnostic: no compiled code of the profiles reused)")
     args = ap.parse_args()
+    if args.dynamo_reset:
+        import elbowroom.plan.search as search  # (fit imports plan_for from here when it runs)
+
+        plan_for = search.plan_for
+
+        def reset_then_plan(*a: Any, **k: Any) -> Any:  # fit plans once, between its profiles and apply
+            torch._dynamo.reset()
+            return plan_for(*a, **k)
+
+        search.plan_for = reset_then_plan
     if args.no_donate:
         importlib.import_module("torch._functorch.config").donated_buffer = False
     if args.batch is None:
