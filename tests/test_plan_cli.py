@@ -300,9 +300,10 @@ def test_a_hugging_face_directory_is_planned_from_its_config(tmp_path: Path,
     want = plan_for(prof, 1 << 30, fused_loss_allowed=True, grad_clipping=True, gradient_offload_allowed=True)
     assert got["predicted_peak_bytes"] == want.predicted_peak_bytes
     assert got["predicted_step_seconds"] == pytest.approx(want.predicted_step_seconds)
-    # the directory given as --model (a new user's first try) is planned as --hf
-    assert cmd_plan(["--model", str(d), "--device", "h100", "--budget", "1GiB", "--batch", "2x128", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == got
+    # the directory given as --model (a new user's first try), or as the trainer's --model.hf, is planned as --hf
+    for flag in ("--model", "--model.hf"):
+        assert cmd_plan([flag, str(d), "--device", "h100", "--budget", "1GiB", "--batch", "2x128", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == got
     # GPT-2's blocks (model.transformer.h), the default batch one sequence of the position table
     assert cmd_plan(["--hf", str(_hf_dir(tmp_path, "gpt2")), "--device", "h100", "--budget", "1GiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

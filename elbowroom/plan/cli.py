@@ -44,8 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help=f"model preset: {', '.join(_presets())} (default tiny), or a Hugging "
                    "Face model's directory (as --hf)")
     p.add_argument("--arch", choices=("llama", "gpt2"), default=None, help="block family (default: the preset's)")
-    p.add_argument("--hf", default=None, metavar="DIR", help="plan the Hugging Face causal LM of this local "
-                   "directory (its config.json; as `elbowroom train --model.hf DIR` trains it) instead of a preset")
+    p.add_argument("--hf", "--model.hf", dest="hf", default=None, metavar="DIR", help="plan the Hugging Face causal "
+                   "LM of this local directory (its config.json; as `elbowroom train --model.hf DIR` trains it) "
+                   "instead of a preset")
     p.add_argument("--device", default=None, help="device of the table elbowroom.plan.devices, e.g. h100-80gb")
     p.add_argument("--host-memory", default=None, help="host memory of the machine planned for, e.g. 128GiB "
                    "(default: this machine's): the host optimizer state and pinned activations must fit it")
