@@ -40,13 +40,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 COUNTS = {"now": None, "grad-once": 2, "weight-only": 1}  # multiples of the offloaded dtype's item size
 
 
+_OWN_COUNT: Any = None  # the cost model's own streaming.device_bytes_per_param, kept when first replaced
+
+
 def _count(times: int | None) -> None:
     """Make the cost model count ``times`` items of the offloaded dtype per streamed parameter (None: its own)."""
+    global _OWN_COUNT
     from elbowroom.plan import cost, search, streaming
 
-    if not hasattr(streaming, "_own_count"):
-        streaming._own_count = streaming.device_bytes_per_param
-    streaming.device_bytes_per_param = (streaming._own_count if times is None
+    if _OWN_COUNT is None:
+        _OWN_COUNT = streaming.device_bytes_per_param
+    streaming.device_bytes_per_param = (_OWN_COUNT if times is None
                                         else lambda dtype: (4 if dtype == "float32" else 2) * times)
     for mod in (search, cost, streaming):  # (memoised prices would keep the old count)
         for name in dir(mod):
@@ -80,9 +84,9 @@ def check_rows(results: Path, times: int) -> None:
         for line in jf.read_text().splitlines():
             row = json.loads(line)
             plan_dict = ((row.get("settings") or {}).get("mechanism") or {}).get("plan")
-            if not plan_dict or "reserved_peak_GiB" not in row or not Plan.from_dict(plan_dict).optimizer_stream_blocks:
+            plan = Plan.from_dict(plan_dict) if plan_dict else None
+            if plan is None or "reserved_peak_GiB" not in row or not plan.optimizer_stream_blocks:
                 continue
-            plan = Plan.from_dict(plan_dict)
             name = (f"{prefix}{row['workload']}-{'bf16' if row['mode'].startswith('fit_bf16') else 'fp32'}"
                     f"{'-compiled' if '+compile' in row['mode'] else ''}")
             if not (folder / f"{name}-0.json").exists():

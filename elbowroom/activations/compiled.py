@@ -60,7 +60,7 @@ POINTWISE_RECOMPUTE = {"ban_recompute_materialized_backward": False}
 recompute in backward the pointwise results a backward kernel would read whole (by default it saves them), such as
 autocast's bf16 casts of fp32 weights (it saves the free weight instead) and an activation's product with its gate.
 On CPU a W1-shaped block (dim 256) kept whole saved 29% fewer bytes with bf16 weights, and 46% fewer with fp32
-weights under autocast (``benchmarks/compiled_saved.py``)."""
+weights under autocast (the latter: ``benchmarks/compiled_saved.py``)."""
 
 
 def compile_blocks(model: nn.Module, blocks: nn.ModuleList | None = None, *, recompute_pointwise: bool = False,

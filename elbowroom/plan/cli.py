@@ -162,15 +162,16 @@ def _hf_model(args: argparse.Namespace) -> tuple[Any, int]:
     import torch
 
     from elbowroom.config import ConfigError
-    from elbowroom.train.hf import _transformers, hf_max_positions, load_hf_config
+    from elbowroom.train.hf import hf_max_positions, load_hf_config
 
     if args.model is not None or args.arch is not None:
         raise _UsageError("elbowroom plan: --hf plans the model of its directory; leave out --model and --arch")
     try:
-        config = load_hf_config(args.hf)
-        transformers = _transformers()
+        config = load_hf_config(args.hf)  # (it says how to install transformers where it is missing)
     except ConfigError as e:
         raise _UsageError(f"elbowroom plan: --hf {str(e).removeprefix('model.hf ')}") from None
+    import transformers
+
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -376,9 +377,10 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-_HF_TIME_NOTE = ("times are the device table's, for efficient kernels: a Hugging Face model's own eager layers ran "
-                 "about 1.5x slower (TinyLlama's shape on an H200: 0.179 s a step against 0.108 predicted, 0.121 "
-                 "with its blocks compiled); the memory held within 3%. fit() measures the model itself")
+_HF_TIME_NOTE = ("times are the device table's, for efficient kernels: a Hugging Face model's own eager layers took "
+                 "about 1.7x the predicted time (TinyLlama's shape on an H200: 0.179 s a step against 0.108 "
+                 "predicted, 0.121 with its blocks compiled); the memory held within 3%. fit() measures the model "
+                 "itself")
 _LINK_ALONE_NOTE = ("copies priced at one GPU's link alone: the ranks of a host may share it (4 H200s: 21 GB/s each "
                     "way with all copying, 49 alone); --shared-link gives the shared rates, which the trainer "
                     "measures itself")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -208,13 +209,12 @@ def fit(
     from elbowroom.plan.profiler import profile as take_profile  # the profiler: imported when first needed
 
     compile_options = dict(compile) if isinstance(compile, dict) else {}
-    if compile_options:
-        unknown = set(compile_options) - {"recompute_pointwise", "mode", "fullgraph", "dynamic", "backend", "options"}
-        if unknown:
-            raise ValueError(f"fit(compile=...) takes compile_blocks' keyword arguments (recompute_pointwise, and "
-                             f"torch.compile's mode, fullgraph, dynamic, backend, options), not {sorted(unknown)}")
+    known = {"recompute_pointwise", *inspect.signature(torch.compile).parameters} - {"model"}
+    if set(compile_options) - known:  # said before any profiling
+        raise ValueError(f"fit(compile=...) takes compile_blocks' keyword arguments ({', '.join(sorted(known))}), "
+                         f"not {sorted(set(compile_options) - known)}")
+    compiled_as = compile  # what the profiles compile with: the same bool or options (profile takes either)
     compile = isinstance(compile, dict) or bool(compile)
-    compiled_as: bool | dict[str, Any] = compile_options or compile  # what the profiles compile with
     if compile:  # (an analytic profile refuses compiled=True: it prices eager blocks)
         reentrant = False  # torch.compile traces the non-reentrant checkpoint only
     if reentrant is None:

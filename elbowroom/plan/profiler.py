@@ -374,10 +374,9 @@ def profile(
             as_compiled,
         )
     if source == "measured":  # which checkpoint the recompute times are of, and whether the blocks ran compiled
+        options = {"compile_options": compile_options} if compile_options and compiled and not too_big else {}
         prof = dataclasses.replace(prof, extra={**prof.extra, "reentrant_recompute": runner.reentrant,
-                                                "compiled_blocks": compiled and not too_big})
-        if compile_options and compiled and not too_big:
-            prof = dataclasses.replace(prof, extra={**prof.extra, "compile_options": compile_options})
+                                                "compiled_blocks": compiled and not too_big, **options})
     return prof
 
 
