@@ -5,7 +5,7 @@
 # and apply (so that the planned run compiles its own graphs, as a fresh process does); fit's own plan applied in a fresh process after what fit does
 # first (its profiles), with and without the compiler's caches cleared; the three counts of what a compiled block
 # saves (compiled_saved.py); fit with the compiler's recompilations logged; fit under PyTorch's CUDA stream sanitizer.
-# Each run is bounded, and runs that would pass DEADLINE are skipped; a table of outcomes ends the output.
+# (The outcome reads the CUDA error itself, not the words: fit's own warning names the fault.) Each run is bounded, and runs that would pass DEADLINE are skipped; a table of outcomes ends the output.
 #
 #   export PYTHONPATH=$PWD; OUT=$OUT bash benchmarks/hf_fault_bisect.sh
 #   export PYTHONPATH=$PWD; OUT=$OUT ONLY="fit-recompiles-logged fit-stream-sanitizer" bash benchmarks/hf_fault_bisect.sh
@@ -27,7 +27,7 @@ run() {  # name, seconds, command...
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   local what
-  if grep -q "illegal memory access" "$OUT/$name.log"; then what="illegal memory access"
+  if grep -q "CUDA error: an illegal memory access" "$OUT/$name.log"; then what="illegal memory access"
   elif [ $rc -eq 124 ]; then what="timed out after ${secs}s"
   elif [ $rc -ne 0 ]; then what="rc $rc: $(grep -E 'Error|error' "$OUT/$name.log" | tail -1 | cut -c1-120)"
   elif grep -q "rc [0-9]" "$OUT/$name.log"; then what="a case failed: $(grep '^| ' "$OUT/$name.log" | tail -1 | cut -c1-160)"

@@ -28,9 +28,9 @@
   micro-batch with accumulation (the loop then runs the plan's micro-batches);
   ``+host=32GiB`` gives the planner that much host memory (``fit(host_memory=...)``; the row's
   ``host_B_per_offloaded_param`` is the optimizer's own count);
-  ``+compile`` compiles the blocks in place and prices the plan on them compiled (``fit(compile=True)``);
-  ``+compile+rpw`` compiles them recomputing pointwise results in backward
-  (``fit(compile={"recompute_pointwise": True})``, ``elbowroom.activations.compiled.POINTWISE_RECOMPUTE``);
+  ``+compile`` compiles the blocks in place and prices the plan on them compiled (``fit(compile=True)``, which
+  recomputes pointwise results in backward: ``elbowroom.plan.fit.PLANNED_COMPILE``; ``+rpw`` says so explicitly);
+  ``+compile+norpw`` compiles them with the partitioner's defaults (``fit(compile={"recompute_pointwise": False})``);
   ``+cap`` caps the process's CUDA allocator at the budget once the plan is applied
   (``torch.cuda.set_per_process_memory_fraction``), as on a device of the budget's size: the allocator then frees
   its cache and retries (``alloc_retries``) or runs out of memory, where an uncapped row only reports what it
@@ -67,7 +67,7 @@ def resolve(name: str) -> Callable[..., Setup] | None:
             arg = name[len(prefix):]
             if prefix == "plan@":
                 path, _, rest = arg.partition("+")
-                capped, compiled = "cap" in rest.split("+"), "compile" in rest.split("+")
+                capped, compiled = "cap" in rest.split("+"), _compiled(rest.split("+"))
                 return lambda model, args: _setup(model, args, plan_file=path, fused=False, cap=capped,
                                                  compiled=compiled)
             if prefix == "uniform@":
@@ -79,9 +79,17 @@ def resolve(name: str) -> Callable[..., Setup] | None:
                                              fused=getattr(args, "fused_loss", False), clip="clip" in flags,
                                              split="gb" in flags, cap="cap" in flags, og="nog" not in flags,
                                              host=next((f[5:] for f in flags if f.startswith("host=")), None),
-                                             compiled=({"recompute_pointwise": True} if "rpw" in flags else True)
-                                             if "compile" in flags else False)
+                                             compiled=_compiled(flags))
     return None
+
+
+def _compiled(flags: list[str]) -> bool | dict[str, Any]:
+    """``+compile`` (True: the planned default), ``+compile+rpw`` and ``+compile+norpw`` (explicit), or False."""
+    if "compile" not in flags:
+        return False
+    if "norpw" in flags:
+        return {"recompute_pointwise": False}
+    return {"recompute_pointwise": True} if "rpw" in flags else True
 
 
 def _cap_at(budget_bytes: int) -> float | None:
@@ -103,6 +111,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
     import os
 
     from elbowroom.plan import Plan, apply, fit
+    from elbowroom.plan.fit import planned_compile_options
 
     idx, tgt = args.sample
     t0 = time.perf_counter()
@@ -115,11 +124,13 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
         if compiled:  # plan@FILE+compile: the blocks compiled after the plan is applied, as fit(compile=True) does
             from elbowroom.activations import compile_blocks
 
-            compile_blocks(model, **(compiled if isinstance(compiled, dict) else {}))
+            compile_blocks(model, **planned_compile_options(compiled if isinstance(compiled, dict) else {}))
     else:
         # the harness's loss (cross-entropy over its own targets) and loop (no clipping: the host step may start
         # as soon as the late blocks' gradients are final)
-        kept = precision + ("-compiled" if compiled else "") + ("-rpw" if isinstance(compiled, dict) else "")
+        rpw = compiled and planned_compile_options(compiled if isinstance(compiled, dict) else {}).get(
+            "recompute_pointwise")
+        kept = precision + ("-compiled" if compiled else "") + ("-rpw" if rpw else "")
         with _kept_profiles(getattr(args, "workload", "model"), kept):
             model, opt, plan = fit(model, (idx, tgt), budget=budget, precision=precision, fused_loss=fused,
                                    source="measured", grad_clipping=clip, lr=1e-4, fused=True,

@@ -221,6 +221,15 @@ def test_fit_compiled_prices_and_runs_the_compiled_blocks() -> None:
     model, opt, plan = fit(copy.deepcopy(ref), IDS, budget=e.value.minimum_bytes, machine="cpu", compile=True,
                            lr=1e-2, offload_config=KNOBS)
     assert COMPILED_NOTE in plan.notes
+    # planned blocks compile recomputing pointwise results (PLANNED_COMPILE), unless told otherwise or compiled by
+    # another backend than inductor (which the option needs)
+    from elbowroom.plan.fit import planned_compile_options
+
+    assert "the blocks compiled with compile_blocks(recompute_pointwise=True)" in plan.notes
+    assert planned_compile_options() == {"recompute_pointwise": True}
+    assert planned_compile_options({"recompute_pointwise": False, "mode": "max-autotune"}) == {
+        "recompute_pointwise": False, "mode": "max-autotune"}
+    assert planned_compile_options({"backend": "aot_eager"}) == {"backend": "aot_eager"}
     # the note comes from the profile, so a plan made from a saved one (elbowroom plan --profile) carries it too,
     # and one whose profile ran eager does not
     big = e.value.minimum_bytes * 4
@@ -235,6 +244,34 @@ def test_fit_compiled_prices_and_runs_the_compiled_blocks() -> None:
     assert got == pytest.approx(want, rel=1e-4)
     with pytest.raises(ValueError, match="needs a measured profile"):
         fit(hf_llama(), IDS, budget="1GiB", source="analytic", machine=DEVICE, compile=True)
+
+
+def test_fit_compiled_leaves_the_planned_run_its_own_graphs() -> None:
+    # a compiled profile leaves no compiled code behind: the planned run compiles as many graphs as the same plan
+    # applied and compiled in a fresh compiler state (one that reused the profile's graphs died with an illegal
+    # memory access on CUDA, a Hugging Face Llama; fresh, it trained), and trains as the plain loop does
+    from torch._dynamo.utils import counters
+
+    from elbowroom.activations import compile_blocks
+    from elbowroom.plan import apply
+
+    ref = hf_llama()
+    with pytest.raises(BudgetError) as e:
+        fit(copy.deepcopy(ref), IDS, budget=1, machine="cpu", compile=True, offload_config=KNOBS)
+    # at the minimum, where the profile's last compiled graphs (every block recomputed) are the plan's: reused
+    # whole, the planned run would compile none
+    model, opt, plan = fit(copy.deepcopy(ref), IDS, budget=e.value.minimum_bytes, machine="cpu", compile=True,
+                           lr=1e-2, offload_config=KNOBS)
+    counters.clear()
+    got = train(model, opt, 2)
+    after_fit = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    fresh, fresh_opt = apply(copy.deepcopy(ref), plan, torch.optim.AdamW, lr=1e-2, offload_config=KNOBS)
+    compile_blocks(fresh)
+    counters.clear()
+    assert train(fresh, fresh_opt, 2) == pytest.approx(got, rel=1e-5)
+    assert after_fit == counters["stats"]["unique_graphs"] > 0
+    assert got == pytest.approx(train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 2), rel=1e-4)
 
 
 def test_fit_compiled_with_compile_blocks_options() -> None:
@@ -256,26 +293,3 @@ def test_fit_compiled_with_compile_blocks_options() -> None:
     assert got == pytest.approx(want, rel=1e-4)
     with pytest.raises(ValueError, match=r"not \['recompute'\]"):
         fit(hf_llama(), IDS, budget=big, machine="cpu", compile={"recompute": True})
-
-
-def test_compiled_fit_warns_on_a_hugging_face_model_on_cuda() -> None:
-    # the open fault of fit(compile=True) on Hugging Face models on CUDA: warned there, nowhere else (on meta here:
-    # what decides is the parameters' device type, which the test fakes with one CUDA-typed view per model)
-    from elbowroom.models import ModelConfig, build_model
-    from elbowroom.plan.fit import compiled_fit_warning
-
-    hf = hf_llama()
-    assert compiled_fit_warning(hf) is None  # on CPU
-    ours = build_model(ModelConfig(n_layers=2, dim=32, n_heads=2, ffn_dim=64, max_seq_len=16))
-
-    class OnCuda:
-        device = torch.device("cuda")
-
-    from elbowroom.train.hf import HFCausalLM
-
-    wrapped = HFCausalLM(hf_llama())  # as the trainer's --model.hf holds it
-    for model in (hf, ours, wrapped):
-        model.parameters = lambda: iter([OnCuda()])  # noqa: B023 (one model at a time)
-    assert "compile=True" in compiled_fit_warning(hf) and "LlamaForCausalLM" in compiled_fit_warning(hf)
-    assert "LlamaForCausalLM" in compiled_fit_warning(wrapped)
-    assert compiled_fit_warning(ours) is None

@@ -17,7 +17,7 @@ import dataclasses
 import inspect
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -183,7 +183,9 @@ def fit(
             saves what the compiler's partition keeps, W1-shaped blocks on CPU about a fifth less, and a selective
             one drops its per-op host work). Measured profiles only; whole blocks then recompute with the
             non-reentrant checkpoint. A dict: compiled so, with these keyword arguments of ``compile_blocks``
-            (``{"recompute_pointwise": True}``), in the profile and in the run alike.
+            (``{"mode": ...}``), in the profile and in the run alike, over :data:`PLANNED_COMPILE` (pointwise
+            results recomputed in backward; ``{"recompute_pointwise": False}`` turns that off). The profile's
+            compiled code is dropped before the run (``torch.compiler.reset()``): the run compiles its own.
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
 
     Returns:
@@ -208,13 +210,14 @@ def fit(
     resolve_blocks(model, blocks)  # no repeated blocks: say so before profiling
     from elbowroom.plan.profiler import profile as take_profile  # the profiler: imported when first needed
 
-    compile_options = dict(compile) if isinstance(compile, dict) else {}
+    given = dict(compile) if isinstance(compile, dict) else {}
     known = {"recompute_pointwise", *inspect.signature(torch.compile).parameters} - {"model"}
-    if set(compile_options) - known:  # said before any profiling
+    if set(given) - known:  # said before any profiling
         raise ValueError(f"fit(compile=...) takes compile_blocks' keyword arguments ({', '.join(sorted(known))}), "
-                         f"not {sorted(set(compile_options) - known)}")
-    compiled_as = compile  # what the profiles compile with: the same bool or options (profile takes either)
+                         f"not {sorted(set(given) - known)}")
     compile = isinstance(compile, dict) or bool(compile)
+    compile_options = planned_compile_options(given) if compile else {}
+    compiled_as = compile_options if compile else False  # what the profiles compile with, as the run will
     if compile:  # (an analytic profile refuses compiled=True: it prices eager blocks)
         reentrant = False  # torch.compile traces the non-reentrant checkpoint only
     if reentrant is None:
@@ -258,26 +261,28 @@ def fit(
         from elbowroom.activations import compile_blocks
 
         compile_blocks(model, blocks=resolve_blocks(model, blocks), **compile_options)
-        warning = compiled_fit_warning(model)
-        if warning:
-            logger.warning("%s", warning)
     logger.info("%s", plan.table())
     return model, opt, plan
 
 
-def compiled_fit_warning(model: nn.Module) -> str | None:
-    """The warning for ``fit(compile=True)`` on a model where it is known to fail: a Hugging Face transformers
-    model on a CUDA device, where a planned run died with an illegal memory access in its first steps (an open
-    fault, ``BENCHMARKS.md``, twentieth and twenty-first sessions; the same plan applied in a fresh process trains).
-    None elsewhere."""
-    hf = next((m for m in model.modules() if type(m).__module__.startswith("transformers.")), None)
-    if hf is None:  # (the trainer's --model.hf wraps the Hugging Face model: any module of it counts)
-        return None
-    if not any(p.device.type == "cuda" for p in model.parameters()):
-        return None
-    return (f"fit(compile=True) on a Hugging Face model ({type(hf).__name__}) on CUDA: a planned run of this kind "
-            "has died with an illegal memory access in its first steps (an open fault, see the README's known "
-            "issue); plan it without compile=True (--train.compile off) until that is fixed")
+PLANNED_COMPILE: dict[str, Any] = {"recompute_pointwise": True}
+"""What a planned run compiles its blocks with unless told otherwise (``fit(compile=True)``, the trainer's
+``--train.compile`` with ``--budget``): the partitioner recomputes pointwise results in backward instead of saving them
+(:data:`~elbowroom.activations.compiled.POINTWISE_RECOMPUTE`), so a kept block saves fewer bytes and the plan keeps
+more blocks. On one H200 (``BENCHMARKS.md``, twenty-second session) it beat the partitioner's defaults in every
+planned row measured: W1 at 24 GiB 105.1% and 103.6% of plain against 101.2%, at 16 GiB 96.8% against 89.1%, at 8
+GiB 70.9% against 68.0%; GPT-2-XL at 24 GiB 85.1% against 76.6%. ``compile={"recompute_pointwise": False}`` turns it
+off."""
+
+
+def planned_compile_options(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``compile_blocks``' keyword arguments for a planned run: ``given`` over :data:`PLANNED_COMPILE` (which needs
+    inductor, so a run given another backend compiles with that one alone)."""
+    opts = dict(given or {})
+    if opts.get("backend", "inductor") == "inductor":
+        for k, v in PLANNED_COMPILE.items():
+            opts.setdefault(k, v)
+    return opts
 
 
 def profile_bf16_copy(model: nn.Module, sample_batch: Any, prof: Any, take_profile: Callable[..., Any],

@@ -283,7 +283,11 @@ def profile(
             a compiled block, so those bytes are not split by kind). Measured source only; whole-block recompute
             then uses the non-reentrant checkpoint, which the compiler traces. A dict: compiled so, with these
             keyword arguments of ``compile_blocks`` (``{"recompute_pointwise": True}``, ``{"mode": ...}``), as the
-            run will compile them; recorded in ``extra["compile_options"]``.
+            run will compile them; recorded in ``extra["compile_options"]``. A compiled profile leaves no compiled
+            code behind: it ends with ``torch.compiler.reset()``, so the planned run compiles its own graphs as a
+            fresh process would (one that reused the profile's died with an illegal memory access on CUDA, a
+            Hugging Face Llama, ``BENCHMARKS.md`` twenty-second session). Functions the caller compiled before
+            recompile on their next call.
 
     Returns:
         The :class:`Profile`.
@@ -373,6 +377,8 @@ def profile(
             seq_len, dtype, param_dtype, runner.allocator_overhead, runner.allocator_overhead_expandable,
             as_compiled,
         )
+    if compiled:  # no compiled code of the profile's outlives it (see the docstring)
+        torch.compiler.reset()
     if source == "measured":  # which checkpoint the recompute times are of, and whether the blocks ran compiled
         options = {"compile_options": compile_options} if compile_options and compiled and not too_big else {}
         prof = dataclasses.replace(prof, extra={**prof.extra, "reentrant_recompute": runner.reentrant,

@@ -221,11 +221,13 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
     from elbowroom.distributed.data_parallel import root_apart_share
     from elbowroom.plan import BudgetError, parse_budget, plan_for, profile
     from elbowroom.plan.apply import install
+    from elbowroom.plan.fit import planned_compile_options
     from elbowroom.plan.ranks import as_fsdp_computes, per_rank_profile, with_host_memory
 
     rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
     try:
-        compiled = cfg.train.compile  # priced on the blocks as they will run
+        # priced on the blocks as they will run (trainer.compile_model compiles a planned model so)
+        compiled = planned_compile_options() if cfg.train.compile else False
         whole = profile(model, (sample["input_ids"], sample["targets"]), cache_dir=str(cfg.data.cache_dir or
                         default_cache_dir()), dtype=amp_dtype, reentrant=False, compiled=compiled)
         whole = as_fsdp_computes(model, (sample["input_ids"], sample["targets"]), whole, amp_dtype, compiled)
