@@ -828,7 +828,9 @@ def test_compiled_blocks_follow_the_eager_curve(tmp_path: Path, extra: list[str]
         from elbowroom.plan import Plan
         from elbowroom.plan.fit import COMPILED_NOTE
 
-        assert COMPILED_NOTE in Plan.load(tmp_path / "compiled" / "plan.toml").notes
+        notes = Plan.load(tmp_path / "compiled" / "plan.toml").notes
+        assert COMPILED_NOTE in notes  # and compiled as planned runs compile (fit.PLANNED_COMPILE)
+        assert "the blocks compiled with compile_blocks(recompute_pointwise=True)" in notes
         assert "priced on the eager blocks" not in caplog.text
     a, b = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
     assert a.keys() == b.keys() and b == pytest.approx(a, rel=1e-4)
