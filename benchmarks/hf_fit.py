@@ -101,6 +101,8 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
     # bf16 weights (a plan's choice) run as they are; fp32 ones under autocast, as the profile ran them
     bf16 = plan is not None and plan.weight_dtype == "bfloat16"
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16)
+    from bench import _drain  # (this script's folder is on the path when it runs)
+
     times, losses = [], []
     tracer = None
     t_timed = t_end = None
@@ -188,16 +190,6 @@ def run(arch: str, budget: str | None, args: argparse.Namespace, device: torch.d
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
     return row
-
-
-def _drain(opt: Any) -> float:
-    """Wait until the optimizer's last updates have landed on the device (a lazy one's host steps and copies); the
-    time then."""
-    if hasattr(opt, "wait_for_weights"):
-        opt.wait_for_weights()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def main() -> None:
