@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_smoke_rows(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
     modes = ["plain", "torch_ckpt", "fsdp2", "ours_offload_ckpt_inputs", "ours_selective_offload", "fit@1GiB+cap",
-             "fit@1GiB+compile", "plain_compiled", "er_optim_late0.4"]
+             "fit@1GiB+compile", "fit@1GiB+compile+norpw", "plain_compiled", "er_optim_late0.4"]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--workload", "smoke", "--modes", ",".join(modes),
            "--steps", "2", "--warmup", "1", "--in-process", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -31,8 +31,12 @@ def test_bench_smoke_rows(tmp_path: Path) -> None:
     capped = next(r for r in rows if r["mode"] == "fit@1GiB+cap")
     assert capped["notes"]["capped_GiB"] is None and "pred_step_s" in capped  # +cap: no cap without CUDA
     compiled = next(r for r in rows if r["mode"] == "fit@1GiB+compile")  # the plan priced on compiled blocks
-    assert "priced on the blocks compiled, as they run (compile_blocks)" in compiled["settings"]["mechanism"]["plan"][
-        "notes"]
+    notes = compiled["settings"]["mechanism"]["plan"]["notes"]
+    assert "priced on the blocks compiled, as they run (compile_blocks)" in notes
+    rpw = "the blocks compiled with compile_blocks(recompute_pointwise=True)"  # fit's planned default
+    assert rpw in notes
+    norpw = next(r for r in rows if r["mode"] == "fit@1GiB+compile+norpw")["settings"]["mechanism"]["plan"]["notes"]
+    assert "the blocks compiled with compile_blocks(recompute_pointwise=False)" in norpw and rpw not in norpw
     # every row carries what produced it, and can be measured again from that alone
     recorded = rows[-1]["settings"]
     assert recorded["mode"] == modes[-1] and recorded["workload"]["seq_len"] == 128
@@ -63,6 +67,8 @@ def test_hugging_face_harnesses_compiled(tmp_path: Path) -> None:
     assert Plan.load(saved).to_dict() == fitted["settings"]["mechanism"]["plan"]
     assert plain["mode"] == "plain+compile" and fitted["mode"] == "1GiB+compile"
     assert plain["loss_last"] < plain["loss_first"] and fitted["loss_last"] < fitted["loss_first"]
+    # the window of timed steps (back to back), and the loop's own pace beside it
+    assert fitted["step_s"] > 0 and fitted["loop_step_s"] > 0 and "gpu_ms" not in fitted  # (CUDA events only)
     assert "priced on the blocks compiled, as they run (compile_blocks)" in fitted["settings"]["mechanism"]["plan"][
         "notes"]
     rows = {}
