@@ -173,7 +173,7 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
             "plan": _summary(plan),
             "settings": {"plan": plan.to_dict()},
         }
-        out.update(_analytic(model, plan, idx))
+        out.update(_analytic(model, plan, idx, compiled))
         if hasattr(opt, "stats"):
             s = opt.stats()
             out["host_GiB"] = round(s.get("host_bytes", 0) / 2**30, 2)
@@ -231,8 +231,10 @@ def _summary(plan: Any) -> dict[str, Any]:
             "fused_loss": plan.fused_loss}
 
 
-def _analytic(model: torch.nn.Module, plan: Any, idx: torch.Tensor) -> dict[str, Any]:
-    """The same plan priced on the analytic profile of the same shape (meta device, H100 table)."""
+def _analytic(model: torch.nn.Module, plan: Any, idx: torch.Tensor,
+              compiled: bool | dict[str, Any] = False) -> dict[str, Any]:
+    """The same plan priced on the analytic profile of the same shape (meta device, H100 or H200 table), its blocks
+    compiled as the row compiles them where the analytic profile can price that (pointwise recomputed)."""
     try:
         from elbowroom.models import build_model
         from elbowroom.plan import get_device, profile
@@ -242,8 +244,11 @@ def _analytic(model: torch.nn.Module, plan: Any, idx: torch.Tensor) -> dict[str,
             return {}
         meta = build_model(cfg, device="meta")
         name = "h200" if "H200" in torch.cuda.get_device_name() else "h100-80gb"
-        prof = profile(meta, torch.zeros_like(idx, device="meta"), source="analytic",
-                       machine=get_device(name))  # this host's memory
+        from elbowroom.plan.fit import planned_compile_options
+
+        opts = planned_compile_options(compiled if isinstance(compiled, dict) else {}) if compiled else {}
+        prof = profile(meta, torch.zeros_like(idx, device="meta"), source="analytic", machine=get_device(name),
+                       compiled=opts if opts.get("recompute_pointwise") else False)  # this host's memory
         again = plan.repredicted(prof)
         return {"analytic_peak_GiB": round(again.predicted_peak_bytes / 2**30, 2),
                 "analytic_step_s": round(again.predicted_step_seconds, 4)}

@@ -68,6 +68,7 @@ def test_table_and_out(profile_file: str, tmp_path: Path, capsys: pytest.Capture
         (["--budget", "24GiB", "--dp-shard", "4", "--shared-link", "37,32"], "--shared-link takes three positive"),
         (["--budget", "24GiB", "--dp-shard", "4", "--shared-link", "37,x,19"], "--shared-link takes three positive"),
         (["--budget", "24GiB", "--dp-replicate", "2", "--shared-link", "37,0,19"], "--shared-link takes three"),
+        (["--budget", "24GiB", "--compile"], "--compile prices the model's blocks compiled, and --profile plans"),
     ],
 )
 def test_bad_input_returns_2_with_one_line(
@@ -124,6 +125,27 @@ def test_analytic_w1_on_the_device_table(capsys: pytest.CaptureFixture[str]) -> 
     # a small host limits the optimizer's offload, and the error says so
     assert cmd_plan(["--model", "7b", "--device", "h100-80gb", "--budget", "40GiB", "--host-memory", "16GiB"]) == 2
     assert "cannot hold the whole optimizer" in capsys.readouterr().err
+
+
+def test_analytic_compiled_w1(capsys: pytest.CaptureFixture[str]) -> None:
+    # --compile: the blocks priced as planned runs compile them, a block kept whole at what selective recompute
+    # keeps; at a budget that binds, the plan keeps blocks it recomputed eager, and predicts a step no slower
+    # (the twenty-second session's H200 rows: W1 0.94-1.05x the measured steps so, 1.15-1.35x eager-priced)
+    args = ["--model", "w1", "--device", "h200", "--budget", "16GiB", "--batch", "4x4096", "--host-memory",
+            "128GiB", "--precision", "bf16", "--no-clip", "--json"]
+    assert cmd_plan(args) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert cmd_plan([*args, "--compile"]) == 0
+    compiled = json.loads(capsys.readouterr().out)
+    assert any(n.startswith("analytic: a compiled block kept whole") for n in compiled["notes"])
+    assert not any(n.startswith("analytic: a compiled block") for n in eager["notes"])
+    kept = [[b["kept_bytes"] for b in p["blocks"] if b["checkpoint"] == "none" and not b["offload_ratio"]]
+            for p in (eager, compiled)]
+    assert max(kept[1]) < min(kept[0] or [1 << 62])  # a kept block holds less compiled
+    assert sum(b["checkpoint"] == "full" for b in compiled["blocks"]) < sum(
+        b["checkpoint"] == "full" for b in eager["blocks"])
+    assert compiled["predicted_step_seconds"] <= eager["predicted_step_seconds"]
+    assert compiled["predicted_peak_bytes"] <= compiled["budget_bytes"] == 16 << 30
 
 
 def test_unknown_device_lists_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:

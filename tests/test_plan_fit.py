@@ -242,8 +242,14 @@ def test_fit_compiled_prices_and_runs_the_compiled_blocks() -> None:
     got = train(model, opt, 3)
     want = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3)
     assert got == pytest.approx(want, rel=1e-4)
+    # an analytic profile prices blocks compiled as planned runs compile them (pointwise recomputed), not the
+    # partitioner's defaults, which only a measurement tells
+    _, _, analytic = fit(hf_llama(), IDS, budget="1GiB", source="analytic", machine=DEVICE, compile=True,
+                         offload_config=KNOBS)
+    assert COMPILED_NOTE in analytic.notes and any(n.startswith("analytic: a compiled block") for n in analytic.notes)
     with pytest.raises(ValueError, match="needs a measured profile"):
-        fit(hf_llama(), IDS, budget="1GiB", source="analytic", machine=DEVICE, compile=True)
+        fit(hf_llama(), IDS, budget="1GiB", source="analytic", machine=DEVICE,
+            compile={"recompute_pointwise": False})
 
 
 def test_fit_compiled_leaves_the_planned_run_its_own_graphs() -> None:

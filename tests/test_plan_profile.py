@@ -702,6 +702,45 @@ def test_compiled_profile_counts_what_the_compiled_blocks_save(mode: str | None)
         assert [b.saved_bytes["input"] for b in compiled.blocks] == [b.input_bytes for b in eager.blocks]
     with pytest.raises(ValueError, match="compiled=True needs a measured profile"):
         profile(model, ids, source="analytic", machine=CPU, compiled=True)
+    with pytest.raises(ValueError, match="compiled=True needs a measured profile"):
+        profile(model, ids, source="analytic", machine=CPU, compiled={"recompute_pointwise": False})
     if mode is None:  # blocks the caller compiled: refused, not silently uncompiled
         with pytest.raises(ValueError, match="profile the model before compiling its blocks"):
             _quick(ref, ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "hf-llama"])
+def test_analytic_compiled_with_pointwise_recompute_equals_measured(arch: str) -> None:
+    # blocks compiled as planned runs compile them (recompute_pointwise=True) are priced analytically: a block kept
+    # whole at what selective recompute keeps, which is what the compiled blocks measured on CPU save; the
+    # selective bytes and the FLOPs are the eager trace's, and the plan notes say how it was priced
+    import copy
+
+    from elbowroom.plan import plan_for
+
+    torch.manual_seed(0)
+    if arch == "hf-llama":
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.LlamaConfig(hidden_size=D, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=H,
+                                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=S,
+                                       attn_implementation="sdpa", use_cache=False)
+        model = transformers.LlamaForCausalLM(cfg)
+        batch: Any = {"input_ids": _ids(), "labels": _ids()}
+    else:
+        model = build_model(_cfg(arch))
+        batch = _ids()
+    opts = {"recompute_pointwise": True}
+    measured = _quick(copy.deepcopy(model), batch, dtype=torch.bfloat16, compiled=opts)
+    eager = profile(model, batch, source="analytic", machine=CPU, dtype=torch.bfloat16)
+    analytic = profile(model, batch, source="analytic", machine=CPU, dtype=torch.bfloat16, compiled=opts)
+    assert analytic.extra["compiled_blocks"] is True and analytic.extra["compile_options"] == opts
+    for m, a, e in zip(measured.blocks, analytic.blocks, eager.blocks):
+        assert a.total_saved_bytes == e.selective_saved_bytes < e.total_saved_bytes
+        # the compiled graph may also save the attention's fp32 log-sum-exp, which the eager selective cache
+        # leaves to the recompute: B x heads x S x 4 bytes, a few kB here, under 0.2% of a W1 block
+        assert 0 <= m.total_saved_bytes - a.total_saved_bytes <= B * H * S * 4
+        assert a.selective_saved_bytes == e.selective_saved_bytes and a.flops == e.flops
+        assert sum(a.saved_sizes) == a.total_saved_bytes and a.largest_saved_bytes == max(a.saved_sizes)
+    notes = plan_for(analytic, 1 << 40).notes
+    assert "the blocks compiled with compile_blocks(recompute_pointwise=True)" in notes
+    assert any("selective" in n and "analytic" in n for n in notes)

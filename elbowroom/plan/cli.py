@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                    "chooses micro-batch and accumulation)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 allows bf16 device weights "
                    "with fp32 masters")
+    p.add_argument("--compile", action="store_true", help="the blocks will run compiled as planned runs compile them "
+                   "(fit(compile=True), --train.compile; pointwise results recomputed): a block kept whole is priced "
+                   "at what selective recompute keeps")
     p.add_argument("--no-fused-loss", action="store_true", help="the loop cannot use the fused head + loss")
     p.add_argument("--no-clip", action="store_true", help="the loop does not clip gradients")
     p.add_argument("--no-stream", action="store_true", help="no block's optimizer state streams through the device "
@@ -229,11 +232,15 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
         model = build_model(cfg, device="meta")
     sample = torch.zeros((b, s), dtype=torch.long, device="meta")
     try:
-        prof = profile(model, sample, source="analytic", machine=get_device(args.device, host_memory=args.host_bytes))
+        from elbowroom.plan.fit import planned_compile_options
+
+        compiled = planned_compile_options() if args.compile else False
+        prof = profile(model, sample, source="analytic", machine=get_device(args.device, host_memory=args.host_bytes),
+                       compiled=compiled)
         if args.dp_shard > 1:  # FSDP2 gathers in the compute dtype: the blocks save what a bf16 model saves
             from elbowroom.plan.ranks import as_fsdp_computes
 
-            prof = as_fsdp_computes(model, sample, prof, getattr(torch, prof.compute_dtype))
+            prof = as_fsdp_computes(model, sample, prof, getattr(torch, prof.compute_dtype), compiled)
         return prof
     except (KeyError, ValueError) as e:
         raise _UsageError(f"elbowroom plan: {e}") from None
@@ -283,6 +290,9 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
         link = _shared_link(args.shared_link, args.dp_shard * args.dp_replicate)
         if args.profile is not None and args.hf is not None:
             raise _UsageError("elbowroom plan: --profile plans a saved profile, --hf profiles a model; pass one")
+        if args.profile is not None and args.compile:  # its blocks ran as they were profiled: compiled or not
+            raise _UsageError("elbowroom plan: --compile prices the model's blocks compiled, and --profile plans a "
+                              "saved profile as it was measured (profile it with compiled=... instead); pass one")
         if args.profile is not None:
             from elbowroom.config import file_kind
 

@@ -292,8 +292,9 @@ def profile_bf16_copy(model: nn.Module, sample_batch: Any, prof: Any, take_profi
     measured there (its bytes and its times: a bf16 model runs its norms and residuals in bf16 and casts no
     weights, W1 11% and GPT-2-XL 15% faster than fp32 weights under autocast on the H100, ``BENCHMARKS.md``),
     else traced on a meta copy (its bytes only, in a second or two; ``compiled``: the measured copy runs its blocks
-    compiled, the meta trace prices them eager). The bf16 layout's bytes and times here, and
-    under FSDP2, which gathers in bf16, a rank's activation bytes (``elbowroom.plan.ranks.as_fsdp_computes``)."""
+    compiled, and the meta trace prices them compiled where they recompute pointwise results, else eager). The bf16
+    layout's bytes and times here, and under FSDP2, which gathers in bf16, a rank's activation bytes
+    (``elbowroom.plan.ranks.as_fsdp_computes``)."""
     from elbowroom.plan.profiler import bf16_copy, meta_copy
 
     extra: dict[str, Any] = {"reentrant": reentrant}
@@ -315,5 +316,7 @@ def profile_bf16_copy(model: nn.Module, sample_batch: Any, prof: Any, take_profi
             del copy
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    if isinstance(compiled, Mapping) and compiled.get("recompute_pointwise"):  # priced compiled on meta too
+        extra["compiled"] = compiled
     return take_profile(meta_copy(model).to(torch.bfloat16), sample_batch, source="analytic", machine=prof.machine,
                         dtype=torch.bfloat16, blocks=path, **extra)

@@ -308,6 +308,9 @@ def plan_for(
         if profile.extra.get("compile_options"):  # to run as priced, compile with the same options
             compiled_with = ", ".join(f"{k}={v!r}" for k, v in sorted(profile.extra["compile_options"].items()))
             notes.append(f"the blocks compiled with compile_blocks({compiled_with})")
+        if profile.extra.get("compiled_kept_as_selective"):
+            notes.append("analytic: a compiled block kept whole is priced at what selective recompute keeps (as "
+                         "blocks compiled with pointwise recompute were measured to save)")
     layouts, layout_notes = cost.layouts_for(profile, precision)
     notes += layout_notes
     if weight_layouts is not None:
