@@ -37,6 +37,13 @@ def test_bench_smoke_rows(tmp_path: Path) -> None:
     assert rpw in notes
     norpw = next(r for r in rows if r["mode"] == "fit@1GiB+compile+norpw")["settings"]["mechanism"]["plan"]["notes"]
     assert "the blocks compiled with compile_blocks(recompute_pointwise=False)" in norpw and rpw not in norpw
+    # the planned rows repriced on the analytic profile, eager and compiled (analytic_replay.py): one line each
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "analytic_replay.py"), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    planned = [r for r in rows if r.get("settings", {}).get("mechanism", {}).get("plan")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("| smoke |")]
+    assert len(lines) == len(planned) >= 3 and all(line.count("x,") == 2 for line in lines)
     # every row carries what produced it, and can be measured again from that alone
     recorded = rows[-1]["settings"]
     assert recorded["mode"] == modes[-1] and recorded["workload"]["seq_len"] == 128
