@@ -181,11 +181,12 @@ def fit(
             (:func:`~elbowroom.activations.compile_blocks`), and price the plan on them compiled: the profile
             measures their times and the bytes they save with the blocks compiled (a compiled block kept whole
             saves what the compiler's partition keeps, W1-shaped blocks on CPU about a fifth less, and a selective
-            one drops its per-op host work). Measured profiles only; whole blocks then recompute with the
-            non-reentrant checkpoint. A dict: compiled so, with these keyword arguments of ``compile_blocks``
-            (``{"mode": ...}``), in the profile and in the run alike, over :data:`PLANNED_COMPILE` (pointwise
-            results recomputed in backward; ``{"recompute_pointwise": False}`` turns that off). The profile's
-            compiled code is dropped before the run (``torch.compiler.reset()``): the run compiles its own.
+            one drops its per-op host work). An analytic profile prices them only as planned runs compile them
+            (pointwise recomputed); whole blocks then recompute with the non-reentrant checkpoint. A dict: compiled
+            so, with these keyword arguments of ``compile_blocks`` (``{"mode": ...}``), in the profile and in the
+            run alike, over :data:`PLANNED_COMPILE` (pointwise results recomputed in backward;
+            ``{"recompute_pointwise": False}`` turns that off). The profile's compiled code is dropped before the
+            run (``torch.compiler.reset()``): the run compiles its own.
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
 
     Returns:
@@ -218,7 +219,7 @@ def fit(
     compile = isinstance(compile, dict) or bool(compile)
     compile_options = planned_compile_options(given) if compile else {}
     compiled_as = compile_options if compile else False  # what the profiles compile with, as the run will
-    if compile:  # (an analytic profile refuses compiled=True: it prices eager blocks)
+    if compile:
         reentrant = False  # torch.compile traces the non-reentrant checkpoint only
     if reentrant is None:
         from elbowroom.activations.recompute import reentrant_default

@@ -280,7 +280,8 @@ def profile(
         compiled: the blocks will run compiled (:func:`~elbowroom.activations.compile_blocks`, the trainer's
             ``--train.compile``): the times are measured with the blocks compiled, and so are the bytes they save
             kept whole and under selective recompute (saved-tensor hooks alone: the op recorder cannot see inside
-            a compiled block, so those bytes are not split by kind). Measured source only; whole-block recompute
+            a compiled block, so those bytes are not split by kind). An analytic profile prices only blocks
+            compiled with ``{"recompute_pointwise": True}`` (see :func:`_kept_as_selective`); whole-block recompute
             then uses the non-reentrant checkpoint, which the compiler traces. A dict: compiled so, with these
             keyword arguments of ``compile_blocks`` (``{"recompute_pointwise": True}``, ``{"mode": ...}``), as the
             run will compile them; recorded in ``extra["compile_options"]``. A compiled profile leaves no compiled
