@@ -682,8 +682,9 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
         peak = peak_flops(device) if amp_dtype != torch.float32 else None
         log.info("run directory %s", out)
         log.info(
-            "model %s/%s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d steps of %d x %d x %d tokens",
-            *((model_cfg.arch, cfg.model.preset) if model_cfg is not None else (hf_config.model_type, cfg.model.hf)),
+            "model %s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d steps of %d x %d x %d tokens",
+            f"{model_cfg.arch}/{cfg.model.preset}" if model_cfg is not None else
+            f"{hf_config.model_type} from {cfg.model.hf}",
             n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
             cfg.train.steps, accum, bsz, seq_len,
         )
