@@ -84,6 +84,16 @@ def setup_plain_compiled(model, args) -> Setup:
     return Setup(fused_adamw(model))
 
 
+def setup_plain_compiled_rpw(model, args) -> Setup:
+    """plain with its blocks compiled as planned runs compile them (``compile_blocks(recompute_pointwise=True)``):
+    beside ``plain_compiled``, what the option costs or gains where memory does not bind (it is the planned
+    default, not ``compile_blocks``' own)."""
+    from elbowroom import compile_blocks
+
+    compile_blocks(model, recompute_pointwise=True)
+    return Setup(fused_adamw(model))
+
+
 def _wrap_blocks(model, fn) -> None:
     """Replace each block's forward by ``fn(original_forward, x)`` (state_dict keys unchanged)."""
     for blk in model.blocks:
@@ -165,6 +175,7 @@ def setup_torchao_optim_ckpt(model, args) -> Setup:
 MODES: dict[str, Callable[..., Setup]] = {
     "plain": setup_plain,
     "plain_compiled": setup_plain_compiled,
+    "plain_compiled_rpw": setup_plain_compiled_rpw,
     "torch_ckpt": setup_torch_ckpt,
     "torch_sac": setup_torch_sac,
     "save_on_cpu": setup_save_on_cpu,

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_smoke_rows(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
     modes = ["plain", "torch_ckpt", "fsdp2", "ours_offload_ckpt_inputs", "ours_selective_offload", "fit@1GiB+cap",
-             "fit@1GiB+compile", "fit@1GiB+compile+norpw", "plain_compiled", "er_optim_late0.4"]
+             "fit@1GiB+compile", "fit@1GiB+compile+norpw", "plain_compiled", "plain_compiled_rpw",
+             "er_optim_late0.4"]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--workload", "smoke", "--modes", ",".join(modes),
            "--steps", "2", "--warmup", "1", "--in-process", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
