@@ -13,7 +13,9 @@ with fp32 weights under autocast, trained.
 
 The twenty-first session's calls: fit's own 16 GiB plan, applied and compiled in a fresh process, trained in all five
 variants, where ``fit`` with that plan faulted (uncapped too, and without donated buffers); what fit does first, its
-compiled profiles in the same process, is what ``--profile-first`` adds.
+compiled profiles in the same process, is what ``--profile-first`` adds. The twenty-second session's: after those
+profiles the plan faulted, and with ``--dynamo-reset`` it trained; a compiled profile now clears the compiler's
+caches itself, so ``--profile-first`` no longer reproduces the fault.
 
 Each case builds the model (TinyLlama's widths, ``--layers`` layers, 4 x 2048 tokens), applies a hand Plan through
 ``elbowroom.plan.apply`` (as ``fit`` does: the weight layout, the optimizer, the activation policies), compiles the

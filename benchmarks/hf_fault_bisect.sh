@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The open fault of fit(compile=True) on a Hugging Face Llama (BENCHMARKS.md, twentieth and twenty-first sessions),
-# bisected in one device call, the most telling first: fit with expandable segments on from the start (so that no
+# The fault of fit(compile=True) on a Hugging Face Llama (BENCHMARKS.md, twentieth and twenty-first sessions),
+# bisected in one device call. Found in the twenty-second session: the planned run reused the compiled code its
+# profiles left behind (the same plan faulted after them and trained once the compiler's caches were cleared); a
+# compiled profile now ends with torch.compiler.reset(), so the variants below that clear nothing no longer
+# reproduce it. The runs, the most telling first: fit with expandable segments on from the start (so that no
 # profile switches the allocator setting at run time); fit with the compiler's caches cleared between its profiles
 # and apply (so that the planned run compiles its own graphs, as a fresh process does); fit's own plan applied in a fresh process after what fit does
 # first (its profiles), with and without the compiler's caches cleared; the three counts of what a compiled block
