@@ -83,13 +83,14 @@ def resolve(name: str) -> Callable[..., Setup] | None:
     return None
 
 
-def _compiled(flags: list[str]) -> bool | dict[str, Any]:
-    """``+compile`` (True: the planned default), ``+compile+rpw`` and ``+compile+norpw`` (explicit), or False."""
+def _compiled(flags: list[str]) -> dict[str, Any] | None:
+    """``compile_blocks``' options for ``+compile`` (the planned default), ``+compile+rpw`` and ``+compile+norpw``
+    (explicit); None without ``+compile``."""
     if "compile" not in flags:
-        return False
-    if "norpw" in flags:
-        return {"recompute_pointwise": False}
-    return {"recompute_pointwise": True} if "rpw" in flags else True
+        return None
+    from elbowroom.plan.fit import planned_compile_options
+
+    return planned_compile_options({"recompute_pointwise": False} if "norpw" in flags else {})
 
 
 def _cap_at(budget_bytes: int) -> float | None:
@@ -107,11 +108,10 @@ def _cap_at(budget_bytes: int) -> float | None:
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
            plan_file: str | None = None, fused: bool = False, clip: bool = False,
            split: bool = False, uniform: str | None = None, cap: bool = False, og: bool = True,
-           host: str | None = None, compiled: bool | dict[str, Any] = False) -> Setup:
+           host: str | None = None, compiled: dict[str, Any] | None = None) -> Setup:
     import os
 
     from elbowroom.plan import Plan, apply, fit
-    from elbowroom.plan.fit import planned_compile_options
 
     idx, tgt = args.sample
     t0 = time.perf_counter()
@@ -121,16 +121,15 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
     elif plan_file is not None:
         plan = Plan.load(plan_file)
         model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True, **_offload_config(plan))
-        if compiled:  # plan@FILE+compile: the blocks compiled after the plan is applied, as fit(compile=True) does
+        if compiled is not None:  # plan@FILE+compile: compiled after the plan is applied, as fit(compile=True) does
             from elbowroom.activations import compile_blocks
 
-            compile_blocks(model, **planned_compile_options(compiled if isinstance(compiled, dict) else {}))
+            compile_blocks(model, **compiled)
     else:
         # the harness's loss (cross-entropy over its own targets) and loop (no clipping: the host step may start
         # as soon as the late blocks' gradients are final)
-        rpw = compiled and planned_compile_options(compiled if isinstance(compiled, dict) else {}).get(
-            "recompute_pointwise")
-        kept = precision + ("-compiled" if compiled else "") + ("-rpw" if rpw else "")
+        kept = precision + ("-compiled" if compiled is not None else "") + (
+            "-rpw" if compiled is not None and compiled.get("recompute_pointwise") else "")
         with _kept_profiles(getattr(args, "workload", "model"), kept):
             model, opt, plan = fit(model, (idx, tgt), budget=budget, precision=precision, fused_loss=fused,
                                    source="measured", grad_clipping=clip, lr=1e-4, fused=True,
@@ -144,7 +143,8 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
                                    # the device only, as before streaming existed)
                                    stream=False if os.environ.get("ELBOWROOM_BENCH_NO_STREAM") else None,
                                    host_memory=host,  # +host=32GiB: the host memory the plan may use
-                                   compile=compiled,  # +compile: the blocks compiled, the plan priced on them so
+                                   # +compile: the blocks compiled, the plan priced on them so
+                                   compile=compiled if compiled is not None else False,
                                    **_threads())
         if clip:
             def clip_now(o: torch.optim.Optimizer, *_: Any) -> None:  # a step pre-hook must return None
@@ -232,7 +232,7 @@ def _summary(plan: Any) -> dict[str, Any]:
 
 
 def _analytic(model: torch.nn.Module, plan: Any, idx: torch.Tensor,
-              compiled: bool | dict[str, Any] = False) -> dict[str, Any]:
+              compiled: dict[str, Any] | None = None) -> dict[str, Any]:
     """The same plan priced on the analytic profile of the same shape (meta device, H100 or H200 table), its blocks
     compiled as the row compiles them where the analytic profile can price that (pointwise recomputed)."""
     try:
@@ -244,11 +244,9 @@ def _analytic(model: torch.nn.Module, plan: Any, idx: torch.Tensor,
             return {}
         meta = build_model(cfg, device="meta")
         name = "h200" if "H200" in torch.cuda.get_device_name() else "h100-80gb"
-        from elbowroom.plan.fit import planned_compile_options
-
-        opts = planned_compile_options(compiled if isinstance(compiled, dict) else {}) if compiled else {}
+        rpw = compiled is not None and compiled.get("recompute_pointwise")
         prof = profile(meta, torch.zeros_like(idx, device="meta"), source="analytic", machine=get_device(name),
-                       compiled=opts if opts.get("recompute_pointwise") else False)  # this host's memory
+                       compiled=compiled if rpw else False)  # this host's memory
         again = plan.repredicted(prof)
         return {"analytic_peak_GiB": round(again.predicted_peak_bytes / 2**30, 2),
                 "analytic_step_s": round(again.predicted_step_seconds, 4)}

@@ -459,9 +459,8 @@ def test_compiled_profile_on_cuda(tmp_path) -> None:
     _alive_after_forward(model, ids)  # the first compiles
     alive, predicted = _alive_after_forward(model, ids), _predicted_alive(compiled)
     # never fewer bytes than the allocator holds (a plan priced on them would overrun its budget). The H200 held
-    # 14.3 MB of 17.7 predicted: 3.4 MB over, which is what the bf16 casts of the two blocks' matmul weights weigh;
-    # the profile counts them because the compiled graph saves them (on CPU, its autograd nodes hold them), and the
-    # allocator did not show them alive (open, BENCHMARKS.md, twenty-first session)
+    # 14.3 MB of 17.7 predicted (twenty-first session). Not the weights' bf16 casts, as first thought: the compiled
+    # nodes hold them on CUDA too (benchmarks/compiled_saved.py, twenty-second session); where the 3.4 MB go is open
     assert 0.75 * predicted <= alive <= predicted * 1.1 + (4 << 20)
 
 

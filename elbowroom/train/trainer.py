@@ -875,10 +875,11 @@ def compile_model(model: nn.Module, fwd_model: nn.Module, plan: Any = None) -> n
     """``--train.compile``: each repeated block compiled in place (regional compilation,
     :func:`elbowroom.activations.compile_blocks`), so what wraps the blocks (DDP, FSDP2, a plan's offload regions and
     checkpoints, the fused loss) stays as it is and one block's graph serves them all; a model without repeated
-    blocks is compiled whole. A planned model's blocks compile as the planner priced them
+    blocks is compiled whole. A planned model's blocks compile as planned runs do
     (:data:`elbowroom.plan.fit.PLANNED_COMPILE`; compiled already when the plan was made in this process). A plan made
-    here was priced on the compiled blocks; one loaded from a file may have been priced on eager ones, which the log
-    then says. Returns the module the steps call."""
+    here was priced on them so; one loaded from a file may have been priced on eager blocks, which the log then says,
+    or on other compile options (its notes name them), which run as planned runs compile: a kept block then saves no
+    more than priced. Returns the module the steps call."""
     from elbowroom.activations import compile_blocks
     from elbowroom.plan.fit import planned_compile_options
 
