@@ -8,6 +8,11 @@ compiled count twice: as ``compile_blocks`` compiles by default, and recomputing
 
     python3 benchmarks/compiled_saved.py                          # the GPU test's size: 2 layers of 256, 2 x 256
     python3 benchmarks/compiled_saved.py --dim 4096 --ffn 11008 --heads 32 --batch 1 --seq 4096
+    python3 benchmarks/compiled_saved.py --dim 2048 --ffn 5632 --heads 16 --held-only --weights bf16 --checkpoint full
+
+``--held-only`` skips the profiles; ``--weights bf16`` casts the model's weights (as a bf16 plan does) and
+``--checkpoint full|selective`` gives every block that policy before compiling (as a plan's recomputed blocks are
+compiled); the held tensors are then listed by shape, with the model's own parameters marked.
 """
 
 from __future__ import annotations
@@ -33,15 +38,25 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--held-only", action="store_true")
+    ap.add_argument("--weights", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--checkpoint", choices=("none", "full", "selective"), default="none")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = ModelConfig(n_layers=args.layers, dim=args.dim, n_heads=args.heads, ffn_dim=args.ffn,
                       max_seq_len=args.seq)
     torch.manual_seed(0)
     model = build_model(cfg, device=dev)
+    if args.weights == "bf16":
+        model.to(torch.bfloat16)
+    if args.checkpoint != "none":
+        from elbowroom.activations.policy import BlockPolicy, apply_block_policies
+
+        apply_block_policies(model, [BlockPolicy(checkpoint=args.checkpoint)] * args.layers)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=dev)
     machine = measure_machine(dev, cache_dir=tempfile.mkdtemp(), matmul_size=1024, adam_numel=1_000_000)
-    arms = (("eager", False), ("compiled", True), ("compiled, pointwise recomputed", {"recompute_pointwise": True}))
+    arms = () if args.held_only else (
+        ("eager", False), ("compiled", True), ("compiled, pointwise recomputed", {"recompute_pointwise": True}))
     for name, compiled in arms:
         prof = profile(model, ids, machine=machine, compiled=compiled, dtype=torch.bfloat16)
         b = prof.blocks[0]
@@ -62,6 +77,7 @@ def main() -> None:
 def _held(model: torch.nn.Module, ids: torch.Tensor, dev: str) -> None:
     """What the compiled blocks' autograd nodes hold after a forward (and on CUDA, what the allocator holds)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    MiB = 2**20
     for step in range(2):  # the first compiles
         if dev == "cuda":
             torch.cuda.synchronize()
@@ -69,7 +85,7 @@ def _held(model: torch.nn.Module, ids: torch.Tensor, dev: str) -> None:
         with torch.autocast(dev, dtype=torch.bfloat16):
             logits = model(ids)
         alive = torch.cuda.memory_allocated() - base if dev == "cuda" else None
-        seen, stack, held = set(), [logits.grad_fn], []
+        seen, stack, held, shapes = set(), [logits.grad_fn], [], []
         while stack:
             node = stack.pop()
             if node is None or node in seen:
@@ -77,12 +93,16 @@ def _held(model: torch.nn.Module, ids: torch.Tensor, dev: str) -> None:
             seen.add(node)
             stack.extend(f for f, _ in node.next_functions)
             if "Compiled" in type(node).__name__:
-                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                            for t in node.saved_tensors if t is not None}
+                saved = [t for t in node.saved_tensors if t is not None]
+                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
                 held.append({k: v for k, v in storages.items() if k not in params})
+                shapes.append(sorted(((t.untyped_storage().nbytes() / MiB, tuple(t.shape), str(t.dtype)[6:],
+                                       "param" if t.untyped_storage().data_ptr() in params else "own") for t in saved),
+                                     reverse=True))
         if step == 1:
             for i, h in enumerate(held):
                 print(f"compiled node {i}: holds {sum(h.values())} {sorted(h.values(), reverse=True)}")
+                print("   " + "; ".join(f"{mb:.2f} MiB {shape} {dt} {kind}" for mb, shape, dt, kind in shapes[i][:12]))
             print(f"allocated after the forward (blocks, head and logits): {alive}")
         logits.float().sum().backward()
         model.zero_grad(set_to_none=True)
