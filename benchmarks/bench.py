@@ -347,7 +347,7 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         if tracing:
             step_range.__exit__(None, None, None)
             tracer.__exit__(None, None, None)
-            _write_trace(tracer, Path(trace_dir) / f"{workload}-{name.replace('@', '-').replace('+', '-')}.json.gz")
+            _write_trace(tracer, Path(trace_dir) / f"{_file_stem(workload, name)}.json.gz")
             break
         losses.append(loss.item())
         if overlap_range is not None:
@@ -357,8 +357,7 @@ def run_mode(name: str, workload: str, args) -> dict[str, Any]:
         t_end = _drain(setup.optimizer)
     if overlap is not None:
         overlap.__exit__(None, None, None)
-        stem = f"{workload}-{name.replace('@', '-').replace('+', '-')}"
-        _write_trace(overlap, Path(overlap_dir) / f"{stem}-overlap.json.gz")
+        _write_trace(overlap, Path(overlap_dir) / f"{_file_stem(workload, name)}-overlap.json.gz")
     if probe is not None:
         probe.stop()
     timed = len(times) - args.warmup
@@ -431,14 +430,23 @@ class _GilProbe:
                 "max_ms": round(1e3 * w[-1], 2), "over_1ms_per_step_ms": round(1e3 * late / max(1, steps), 1)}
 
 
+def _file_stem(workload: str, name: str) -> str:
+    """A row's file name in a DIR the bench writes to: one file, whatever the mode names (``plan@results/x.toml``
+    keeps only the plan file's own name)."""
+    if "@" in name:
+        head, _, rest = name.partition("@")
+        target, plus, flags = rest.partition("+")
+        name = f"{head}@{target.rsplit('/', 1)[-1]}{plus}{flags}"
+    return f"{workload}-{name.replace('@', '-').replace('+', '-').replace('/', '_')}"
+
+
 def _record_memory(workload: str, name: str) -> None:
     """``ELBOWROOM_BENCH_MEMORY=DIR``: record the CUDA allocator's history from here on (see ``memory_peak.py``)."""
     folder = os.environ.get("ELBOWROOM_BENCH_MEMORY")
     if not folder:
         return
-    safe = name.replace("@", "-").replace("+", "-").replace("/", "_")
     start = torch.cuda.memory._snapshot()["segments"]  # the allocator's state, for the reserved memory's replay
-    _RUNNING["memory"] = (Path(folder) / f"{workload}-{safe}.txt", torch.cuda.memory_allocated(), start)
+    _RUNNING["memory"] = (Path(folder) / f"{_file_stem(workload, name)}.txt", torch.cuda.memory_allocated(), start)
     torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
 
 

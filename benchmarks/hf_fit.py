@@ -246,8 +246,17 @@ def main() -> None:
     print("| model | mode | tok/s | % of plain | peak / reserved GiB | predicted GiB | step s | predicted s | "
           "step / pred | plan |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    from elbowroom.plan import BudgetError
+
     for budget in budgets:
-        row = run(args.arch, budget, args, device)
+        try:
+            row = run(args.arch, budget, args, device)
+        except BudgetError as e:  # the refusal is the row's result: the next budgets still run
+            row = {"workload": f"hf-{args.arch}{'-tiny' if args.tiny else ''}", "mode": budget,
+                   "error": f"BudgetError: {e}"}
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         if budget is None:
             plain = row.get("tok_per_s")
         pct = f"{100 * row['tok_per_s'] / plain:.1f}" if plain and row.get("tok_per_s") else ""

@@ -41,6 +41,19 @@ def test_fit_rejects_a_bad_budget_before_profiling() -> None:
         fit(torch.nn.Linear(2, 2), torch.zeros(1, 2), budget="lots")
 
 
+def test_a_budget_above_the_process_memory_cap_is_refused_with_the_cap() -> None:
+    """A budget above ``torch.cuda.set_per_process_memory_fraction``'s cap (one an earlier capped run left) is refused
+    before profiling, naming the cap and how to lift it; within the cap, or uncapped, nothing is said."""
+    from elbowroom.plan.fit import memory_cap_error
+
+    total = 141 * 2**30
+    err = memory_cap_error(16 * 2**30, 10 / 141, total)
+    assert err is not None and "above this process's CUDA memory cap of 10.0 GiB" in err
+    assert "set_per_process_memory_fraction(1.0)" in err
+    assert memory_cap_error(10 * 2**30, 10 / 141, total) is None
+    assert memory_cap_error(140 * 2**30, 1.0, total) is None
+
+
 # ------------------------------------------------------------------ with the profiler
 # small staging (so that the planner finds offloading worth its buffers on these tiny models) and one thread
 KNOBS = CPUOffloadConfig(bucket_bytes=1 << 14, num_staging_slots=2, cpu_threads=1)

@@ -201,6 +201,8 @@ def fit(
 
     budget_bytes = parse_budget(budget)
     host_bytes = None if host_memory is None else parse_budget(host_memory, name="host_memory")
+    if source != "analytic":
+        check_memory_cap(model, budget_bytes)
     streamable = can_stream(optimizer, opt_kwargs)
     if stream and not streamable:
         raise ValueError(f"stream=True needs torch.optim.Adam or AdamW without amsgrad, not "
@@ -274,6 +276,35 @@ more blocks. On one H200 (``BENCHMARKS.md``, twenty-second session) it beat the 
 planned row measured: W1 at 24 GiB 105.1% and 103.6% of plain against 101.2%, at 16 GiB 96.8% against 89.1%, at 8
 GiB 70.9% against 68.0%; GPT-2-XL at 24 GiB 85.1% against 76.6%. ``compile={"recompute_pointwise": False}`` turns it
 off."""
+
+
+def check_memory_cap(model: nn.Module, budget_bytes: int) -> None:
+    """Refuse a budget above this process's CUDA memory cap (``torch.cuda.set_per_process_memory_fraction``, set by
+    the caller or left by an earlier capped run): the profile would run under a ceiling the plan does not know of,
+    and the run would fail against it.
+
+    Raises:
+        ValueError: the budget is above the cap (:func:`memory_cap_error`).
+    """
+    dev = next((p.device for p in model.parameters()), None)
+    if dev is None or dev.type != "cuda" or not hasattr(torch.cuda, "get_per_process_memory_fraction"):
+        return
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    err = memory_cap_error(budget_bytes, torch.cuda.get_per_process_memory_fraction(index),
+                           torch.cuda.get_device_properties(index).total_memory)
+    if err:
+        raise ValueError(err)
+
+
+def memory_cap_error(budget_bytes: int, fraction: float, total_bytes: int) -> str | None:
+    """What :func:`check_memory_cap` says of ``budget_bytes`` on a device of ``total_bytes`` capped at ``fraction``
+    of it (None: the budget is within the cap)."""
+    cap = int(fraction * total_bytes)
+    if fraction >= 1.0 or budget_bytes <= cap:
+        return None
+    return (f"budget {budget_bytes / 2**30:.1f} GiB is above this process's CUDA memory cap of {cap / 2**30:.1f} GiB "
+            f"(torch.cuda.set_per_process_memory_fraction({fraction:.3g}), set earlier in this process): lift it "
+            f"with torch.cuda.set_per_process_memory_fraction(1.0) before fit, or plan for at most the cap")
 
 
 def planned_compile_options(given: Mapping[str, Any] | None = None) -> dict[str, Any]:

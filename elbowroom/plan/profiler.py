@@ -621,20 +621,23 @@ class _Runner:
         return out
 
     def _expandable_overhead(self) -> int:
-        """Reserved minus allocated at a plain step's peak with ``expandable_segments:True`` (then set back).
+        """Reserved minus allocated at a plain step's peak with ``expandable_segments:True``, measured from an empty
+        cache (the setting switched on for the step and back off, unless the process already runs with it).
 
         A plan may choose the setting; the overhead of the default allocator says little of it (one mapping grows
-        instead of many segments that do not fit a larger tensor). 0 when this torch cannot tell the setting or
-        switch it at run time (a setting the run chose is never switched off).
+        instead of many segments that do not fit a larger tensor). With the setting already on, the plain step's
+        reserved-minus-allocated is not the measure either: it counts every segment cached before the step (the
+        profile's own passes, an earlier run in the process), and a Hugging Face Llama planned after a run whose
+        plan had switched the setting on got a 13 GiB margin and a minimum of 19.2 GiB for a model that trains in
+        10. 0 when this torch cannot tell the setting, or cannot switch it at run time when it is off.
         """
         setter, on = allocator_settings_setter(), expandable_segments_on()
-        if on:
-            return self.allocator_overhead  # the run already uses it: the plain measurement is this one
-        if setter is None or on is None:
+        if on is None or (not on and setter is None):
             return 0
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # new segments only: the cached ones stay as they were made
-        setter("expandable_segments:True")
+        if not on:
+            setter("expandable_segments:True")
         try:
             torch.cuda.reset_peak_memory_stats(self.device)
             r0, a0 = torch.cuda.memory_reserved(self.device), torch.cuda.memory_allocated(self.device)
@@ -648,7 +651,8 @@ class _Runner:
                                                                            - a0)
             return max(1, int(held))
         finally:
-            setter("expandable_segments:False")
+            if not on:
+                setter("expandable_segments:False")
             torch.cuda.empty_cache()
 
 

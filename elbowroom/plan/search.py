@@ -435,9 +435,10 @@ def plan_for(
                             if host_need > host_mem:
                                 continue
                             if minimum is None or need_budget < minimum[0]:
-                                minimum = (need_budget, outer, _minimum_parts(profile, d, g, s, e, ks.level_off[li],
-                                                                              li == 0, prefetch_window_bytes,
-                                                                              fixed, need))
+                                minimum = (need_budget, outer, {
+                                    **_minimum_parts(profile, d, g, s, e, ks.level_off[li], li == 0,
+                                                     prefetch_window_bytes, fixed, need),
+                                    **_margin_part(profile, need, need_budget, expandable)})
                             margin = cost.margin_bytes(profile, budget, expandable)
                             cap = int(math.floor((budget - margin - fixed) / (k_in * ks.unit0 * s)))
                             if cap < ks.min_units[li]:
@@ -554,6 +555,15 @@ def _minimum_parts(profile: Profile, d: Decisions, g: cost.Globals, s: float, e:
         parts[_WAITING] = int(waiting)
     parts["head, loss and working memory"] = int(fixed - g.states - max(waiting, 0))
     return parts
+
+
+def _margin_part(profile: Profile, need: float, minimum: int, expandable: bool) -> dict[str, int]:
+    """The allocator's share of the minimum (the budget above ``need``), named by where it comes from, so that the
+    BudgetError's parts add up to the minimum it names."""
+    measured = cost.measured_margin(profile, expandable) > 0
+    name = ("allocator margin (measured: reserved beyond allocated at the profile's plain step)" if measured
+            else "allocator margin (a share of the budget)")
+    return {name: max(0, int(minimum - need))}
 
 
 def _min_budget(profile: Profile, need: float, expandable: bool) -> int:
