@@ -120,7 +120,8 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
         model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True)
     elif plan_file is not None:
         plan = Plan.load(plan_file)
-        model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True, **_offload_config(plan))
+        with _split_streams(model):
+            model, opt = apply(model, plan, torch.optim.AdamW, lr=1e-4, fused=True, **_offload_config(plan))
         if compiled is not None:  # plan@FILE+compile: compiled after the plan is applied, as fit(compile=True) does
             from elbowroom.activations import compile_blocks
 
@@ -185,6 +186,38 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
 
     return Setup(opt, context=context, stats=stats, notes=notes, fused_loss=plan.fused_loss,
                  micro_batch=plan.micro_batch)
+
+
+@contextlib.contextmanager
+def _split_streams(model: torch.nn.Module) -> Any:
+    """``ELBOWROOM_BENCH_SPLIT=w13,w2`` (a trial, ``plan@FILE`` rows): every parameter the plan takes off the device
+    whose name holds one of these steps on the host, and every other one of the blocks streams, whatever the plan
+    said of its block: each block's optimizer split between the host and the link, so that both keep pace with the
+    backward instead of the link waiting for the early blocks' gradients at its end."""
+    import os
+
+    keys = [k for k in os.environ.get("ELBOWROOM_BENCH_SPLIT", "").split(",") if k]
+    if not keys:
+        yield
+        return
+    from elbowroom.optim import offload
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    init = offload.CPUOffloadOptimizer.__init__
+
+    def split_init(self: Any, params: Any, *a: Any, offload_params: Any = None, stream_params: Any = None,
+                   **k: Any) -> None:
+        if offload_params is not None and stream_params is not None:
+            offload_params = list(offload_params)
+            stream_params = [p for p in offload_params if ".blocks." in "." + names.get(id(p), "")
+                             and not any(key in names.get(id(p), "") for key in keys)]
+        init(self, params, *a, offload_params=offload_params, stream_params=stream_params, **k)
+
+    offload.CPUOffloadOptimizer.__init__ = split_init
+    try:
+        yield
+    finally:
+        offload.CPUOffloadOptimizer.__init__ = init
 
 
 @contextlib.contextmanager
