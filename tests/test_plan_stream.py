@@ -49,12 +49,12 @@ def with_machine(p, **kw):
 
 
 # ---------------------------------------------------------------------------------------------- cost model
-@pytest.mark.parametrize("layout, per", [("fp32", 8), ("bf16", 4), ("fp32-offload-bf16", 4)])
-def test_a_streamed_block_s_device_and_host_bytes(layout: str, per: int) -> None:
-    """Its weight and gradient in the offloaded weights' dtype on the device, offloaded gradients or not (it steps
-    where its gradient is), and the gradient's bytes once more (its memory returns to the allocator late); 12 B of
-    state on the host and no host gradient; one ring of ``stream_slots`` slots of
-    min(stream_slot_numel, its parameters rounded up to 64) x 16 B for all streamed blocks."""
+@pytest.mark.parametrize("layout, weight", [("fp32", 4), ("bf16", 2), ("fp32-offload-bf16", 2)])
+def test_a_streamed_block_s_device_and_host_bytes(layout: str, weight: int) -> None:
+    """Its weight in the offloaded weights' dtype on the device, offloaded gradients or not (it steps where its
+    gradient is, which is counted nowhere: ``streaming.device_bytes_per_param``); 12 B of state on the host and no
+    host gradient; one ring of ``stream_slots`` slots of min(stream_slot_numel, its parameters rounded up to 64) x
+    16 B for all streamed blocks."""
     from elbowroom.optim.config import CPUOffloadConfig
 
     p = make_profile(n_layers=4, dim=256, ffn=512, vocab=1000, seq_len=128)
@@ -67,8 +67,7 @@ def test_a_streamed_block_s_device_and_host_bytes(layout: str, per: int) -> None
     resident = 16  # weight, gradient and AdamW's moments (bf16 weights: their fp32 masters besides)
     chunk = 4 * (min(cfg.device_chunk_numel, p.num_params - P) - min(cfg.device_chunk_numel, p.num_params)) \
         if layout == "bf16" else 0  # (the device masters' fp32 chunk is sized by the resident parameters)
-    late = per // 2  # the gradient once more
-    assert cost.state_bytes(p, streamed) - cost.state_bytes(p, base) == (per + late - resident) * P + ring + chunk
+    assert cost.state_bytes(p, streamed) - cost.state_bytes(p, base) == (weight - resident) * P + ring + chunk
     # no staging slots (no gradient of it goes to the host), and offloaded gradients leave its bytes as they are
     og = dataclasses.replace(streamed, offload_gradients=True)
     assert cost.state_bytes(p, og) == cost.state_bytes(p, streamed)
@@ -535,3 +534,147 @@ def test_a_host_memory_limit_keeps_offloaded_parameters_near_their_12_bytes() ->
     assert tight.host_bytes <= limit and b_tight <= 12.3
     assert not tight.offload_gradients
     assert tight.predicted_step_seconds >= free.predicted_step_seconds
+
+
+# ---------------------------------------------------------------------------------------------- split blocks
+def test_a_split_block_puts_its_largest_tensors_on_the_host() -> None:
+    """The rule the planner prices and ``apply`` builds: largest first, each taken where it brings the host's part
+    nearer the share. W1's block (fused qkv 6144x2048, output 2048x2048, gate-and-up 11264x2048, down 2048x5632, two
+    norms): at 1/2 the gate-and-up and the output (53%), at 2/3 the gate-and-up and the qkv (69%)."""
+    sizes = (2048, 6144 * 2048, 2048 * 2048, 2048, 11264 * 2048, 2048 * 5632)  # block.parameters() order
+    assert streaming.split_on_host(sizes, 0.5) == (False, False, True, False, True, False)
+    assert streaming.split_on_host(sizes, 2 / 3) == (False, True, False, False, True, False)
+    assert streaming.split_on_host(sizes, 1 / 3) == (False, False, False, False, True, False)
+    sig = "LlamaBlock(2048,6144x2048,2048x2048,2048,11264x2048,2048x5632)"
+    total = sum(sizes)
+    assert streaming.host_part(sig, total, 0.5) == 11264 * 2048 + 2048 * 2048
+    assert streaming.host_part(sig, total, 0.0) == 0
+    assert streaming.host_part("Opaque()", 1000, 0.5) == 500  # no shapes listed: the share of its parameters
+
+
+def test_a_split_block_is_a_host_job_and_a_link_job() -> None:
+    """Split, a block's host part steps on the host (its 4 B down and up, its host step) and the rest streams (12 B
+    each way): its device bytes are the two parts' and its host bytes 12 B per parameter plus its host part's
+    gradient where gradients leave; priced between streamed whole and stepped on the host whole."""
+    p = make_profile(n_layers=4)
+    n = len(p.blocks)
+    whole = decisions(n, stream_blocks=(True,) * n, grad_clipping=False)
+    split = dataclasses.replace(whole, split_share=0.5)
+    host, stream = cost.optimizer_parts(p, split)
+    sig = p.blocks[0].signature
+    assert host == tuple(streaming.host_part(sig, b.num_params, 0.5) for b in p.blocks)
+    assert all(0 < h < b.num_params for h, b in zip(host, p.blocks))
+    assert stream == tuple(b.num_params - h for h, b in zip(host, p.blocks))
+    assert cost.optimizer_parts(p, whole) == ((0,) * n, tuple(b.num_params for b in p.blocks))
+    # device bytes: the host part's weight (and gradient, kept until its copy) where the stream's weight was
+    _, p_off, p_str = cost._param_split(p, split)
+    assert (p_off, p_str) == (sum(host), sum(stream))
+    # the link carries less streamed state: a slow host still steps its part, and a split that keeps both busy beats
+    # both extremes when the link alone is slow
+    slow_link = with_machine(p, duplex_bandwidth=p.machine.duplex_bandwidth / 8)
+    on_host = decisions(n, offload_blocks=(True,) * n, grad_clipping=False)
+    t = {name: host_exposed_seconds(slow_link, d, 0.0)[1] for name, d in
+         (("stream", whole), ("split", split), ("host", on_host))}
+    assert t["split"] < t["stream"]
+    with pytest.raises(ValueError, match=r"split_share is a share .* in \[0, 1\)"):
+        dataclasses.replace(whole, split_share=1.0)
+
+
+def _split_plan() -> Plan:
+    rows = tuple(BlockPlan(index=i, optimizer_streamed=i >= 2, checkpoint="full" if i == 1 else "none")
+                 for i in range(4))
+    return Plan(blocks=rows, budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=1.0,
+                predicted_tokens_per_s=1.0, optimizer_split_share=0.5)
+
+
+def test_apply_hands_a_split_block_s_largest_tensors_to_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import elbowroom.optim
+
+    got: dict = {}
+
+    class Recorder:
+        def __init__(self, params, optimizer_class, **kw) -> None:
+            got.update(kw)
+
+        def overlap_with_forward(self, model) -> None:
+            pass
+
+    monkeypatch.setattr(elbowroom.optim, "CPUOffloadOptimizer", Recorder)
+    model = _tiny()
+    apply(model, _split_plan(), torch.optim.AdamW, lr=1e-3)
+    ids = lambda ps: {id(p) for p in ps}  # noqa: E731
+    split = [model.blocks[2], model.blocks[3]]
+    assert ids(got["offload_params"]) == set().union(*(ids(b.parameters()) for b in split))
+    for b in split:
+        own = list(b.parameters())
+        host = streaming.split_on_host(tuple(p.numel() for p in own), 0.5)
+        assert any(host) and not all(host)
+        assert ids(p for p, h in zip(own, host) if not h) <= ids(got["stream_params"])
+        assert not ids(p for p, h in zip(own, host) if h) & ids(got["stream_params"])
+
+
+@pytest.mark.skipif(not _streams(), reason="CPUOffloadOptimizer has no stream_params yet")
+def test_a_split_plan_trains_like_plain() -> None:
+    """Split blocks (their largest tensors on the host, the rest streamed) take the steps torch's AdamW takes."""
+    import torch
+    import torch.nn.functional as F
+
+    from elbowroom.optim import CPUOffloadConfig
+
+    ref = _tiny()
+    model = copy.deepcopy(ref)
+    knobs = CPUOffloadConfig(bucket_bytes=1 << 16, num_staging_slots=2, cpu_threads=1, stream_slot_numel=1 << 12)
+    model, opt = apply(model, _split_plan(), torch.optim.AdamW, offload_config=knobs, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(3):
+            F.cross_entropy(m(idx).flatten(0, 1).float(), idx.flatten()).backward()
+            o.step()
+            o.zero_grad()
+    opt.wait_for_weights()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        err = ((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30)).item()
+        assert err <= 1e-5, f"{name}: relative error {err:.3e}"
+
+
+def test_a_split_plan_round_trips_reads_in_the_table_and_needs_streamed_blocks(tmp_path: Path) -> None:
+    plan = _split_plan()
+    for name in ("p.toml", "p.json"):
+        assert Plan.load(plan.save(tmp_path / name)) == plan
+    assert plan.decisions().split_share == 0.5
+    old = plan.to_dict()
+    del old["optimizer_split_share"]  # a plan file from before the field: streamed blocks stream whole
+    assert Plan.from_dict(old).optimizer_split_share == 0.0
+    text = plan.table()
+    assert "each split: its largest tensors (about 50%) step on the host" in text
+    rows = {int(line[:5]): line for line in text.splitlines() if line[:5].strip().isdigit()}
+    assert rows[2].split()[-5] == "split" and rows[0].split()[-5] == "device"
+    none = tuple(dataclasses.replace(b, optimizer_streamed=False) for b in plan.blocks)
+    with pytest.raises(ValueError, match="optimizer_split_share splits the streamed blocks, and no block streams"):
+        dataclasses.replace(plan, blocks=none)
+
+
+def test_the_search_splits_where_the_host_and_the_link_are_both_needed() -> None:
+    """Eight W1-shaped blocks with room for every one's weight but not its optimizer: streamed whole, the early
+    blocks' states wait for the backward's end; the plan splits the blocks between the host and the link, and is
+    predicted faster than the best plan that may not split."""
+    p = make_profile(n_layers=8)
+    kw = dict(precision="bf16", fused_loss_allowed=True, grad_clipping=False)
+    with pytest.raises(BudgetError) as e:
+        plan_for(p, 1 << 20, **kw)
+    budget = e.value.minimum_bytes + 3 * GiB
+    plan = plan_for(p, budget, **kw)
+    assert plan.optimizer_split_share > 0 and len(plan.optimizer_stream_blocks) == 8
+    from elbowroom.plan import search
+
+    old = search.streaming.SPLIT_SHARES
+    search.streaming.SPLIT_SHARES = ()
+    try:
+        unsplit = plan_for(p, budget, **kw)
+    finally:
+        search.streaming.SPLIT_SHARES = old
+    assert unsplit.optimizer_split_share == 0
+    assert plan.predicted_step_seconds < unsplit.predicted_step_seconds

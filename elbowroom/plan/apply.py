@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from elbowroom.plan.devices import allocator_settings_setter
 from elbowroom.plan.plan import Plan
+from elbowroom.plan.streaming import split_on_host
 
 __all__ = ["apply", "build_optimizer", "install", "resolve_blocks"]
 
@@ -219,12 +220,16 @@ def build_optimizer(
         in_blocks: set[int] = set()
         for i, blk in enumerate(blks):
             row = plan.blocks[i]
-            for p in blk.parameters():
+            own = list(blk.parameters())
+            # a split block's largest tensors step on the host, the rest stream (as the planner priced its signature)
+            on_host = (split_on_host(tuple(p.numel() for p in own), plan.optimizer_split_share)
+                       if row.optimizer_streamed and plan.optimizer_split_share else (False,) * len(own))
+            for p, host in zip(own, on_host):
                 in_blocks.add(id(p))
                 if (row.optimizer_on_host or row.optimizer_streamed) and p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     offload.append(p)
-                    if row.optimizer_streamed:
+                    if row.optimizer_streamed and not host:
                         stream.append(p)
         if plan.offload_other_params:
             offload += [p for p in params if id(p) not in in_blocks and id(p) not in seen]

@@ -31,10 +31,10 @@ Model states, per parameter on the device (``P_res`` resident, ``P_off`` offload
 plus, when anything is offloaded, ``num_staging_slots * bucket_bytes`` of device staging (the optimizer's config)
 and, when its bf16 weights cast to and from fp32 on the device, the two copy streams' cast buffers
 (``CAST_STREAMS * cast_chunk_bytes``), and with bf16 weights the fp32 chunk the device masters step through
-(``device_chunk_numel * 4``). A streamed parameter (``P_str``) holds its weight and its gradient in the offloaded
-weights' dtype, the gradient counted twice (12 B, or 6 with bf16 device weights:
-:func:`~elbowroom.plan.streaming.device_bytes_per_param` says why), with or without ``offload_gradients`` (its
-gradient never leaves: it steps where it is), its state 12 B on the host and no host gradient; when any block
+(``device_chunk_numel * 4``). A streamed parameter (``P_str``) is counted at its weight in the offloaded weights'
+dtype (4 B, or 2 with bf16 device weights: :func:`~elbowroom.plan.streaming.device_bytes_per_param` says why its
+gradient is not), with or without ``offload_gradients`` (its gradient never leaves: it steps where it is), its state
+12 B on the host and no host gradient; when any block
 streams the device holds the ring it steps through,
 ``stream_slots * min(stream_slot_numel, largest streamed block's parameters) * 16``
 (:func:`~elbowroom.plan.streaming.ring_bytes`).
@@ -283,6 +283,10 @@ class Decisions:
     """Per block: its parameters' optimizer state lives on the host but steps on the device, streamed through a small
     device ring (``CPUOffloadOptimizer(stream_params=...)``); empty: no block. A block streams or steps on the host
     (``offload_blocks``), never both."""
+    split_share: float = 0.0
+    """Of each streamed block, the share of its parameters that steps on the host instead (its largest tensors,
+    :func:`~elbowroom.plan.streaming.split_on_host`): the block's optimizer split between the host and the link, so
+    that both work through the backward. 0: streamed blocks stream whole."""
     layout: str = "fp32"
     """A key of :data:`LAYOUTS`."""
     micro_batch: int = 1
@@ -306,6 +310,9 @@ class Decisions:
         if both:
             raise ValueError(f"block {both[0]} both steps on the host and streams: a block's optimizer is on the "
                              "device, on the host (offload_blocks) or streamed (stream_blocks)")
+        if not 0.0 <= self.split_share < 1.0:
+            raise ValueError(f"split_share is a share of a streamed block's parameters in [0, 1), got "
+                             f"{self.split_share}")
 
     @property
     def streamed(self) -> tuple[bool, ...]:
@@ -461,12 +468,33 @@ def _sums(profile: Profile) -> _Sums:
     return sums
 
 
+def optimizer_parts(profile: Profile, d: Decisions) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per block: (its parameters stepped on the host, its parameters streamed). A streamed block split at
+    ``d.split_share`` has both (:func:`~elbowroom.plan.streaming.host_part`)."""
+    key = (id(profile), d.offload_blocks, d.stream_blocks, d.split_share)
+    got = _PARTS.get(key)
+    if got is not None and got[0] is profile:
+        return got[1]
+    host, stream = [], []
+    for b, o, st in zip(profile.blocks, d.offload_blocks, d.streamed):
+        h = b.num_params if o else streaming.host_part(b.signature, b.num_params, d.split_share) if st else 0
+        host.append(h)
+        stream.append(b.num_params - h if st else 0)
+    if len(_PARTS) > _HOST_CACHE_SIZE:
+        _PARTS.clear()
+    _PARTS[key] = (profile, (tuple(host), tuple(stream)))  # the profile is held, so its id is not reused while cached
+    return _PARTS[key][1]
+
+
+_PARTS: dict[tuple[Any, ...], tuple[Profile, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+
+
 def _param_split(profile: Profile, d: Decisions) -> tuple[int, int, int]:
     """Parameters (stepped on the device, stepped on the host, streamed)."""
     sums = _sums(profile)
-    p_off = sum(n for n, o in zip(sums.block_params, d.offload_blocks) if o)
-    p_off += sum(outside_on_host(profile, d))
-    p_str = sum(n for n, st in zip(sums.block_params, d.stream_blocks) if st)
+    host, stream = optimizer_parts(profile, d)
+    p_off = sum(host) + sum(outside_on_host(profile, d))
+    p_str = sum(stream)
     return sums.num_params - p_off - p_str, p_off, p_str
 
 
@@ -501,7 +529,7 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
 
 def gradient_bytes(profile: Profile, d: Decisions) -> tuple[int, tuple[int, ...]]:
     """(``G_h``, ``G_i`` per block): gradient bytes of the device-resident parameters, outside and in the blocks (a
-    streamed block's are model states: :func:`~elbowroom.plan.streaming.device_bytes_per_param`)."""
+    streamed block's are not counted: :func:`~elbowroom.plan.streaming.device_bytes_per_param`)."""
     per = 2 if LAYOUTS[d.layout][0] == "bfloat16" else 4
     blocks = tuple(0 if o or st else per * n
                    for n, o, st in zip(_sums(profile).block_params, d.offload_blocks, d.streamed))
@@ -598,15 +626,17 @@ def gradient_backlog_bytes(profile: Profile, d: Decisions) -> int:
     per = 2 if "bfloat16" in (weight, off_dtype) else 4  # a host-stepped parameter's device gradient
     t, copied, worst = s * profile.head.backward_s, -math.inf, 0
     waiting: list[tuple[float, int]] = []  # (its copy done, bytes)
-    streamed = d.streamed if not d.grad_clipping else (False,) * len(blocks)  # (with clipping: after the backward)
+    host, stream = optimizer_parts(profile, d)
+    if d.grad_clipping:
+        stream = (0,) * len(blocks)  # (with clipping: after the backward)
     for j in range(len(blocks) - 1, -1, -1):
         worst = max(worst, sum(b for done, b in waiting if done > t))  # as block j's backward starts
         t += s * blocks[j].backward_s
-        if d.offload_blocks[j]:
-            copied = max(copied, t) + OPTIMIZER_LINK_BYTES_PER_PARAM * blocks[j].num_params / bw
-            waiting.append((copied, per * blocks[j].num_params))
-        elif streamed[j]:  # its states take the same direction, in the order the jobs are ready
-            copied = max(copied, t) + stream_link_seconds(blocks[j].num_params, bw)
+        if host[j]:
+            copied = max(copied, t) + OPTIMIZER_LINK_BYTES_PER_PARAM * host[j] / bw
+            waiting.append((copied, per * host[j]))
+        if stream[j]:  # its states take the same direction, in the order the jobs are ready
+            copied = max(copied, t) + stream_link_seconds(stream[j], bw)
     return max(worst, sum(b for done, b in waiting if done > t))
 
 
@@ -635,6 +665,10 @@ def host_terms(profile: Profile, d: Decisions, device_step_s: float, rate_scale:
 
 
 _HOST: dict[tuple[Any, ...], tuple[Profile, float, float, float]] = {}
+_HOST_CACHE_SIZE = 1 << 15
+"""Placements :func:`_host_step` keeps. The search weighs every placement for each weight layout in turn (the layouts
+are its outer loop), so the cache must hold one layout's pass: a 100-block search weighs some 5,000 placements, and
+a cache of 4,096 cleared itself within each pass and priced every placement once per layout."""
 
 
 def _host_step(profile: Profile, d: Decisions, device_step_s: float) -> tuple[float, float]:
@@ -643,14 +677,13 @@ def _host_step(profile: Profile, d: Decisions, device_step_s: float) -> tuple[fl
     the host step hiding pays for the risk it takes. Cached on what the pipeline reads (its lateness, from which each
     device step takes its own share): the search asks again for every weight layout, head and loss choice of one
     placement."""
-    key = (id(profile), d.offload_blocks, d.stream_blocks, d.offload_other, d.offload_head, d.micro_batch,
-           d.grad_clipping,
-           d.offload_gradients, d.optimizer_config.step_order)
+    key = (id(profile), d.offload_blocks, d.stream_blocks, d.split_share, d.offload_other, d.offload_head,
+           d.micro_batch, d.grad_clipping, d.offload_gradients, d.optimizer_config.step_order)
     got = _HOST.get(key)
     if got is None or got[0] is not profile:
         whole, late = host_lateness(profile, d)
         got = (profile, whole, late, host_lateness(profile, d, HOST_STEP_SPREAD)[1])
-        if len(_HOST) > 4096:
+        if len(_HOST) > _HOST_CACHE_SIZE:
             _HOST.clear()
         _HOST[key] = got  # the profile is held, so its id is not reused while cached
     _, whole, late, late_slow = got
@@ -692,7 +725,7 @@ def stream_share(d: Decisions, profile: Profile | None = None) -> float:
     if not w or profile is None:
         return w
     bw = profile.machine.duplex_bandwidth
-    p_str = sum(n for n, st in zip(_sums(profile).block_params, d.stream_blocks) if st)
+    p_str = sum(optimizer_parts(profile, d)[1])
     s = d.micro_batch / profile.micro_batch
     window = s * sum((b.forward_s if d.grad_clipping else b.backward_s) for b in profile.blocks)
     if bw <= 0 or window <= 0:

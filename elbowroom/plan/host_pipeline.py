@@ -7,7 +7,8 @@ gradients and ``CPUOffloadConfig.step_order="needed_first"`` the host steps, amo
 landed, the one the next forward needs first. The next forward needs each block's weights back before it reaches
 that block.
 
-A streamed block (``Decisions.stream_blocks``, ``CPUOffloadOptimizer(stream_params=...)``) is a job of the link alone:
+A streamed block (``Decisions.stream_blocks``, ``CPUOffloadOptimizer(stream_params=...)``) is a job of the link alone
+(split, ``Decisions.split_share``, its largest tensors are a host-stepped job beside it):
 its fp32 master and moments come up into the device's ring, step there and go back, chunk by chunk, so it holds both
 directions at once for ``12 P / bw`` (at :data:`STREAM_LINK_EFFICIENCY` of the rate) and its weights are ready when the
 last chunk has come up. The optimizer runs streamed jobs on copy streams of their own, beside the host-stepped jobs'
@@ -206,9 +207,13 @@ def host_lateness(profile: Profile, d: Decisions, rate_scale: float = 1.0,
     else in the pipeline reads the device step, so the search prices one placement once for every weight layout."""
     m = profile.machine
     s = d.micro_batch / profile.micro_batch
-    # (block index, parameters, streamed) of every block whose optimizer is off the device
-    jobs: list[tuple[int, int, bool]] = [(i, b.num_params, st) for i, (b, o, st)
-                                         in enumerate(zip(profile.blocks, d.offload_blocks, d.streamed)) if o or st]
+    # (block index, parameters, streamed) of every block whose optimizer is off the device: a split block is two jobs,
+    # its host-stepped tensors and its streamed ones, both ready as its gradients become final
+    from elbowroom.plan.cost import optimizer_parts
+
+    host_n, stream_n = optimizer_parts(profile, d)
+    jobs: list[tuple[int, int, bool]] = [job for i, (h, st) in enumerate(zip(host_n, stream_n))
+                                         for job in ((i, h, False), (i, st, True)) if job[1]]
     before_n, after_n = outside_on_host(profile, d)
     if not jobs and not (before_n or after_n):
         return 0.0, 0.0

@@ -142,6 +142,10 @@ class Plan:
     offload_head_params: bool = False
     """Of those, the ones after the blocks alone (an untied output head, a final norm) step on the host, the
     embeddings on the device."""
+    optimizer_split_share: float = 0.0
+    """Of each streamed block, the share of its parameters that steps on the host instead: its largest tensors
+    (:func:`elbowroom.plan.streaming.split_on_host`), their gradients sent there as a host-stepped block's are. 0:
+    streamed blocks stream whole."""
     fused_loss: bool = False
     """The loop computes head and loss with ``elbowroom.linear_cross_entropy`` (the logits never exist whole)."""
     allocator_settings: str = ""
@@ -196,6 +200,12 @@ class Plan:
         if self.version != PLAN_VERSION:
             raise ValueError(f"plan format version {self.version} is not supported (this elbowroom reads "
                              f"{PLAN_VERSION}); plan again with `elbowroom plan`")
+        if not 0.0 <= self.optimizer_split_share < 1.0:
+            raise ValueError(f"optimizer_split_share is a share of each streamed block's parameters in [0, 1), got "
+                             f"{self.optimizer_split_share}")
+        if self.optimizer_split_share and not any(b.optimizer_streamed for b in self.blocks):
+            raise ValueError("optimizer_split_share splits the streamed blocks, and no block streams: set "
+                             "optimizer_streamed = true on the blocks to split, or the share to 0")
         if self.allocator_settings and any(":" not in kv for kv in self.allocator_settings.split(",")):
             raise ValueError(f"allocator_settings must read like 'expandable_segments:True', got "
                              f"{self.allocator_settings!r}")
@@ -241,6 +251,7 @@ class Plan:
             options=tuple(Option(b.checkpoint, b.offload_ratio, b.offload_input) for b in self.blocks),
             offload_blocks=tuple(b.optimizer_on_host for b in self.blocks),
             stream_blocks=streamed if any(streamed) else (),
+            split_share=self.optimizer_split_share,
             offload_other=self.offload_other_params,
             offload_head=self.offload_head_params,
             layout=layout,
@@ -291,6 +302,9 @@ class Plan:
         if streamed:  # (a plan that streams nothing reads as it always did)
             where += (f" ({len(off)})" if off else "") + (f"; state on the host, streamed to step on the device: "
                                                           f"blocks {_ranges(streamed)} ({len(streamed)})")
+            if self.optimizer_split_share:
+                where += (f", each split: its largest tensors (about {self.optimizer_split_share:.0%}) step on the "
+                          "host")
         other = ("embeddings/head/norm on the host" if self.offload_other_params else
                  "head/norm on the host, embeddings on the device" if self.offload_head_params else
                  "embeddings/head/norm on the device")
@@ -305,7 +319,7 @@ class Plan:
                      f"{'recomputed':>11} {'ms':>8}")
         for b in self.blocks:
             lines.append(
-                f"{b.index:>5}  {b.policy_label:<26} {_placement(b):<9} "
+                f"{b.index:>5}  {b.policy_label:<26} {_placement_of(self, b):<9} "
                 f"{b.kept_bytes / 2**30:>9.3f} {b.offloaded_bytes / 2**30:>10.3f} "
                 f"{b.recomputed_bytes / 2**30:>11.3f} {b.seconds * 1e3:>8.2f}"
             )
@@ -381,6 +395,11 @@ class Plan:
 def _placement(b: BlockPlan) -> str:
     """The table's optimizer column: where the block's optimizer steps."""
     return "host" if b.optimizer_on_host else "stream" if b.optimizer_streamed else "device"
+
+
+def _placement_of(plan: Plan, b: BlockPlan) -> str:
+    """:func:`_placement`, a split block named so."""
+    return "split" if b.optimizer_streamed and plan.optimizer_split_share else _placement(b)
 
 
 def _ranges(idx: tuple[int, ...]) -> str:

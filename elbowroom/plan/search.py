@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from elbowroom.plan import cost, options, phases
+from elbowroom.plan import cost, options, phases, streaming
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
 from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM, host_rate, stream_link_seconds
 from elbowroom.plan.knapsack import KEEP, Knapsack
@@ -108,6 +108,7 @@ class _Outer:
     gradients_out: bool = False  # the offloaded parameters' gradients leave the device in the backward
     streamed: int = 0  # of those k, the first (earliest) this many stream; the rest step on the host
     head: bool = False  # not other: the parameters after the blocks (head, final norm) alone on the host
+    split: float = 0.0  # the streamed blocks' share stepped on the host (Decisions.split_share)
 
 
 def _divisors(n: int) -> list[int]:
@@ -400,6 +401,9 @@ def plan_for(
         # how many of the k blocks stream (their gradients stay on the device: offloaded gradients need a host one)
         counts = _stream_counts(profile, k, outside, opt_ok, grad_clipping, offload_config) if stream_ok else [0]
         splits = [st for st in counts if not og or k > st or outside]
+        # every one of the k blocks streamed with a share of its tensors on the host (its gradients go there too):
+        # tried where the host and the link are both needed, the crossing of their work inside the k blocks
+        shares = streaming.SPLIT_SHARES if stream_ok and opt_ok and any(0 < st < k for st in counts) else ()
         for mb in mbs:
             s = mb / profile.micro_batch
             acc = gb // mb
@@ -407,18 +411,18 @@ def plan_for(
                 continue  # (accumulating on the host copies every micro-batch's gradients: not priced)
             for fused in fused_opts:
                 placed = []
-                for st in splits:
+                for st, share in [(st, 0.0) for st in splits] + [(k, h) for h in shares if k]:
                     offload_blocks, stream_blocks = _placement(n, k, st)
                     d = Decisions(
                         offload_config=offload_config, options=(Option(),) * n, offload_blocks=offload_blocks,
-                        stream_blocks=stream_blocks, offload_other=other, offload_head=head,
+                        stream_blocks=stream_blocks, split_share=share, offload_other=other, offload_head=head,
                         layout=layout, micro_batch=mb, accumulation=acc, fused_loss=fused,
                         grad_clipping=grad_clipping, offload_gradients=og, persistent_gradients=persistent_gradients,
                     )
                     g = cost.globals_for(profile, d)
                     if not math.isinf(g.host_exposed_s):
-                        placed.append((st, d, g))
-                for st, d, g in _undominated(placed, s, acc):
+                        placed.append(((st, share), d, g))
+                for (st, share), d, g in _undominated(placed, s, acc):
                     w = cost.link_shares(d, profile)
                     floor_s = cost.step_seconds(g, s, acc, 0.0)
                     for expandable, ks in ((a, k) for a in alloc_opts for k in programmes):
@@ -427,7 +431,7 @@ def plan_for(
                             fixed = g.states + _bound_extra(g, s, e, ks.level_off[li], li == 0,
                                                             prefetch_window_bytes) + slack
                             fixed += (k_in - 1) * math.ceil(s * profile.head.saved_bytes)
-                            outer = _Outer(layout, k, other, mb, acc, fused, expandable, og, st, head)
+                            outer = _Outer(layout, k, other, mb, acc, fused, expandable, og, st, head, share)
                             need = fixed + k_in * ks.min_units[li] * ks.unit0 * s
                             need_budget = _min_budget(profile, need, expandable)
                             if unhosted is None or need_budget < unhosted[0]:
@@ -465,7 +469,7 @@ def plan_for(
         host, stream = _placement(n, outer.k, outer.streamed)
         return Decisions(
             offload_config=offload_config, options=tuple(OPTIONS[o] for o in opts),
-            offload_blocks=host, stream_blocks=stream,
+            offload_blocks=host, stream_blocks=stream, split_share=outer.split,
             offload_other=outer.other,
             offload_head=outer.head,
             layout=outer.layout,
@@ -723,6 +727,7 @@ def plan_from_decisions(
         offload_param_dtype=off_dtype if d.offloads_params or weight == "bfloat16" else "float32",
         offload_other_params=d.offload_other,
         offload_head_params=d.offload_head and not d.offload_other,
+        optimizer_split_share=d.split_share if d.streams else 0.0,
         fused_loss=d.fused_loss,
         allocator_settings="expandable_segments:True" if d.expandable_segments else "",
         grad_clipping=d.grad_clipping,

@@ -17,8 +17,44 @@ if TYPE_CHECKING:
     from elbowroom.plan.cost import Decisions
     from elbowroom.plan.types import Profile
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "LAUNCH_SECONDS_PER_CHUNK", "RING_BYTES_PER_ELEMENT", "chunks",
-           "device_bytes_per_param", "launch_seconds", "ring_bytes"]
+__all__ = ["ADAM_BYTES_PER_PARAM", "LAUNCH_SECONDS_PER_CHUNK", "RING_BYTES_PER_ELEMENT", "SPLIT_SHARES", "chunks",
+           "device_bytes_per_param", "host_part", "launch_seconds", "ring_bytes", "split_on_host"]
+
+SPLIT_SHARES = (1 / 3, 1 / 2, 2 / 3)
+"""The shares of a split block's parameters the search tries on the host (``Decisions.split_share``): a streamed block
+whose largest tensors step on the host and the rest stream, so that the host and the link both work through the
+backward, each at the pace of its share. Streamed whole, the early blocks' states wait for their gradients at the
+backward's end, and the next forward for them: W1 at 8 GiB on an H200 (13 blocks streamed, 11 on the host), the compute
+stream idle 148 ms between steps while the link carried the early blocks' 8 GB each way; the same plan with every
+block's fused gate-and-up and down projections on the host and the rest streamed ran at 79.0% of plain against 67.1%
+(``ELBOWROOM_BENCH_SPLIT``, ``BENCHMARKS.md``)."""
+
+
+def split_on_host(sizes: tuple[int, ...] | list[int], share: float) -> tuple[bool, ...]:
+    """Which of a split block's tensors (``sizes``: their element counts, in ``block.parameters()`` order) step on the
+    host: the largest first, each taken where it brings the host's part nearer ``share`` of the block, the others
+    streamed. The planner prices and ``apply`` builds the same choice (the block's signature lists the same sizes).
+    W1's block at 2/3: the gate-and-up and the attention's input projection (69%)."""
+    total = sum(sizes)
+    target, got = share * total, 0
+    host = [False] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        if abs(got + sizes[i] - target) < abs(got - target):
+            host[i] = True
+            got += sizes[i]
+    return tuple(host)
+
+
+@functools.lru_cache(maxsize=4096)
+def host_part(signature: str, num_params: int, share: float) -> int:
+    """Parameters of a block split at ``share`` that step on the host (:func:`split_on_host` on its signature's
+    sizes; ``share`` of ``num_params`` where the signature lists none)."""
+    if share <= 0:
+        return 0
+    sizes = _signature_sizes(signature)
+    if not sizes:
+        return int(round(share * num_params))
+    return sum(n for n, h in zip(sizes, split_on_host(sizes, share)) if h)
 
 ADAM_BYTES_PER_PARAM = 32
 """Fused AdamW on the device per streamed parameter, in its ring: reads master, gradient and two moments, writes
@@ -41,19 +77,25 @@ blocks)."""
 
 
 def device_bytes_per_param(offloaded_dtype: str) -> int:
-    """Device bytes per streamed parameter: its weight and gradient in the offloaded weights' dtype (it steps where its
-    gradient is, also with ``offload_gradients``), the gradient held to the end of the step, and its bytes once more.
+    """Device bytes per streamed parameter: its weight in the offloaded weights' dtype. Its gradient is not counted.
 
-    Held to the end: with clipping its step waits for the global norm, with accumulation it adds up over the
-    micro-batches, and stepped in the backward it is read by the link's stream at 12 B per parameter of state, which
-    runs past the backward (the 7B shape: 14.5 GB each way for 6 streamed blocks against a 0.2 s backward). Priced as
-    freed in the backward, plans at 72 and 76 GiB ran out of memory. Once more: it is freed only when the next forward
-    reaches its block (after the stream wait on its step), so its memory comes back to the allocator late, and under a
-    cap the allocator then retries, synchronizing with the states still queued on the link (the 7B shape at 76 GiB:
-    3.9-4.2 GiB reserved beyond the allocated against 1.9-2.5 without streaming, and a step of 0.64-0.85 s where its
-    others took 0.45, 320 ms of it in one retry; H100, ``BENCHMARKS.md``)."""
-    item = 4 if offloaded_dtype == "float32" else 2
-    return item + 2 * item
+    It used to be, twice (weight + gradient + gradient again: 6 B in bf16), when streamed plans of W2 and of the 7B
+    shape reserved 2-7 GiB beyond what they allocated (H100, the twelfth to fourteenth sessions); the count was the
+    allocator's gap priced as gradients, and it kept W1 at 8 GiB from streaming at all. Measured since, that gap is
+    gone and the gradient was never the allocation at the peak:
+
+    - the allocated peaks of all 19 recorded streamed rows (W1, W2, the 7B shape; ``benchmarks/streamed_count_trial.py
+      --check-rows``) are at or under their plans priced with the weight alone (the 7B shape at 48 GiB: 37.4-38.9
+      GiB allocated against 38.7-40.9);
+    - on an H200 (twenty-third session) plans made with the weight alone reserved within 1% of their predictions and
+      inside their budgets: W2 at 12 GiB 11.96 GiB (11.98 predicted), W2 at 16 GiB 15.77 (15.68), W1 at 8 GiB 7.61
+      (7.93), its allocated peak 6.07 GiB against 6.23.
+
+    At the backward's peak a streamed block's gradient exists only from its own backward until its step, and the
+    blocks that stream are the early ones (their backward comes last) or split with the host (their link keeps pace
+    with the backward): what the phases' backward working set already holds. The 7B shape's tight streamed plans are
+    the ones not measured again with this count."""
+    return 4 if offloaded_dtype == "float32" else 2
 
 
 def ring_bytes(profile: Profile, d: Decisions) -> int:
@@ -61,7 +103,8 @@ def ring_bytes(profile: Profile, d: Decisions) -> int:
     ``min(stream_slot_numel, largest streamed parameter)`` elements of master, two moments and the upcast gradient
     (:data:`RING_BYTES_PER_ELEMENT`). The profile knows the blocks' parameter counts, not their tensors': the largest
     streamed block's count (rounded up to 64) bounds its largest tensor."""
-    largest = max((b.num_params for b, st in zip(profile.blocks, d.stream_blocks) if st), default=0)
+    largest = max((b.num_params - host_part(b.signature, b.num_params, d.split_share)
+                   for b, st in zip(profile.blocks, d.stream_blocks) if st), default=0)
     if not largest:
         return 0
     cfg = d.optimizer_config
@@ -75,13 +118,19 @@ def chunks(profile: Profile, d: Decisions) -> int:
     if not d.streams:
         return 0
     slot = max(1, int(d.optimizer_config.stream_slot_numel))
-    return sum(_block_chunks(b.signature, b.num_params, slot) for b, st in zip(profile.blocks, d.stream_blocks) if st)
+    return sum(_block_chunks(b.signature, b.num_params, slot, d.split_share)
+               for b, st in zip(profile.blocks, d.stream_blocks) if st)
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_chunks(signature: str, num_params: int, slot: int) -> int:
-    """One block's streamed chunks (the search asks for every placement it weighs: parsed once per signature)."""
-    return sum(-(-n // slot) for n in (_signature_sizes(signature) or [num_params]))
+def _block_chunks(signature: str, num_params: int, slot: int, share: float = 0.0) -> int:
+    """One block's streamed chunks (the search asks for every placement it weighs: parsed once per signature); split at
+    ``share``, those of the tensors that stream."""
+    sizes = _signature_sizes(signature)
+    if not sizes:
+        return -(-int(round((1.0 - share) * num_params)) // slot)
+    host = split_on_host(sizes, share) if share > 0 else (False,) * len(sizes)
+    return sum(-(-n // slot) for n, h in zip(sizes, host) if not h)
 
 
 def launch_seconds(profile: Profile, d: Decisions) -> float:
