@@ -250,9 +250,7 @@ def test_gradient_offload_only_where_it_is_needed() -> None:
     kw = dict(grad_clipping=False, precision="bf16", fused_loss_allowed=True)
     kept = _minimum(p, gradient_offload_allowed=False, **kw)
     low = _minimum(p, **kw)
-    # ~2 bytes per host-stepped parameter of W1's 1.36B (less than 1 GiB since streamed parameters count their weight
-    # alone: the minimum without it streams blocks, whose gradients never leave the device anyway)
-    assert low < kept - GiB / 2
+    assert low < kept - GiB  # ~2 bytes per offloaded parameter of W1's 1.36B
     tight = plan_for(p, low, **kw)
     assert tight.offload_gradients and tight.offloads_optimizer and tight.gradient_accumulation_steps == 1
     assert not plan_for(p, 80 * GiB, offload_allowed=False, **kw).offload_gradients  # nothing on the host

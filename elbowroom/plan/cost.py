@@ -186,7 +186,7 @@ from typing import Any
 
 import numpy as np
 
-from elbowroom.plan import phases, streaming
+from elbowroom.plan import host_pipeline, phases, streaming
 from elbowroom.plan.host_pipeline import (
     OPTIMIZER_LINK_BYTES_PER_PARAM,
     host_exposed_seconds,
@@ -516,6 +516,7 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     off_per = (8 if off_dtype == "float32" else 4) // halve  # weight (+ gradient)
     total = 16 * p_res + off_per * p_off + (8 // halve - off_per) * fp32_offloaded_params(profile, d)
     total += streaming.device_bytes_per_param(off_dtype) * p_str + streaming.ring_bytes(profile, d)
+    total += streaming.lagging_gradient_bytes(off_dtype) * lagging_streamed_params(profile, d)
     bucket, slots, chunk = _optimizer_config(d)
     if p_off:
         # each staging slot holds one bucket of gradients (at most bucket_bytes; the whole offloaded set when smaller)
@@ -677,17 +678,30 @@ def _host_step(profile: Profile, d: Decisions, device_step_s: float) -> tuple[fl
     the host step hiding pays for the risk it takes. Cached on what the pipeline reads (its lateness, from which each
     device step takes its own share): the search asks again for every weight layout, head and loss choice of one
     placement."""
+    _, whole, late, late_slow, _ = _host_pipeline(profile, d)
+    return whole, float(0.5 * (max(0.0, late - device_step_s) + max(0.0, late_slow - device_step_s)))
+
+
+def _host_pipeline(profile: Profile, d: Decisions) -> tuple[Profile, float, float, float, int]:
+    """(profile, the whole host step, its lateness at the measured rate and at the slow end of its spread, the
+    streamed parameters whose link job ends after the backward), cached for :func:`_host_step` and
+    :func:`lagging_streamed_params`."""
     key = (id(profile), d.offload_blocks, d.stream_blocks, d.split_share, d.offload_other, d.offload_head,
            d.micro_batch, d.grad_clipping, d.offload_gradients, d.optimizer_config.step_order)
     got = _HOST.get(key)
     if got is None or got[0] is not profile:
-        whole, late = host_lateness(profile, d)
-        got = (profile, whole, late, host_lateness(profile, d, HOST_STEP_SPREAD)[1])
+        whole, late, lagging = host_pipeline.pipeline(profile, d)
+        got = (profile, whole, late, host_lateness(profile, d, HOST_STEP_SPREAD)[1], lagging)
         if len(_HOST) > _HOST_CACHE_SIZE:
             _HOST.clear()
         _HOST[key] = got  # the profile is held, so its id is not reused while cached
-    _, whole, late, late_slow = got
-    return whole, float(0.5 * (max(0.0, late - device_step_s) + max(0.0, late_slow - device_step_s)))
+    return got
+
+
+def lagging_streamed_params(profile: Profile, d: Decisions) -> int:
+    """Streamed parameters whose job on the link ends after the backward (all of them after a clipped backward): the
+    memory of their gradients is held into the next step (:func:`~elbowroom.plan.streaming.device_bytes_per_param`)."""
+    return _host_pipeline(profile, d)[4] if d.streams else 0
 
 
 def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: float) -> float:

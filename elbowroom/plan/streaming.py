@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from elbowroom.plan.types import Profile
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "LAUNCH_SECONDS_PER_CHUNK", "RING_BYTES_PER_ELEMENT", "SPLIT_SHARES", "chunks",
-           "device_bytes_per_param", "host_part", "launch_seconds", "ring_bytes", "split_on_host"]
+           "device_bytes_per_param", "host_part", "lagging_gradient_bytes", "launch_seconds", "ring_bytes",
+           "split_on_host"]
 
 SPLIT_SHARES = (1 / 3, 1 / 2, 2 / 3)
 """The shares of a split block's parameters the search tries on the host (``Decisions.split_share``): a streamed block
@@ -77,25 +78,32 @@ blocks)."""
 
 
 def device_bytes_per_param(offloaded_dtype: str) -> int:
-    """Device bytes per streamed parameter: its weight in the offloaded weights' dtype. Its gradient is not counted.
+    """Device bytes per streamed parameter, whatever its job's timing: its weight in the offloaded weights' dtype. Its
+    gradient is counted, twice, only where its job on the link ends after the backward
+    (:func:`lagging_gradient_bytes`).
 
-    It used to be, twice (weight + gradient + gradient again: 6 B in bf16), when streamed plans of W2 and of the 7B
-    shape reserved 2-7 GiB beyond what they allocated (H100, the twelfth to fourteenth sessions); the count was the
-    allocator's gap priced as gradients, and it kept W1 at 8 GiB from streaming at all. Measured since, that gap is
-    gone and the gradient was never the allocation at the peak:
+    Every streamed gradient used to be counted so (weight + gradient + gradient again: 6 B in bf16), after streamed
+    plans of W2 and of the 7B shape reserved 2-7 GiB beyond what they allocated and plans at 72 and 76 GiB ran out of
+    memory (H100, twelfth to fourteenth sessions). That count kept W1 at 8 GiB from streaming at all, and the
+    recorded rows say where it is needed (twenty-third session, ``BENCHMARKS.md``):
 
-    - the allocated peaks of all 19 recorded streamed rows (W1, W2, the 7B shape; ``benchmarks/streamed_count_trial.py
-      --check-rows``) are at or under their plans priced with the weight alone (the 7B shape at 48 GiB: 37.4-38.9
-      GiB allocated against 38.7-40.9);
-    - on an H200 (twenty-third session) plans made with the weight alone reserved within 1% of their predictions and
-      inside their budgets: W2 at 12 GiB 11.96 GiB (11.98 predicted), W2 at 16 GiB 15.77 (15.68), W1 at 8 GiB 7.61
-      (7.93), its allocated peak 6.07 GiB against 6.23.
+    - the allocated peaks of all 19 recorded streamed rows (W1, W2, the 7B shape) are at or under their plans priced
+      with the weight alone: the gap is reserved memory the allocator cannot reuse yet, not allocations;
+    - on an H200, plans made with the weight alone reserved within 1% of their predictions and inside their budgets
+      where the link keeps pace with the backward (W2 at 12 and 16 GiB, W1 at 8 GiB split with the host), and the 7B
+      shape at 48 GiB (9 blocks streamed at 12 B per parameter each way, over a link that runs half a second past the
+      backward) ran out of memory with 1.3 GiB reserved and unallocated against a 0.3 GiB margin.
 
-    At the backward's peak a streamed block's gradient exists only from its own backward until its step, and the
-    blocks that stream are the early ones (their backward comes last) or split with the host (their link keeps pace
-    with the backward): what the phases' backward working set already holds. The 7B shape's tight streamed plans are
-    the ones not measured again with this count."""
+    A streamed gradient is read by the link's streams; its memory returns to the allocator only when its job there is
+    done, so a job that outlasts the backward holds it into the next step."""
     return 4 if offloaded_dtype == "float32" else 2
+
+
+def lagging_gradient_bytes(offloaded_dtype: str) -> int:
+    """Device bytes per streamed parameter whose job on the link ends after the backward
+    (:func:`~elbowroom.plan.cost.lagging_streamed_params`): its gradient, and its bytes once more (returned to the
+    allocator late, they are reserved beside the next step's allocations; :func:`device_bytes_per_param`)."""
+    return 2 * (4 if offloaded_dtype == "float32" else 2)
 
 
 def ring_bytes(profile: Profile, d: Decisions) -> int:
