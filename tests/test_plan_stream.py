@@ -681,3 +681,24 @@ def test_the_search_splits_where_the_host_and_the_link_are_both_needed() -> None
         search.streaming.SPLIT_SHARES = old
     assert unsplit.optimizer_split_share == 0
     assert plan.predicted_step_seconds < unsplit.predicted_step_seconds
+
+
+def test_a_streamed_gradient_counts_while_its_link_job_outlasts_the_backward() -> None:
+    """A streamed block's gradient is counted only where its job on the link ends after the backward (its memory is
+    then held into the next step, and returned late): over a fast link only the last blocks' jobs do, over a slow one
+    nearly all; after a clipped backward all of them. Each lagging parameter adds its gradient twice."""
+    p = make_profile(n_layers=8)
+    n = len(p.blocks)
+    d = decisions(n, stream_blocks=(True,) * n, grad_clipping=False)
+    fast = with_machine(p, duplex_bandwidth=p.machine.duplex_bandwidth * 100)
+    slow = with_machine(p, duplex_bandwidth=p.machine.duplex_bandwidth / 10)
+    lag = {name: cost.lagging_streamed_params(q, d) for name, q in (("fast", fast), ("slow", slow))}
+    total = sum(b.num_params for b in p.blocks)
+    assert 0 < lag["fast"] <= p.blocks[0].num_params + p.blocks[1].num_params  # block 0's gradient comes last
+    assert lag["slow"] >= total - p.blocks[-1].num_params
+    assert cost.lagging_streamed_params(fast, dataclasses.replace(d, grad_clipping=True)) == total
+    weight = 2 if cost.LAYOUTS[d.layout][1] == "bfloat16" else 4
+    assert cost.state_bytes(slow, d) - cost.state_bytes(fast, d) == 2 * weight * (lag["slow"] - lag["fast"])
+    # a split block's lagging part is its streamed tensors alone
+    split = dataclasses.replace(d, split_share=0.5)
+    assert cost.lagging_streamed_params(slow, split) <= sum(cost.optimizer_parts(slow, split)[1])
