@@ -28,7 +28,8 @@ backward, each at the pace of its share. Streamed whole, the early blocks' state
 backward's end, and the next forward for them: W1 at 8 GiB on an H200 (13 blocks streamed, 11 on the host), the compute
 stream idle 148 ms between steps while the link carried the early blocks' 8 GB each way; the same plan with every
 block's fused gate-and-up and down projections on the host and the rest streamed ran at 79.0% of plain against 67.1%
-(``ELBOWROOM_BENCH_SPLIT``, ``BENCHMARKS.md``)."""
+(``ELBOWROOM_BENCH_SPLIT``), and the planner's own split plan (every block at 1/2) at 76.2% and 78.1% in two calls,
+0.97-1.00x its predicted step (``BENCHMARKS.md``, twenty-third session)."""
 
 
 def split_on_host(sizes: tuple[int, ...] | list[int], share: float) -> tuple[bool, ...]:
