@@ -74,10 +74,30 @@ def main() -> None:
         uncompile_blocks(model.blocks)
 
 
+def compiled_saved(out: torch.Tensor) -> list[list[torch.Tensor]]:
+    """The saved tensors of each compiled autograd node in ``out``'s graph (``CompiledFunctionBackward``)."""
+    seen, stack, nodes = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(f for f, _ in node.next_functions)
+        if "Compiled" in type(node).__name__:
+            nodes.append([t for t in node.saved_tensors if t is not None])
+    return nodes
+
+
+def saved_rows(saved: list[torch.Tensor], params: set[int]) -> list[tuple[float, tuple[int, ...], str, str]]:
+    """(MiB, shape, dtype, "param" or "own") per saved tensor, largest first: "param" where it shares a storage
+    whose address is in ``params``."""
+    return sorted(((t.untyped_storage().nbytes() / 2**20, tuple(t.shape), str(t.dtype)[6:],
+                    "param" if t.untyped_storage().data_ptr() in params else "own") for t in saved), reverse=True)
+
+
 def _held(model: torch.nn.Module, ids: torch.Tensor, dev: str) -> None:
     """What the compiled blocks' autograd nodes hold after a forward (and on CUDA, what the allocator holds)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    MiB = 2**20
     for step in range(2):  # the first compiles
         if dev == "cuda":
             torch.cuda.synchronize()
@@ -85,20 +105,11 @@ def _held(model: torch.nn.Module, ids: torch.Tensor, dev: str) -> None:
         with torch.autocast(dev, dtype=torch.bfloat16):
             logits = model(ids)
         alive = torch.cuda.memory_allocated() - base if dev == "cuda" else None
-        seen, stack, held, shapes = set(), [logits.grad_fn], [], []
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            stack.extend(f for f, _ in node.next_functions)
-            if "Compiled" in type(node).__name__:
-                saved = [t for t in node.saved_tensors if t is not None]
-                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
-                held.append({k: v for k, v in storages.items() if k not in params})
-                shapes.append(sorted(((t.untyped_storage().nbytes() / MiB, tuple(t.shape), str(t.dtype)[6:],
-                                       "param" if t.untyped_storage().data_ptr() in params else "own") for t in saved),
-                                     reverse=True))
+        held, shapes = [], []
+        for saved in compiled_saved(logits):
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+            held.append({k: v for k, v in storages.items() if k not in params})
+            shapes.append(saved_rows(saved, params))
         if step == 1:
             for i, h in enumerate(held):
                 print(f"compiled node {i}: holds {sum(h.values())} {sorted(h.values(), reverse=True)}")

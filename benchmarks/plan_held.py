@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import modes_plan  # noqa: E402
+from compiled_saved import compiled_saved, saved_rows  # noqa: E402
 
 from elbowroom.models import ModelConfig, build_model  # noqa: E402
 from elbowroom.models.workloads import WORKLOADS  # noqa: E402
@@ -56,23 +57,11 @@ def main() -> None:
                 opt.wait_for(model.output.weight)
             loss = linear_cross_entropy(h, model.output.weight, tgt)
         if step == 1:
-            seen, stack, n = set(), [loss.grad_fn], 0
-            while stack:
-                node = stack.pop()
-                if node is None or node in seen:
-                    continue
-                seen.add(node)
-                stack.extend(f for f, _ in node.next_functions)
-                if "Compiled" not in type(node).__name__:
-                    continue
-                saved = [t for t in node.saved_tensors if t is not None]
-                rows = sorted(((t.untyped_storage().nbytes() / MiB, tuple(t.shape), str(t.dtype)[6:],
-                                "param" if t.untyped_storage().data_ptr() in params else "own") for t in saved),
-                              reverse=True)
+            for n, saved in enumerate(compiled_saved(loss)):
+                rows = saved_rows(saved, params)
                 own = sum(r[0] for r in rows if r[3] == "own")
                 print(f"compiled node {n}: {len(rows)} saved, {own:.1f} MiB of its own")
                 print("   " + "; ".join(f"{mb:.1f} MiB {shape} {dt} {kind}" for mb, shape, dt, kind in rows[:a.top]))
-                n += 1
             if dev.type == "cuda":
                 print(f"allocated after the forward: {torch.cuda.memory_allocated() / MiB:.0f} MiB")
         loss.backward()

@@ -420,11 +420,16 @@ def _stream_plan(n: int = 4) -> Plan:
                 predicted_tokens_per_s=1.0)
 
 
-def test_apply_hands_the_streamed_parameters_to_the_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Streamed blocks' parameters are offloaded parameters that the optimizer streams: ``offload_params`` holds
-    them and the host-stepped ones, ``stream_params`` them alone (the optimizer's keyword, captured here)."""
-    import torch
+def _split_plan() -> Plan:
+    rows = tuple(BlockPlan(index=i, optimizer_streamed=i >= 2, checkpoint="full" if i == 1 else "none")
+                 for i in range(4))
+    return Plan(blocks=rows, budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=1.0,
+                predicted_tokens_per_s=1.0, optimizer_split_share=0.5)
 
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The keyword arguments ``apply`` builds its CPUOffloadOptimizer with (the optimizer replaced by a recorder)."""
     import elbowroom.optim
 
     got: dict = {}
@@ -437,6 +442,15 @@ def test_apply_hands_the_streamed_parameters_to_the_optimizer(monkeypatch: pytes
             pass
 
     monkeypatch.setattr(elbowroom.optim, "CPUOffloadOptimizer", Recorder)
+    return got
+
+
+def test_apply_hands_the_streamed_parameters_to_the_optimizer(built: dict) -> None:
+    """Streamed blocks' parameters are offloaded parameters that the optimizer streams: ``offload_params`` holds
+    them and the host-stepped ones, ``stream_params`` them alone (the optimizer's keyword, captured here)."""
+    import torch
+
+    got = built
     model = _tiny()
     apply(model, _stream_plan(), torch.optim.AdamW, lr=1e-3)
     ids = lambda ps: {id(p) for p in ps}  # noqa: E731
@@ -465,8 +479,10 @@ def _streams() -> bool:
 
 
 @pytest.mark.skipif(not _streams(), reason="CPUOffloadOptimizer has no stream_params yet")
-def test_a_streaming_plan_trains_like_plain() -> None:
-    """Streamed, host-stepped and device blocks together take the steps torch's AdamW takes (fp32, CPU)."""
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_a_streaming_plan_trains_like_plain(split: bool) -> None:
+    """Streamed, host-stepped and device blocks together take the steps torch's AdamW takes (fp32, CPU); so do split
+    blocks (their largest tensors on the host, the rest streamed)."""
     import torch
     import torch.nn.functional as F
 
@@ -475,7 +491,8 @@ def test_a_streaming_plan_trains_like_plain() -> None:
     ref = _tiny()
     model = copy.deepcopy(ref)
     knobs = CPUOffloadConfig(bucket_bytes=1 << 16, num_staging_slots=2, cpu_threads=1, stream_slot_numel=1 << 12)
-    model, opt = apply(model, _stream_plan(), torch.optim.AdamW, offload_config=knobs, lr=1e-2, weight_decay=0.1)
+    plan = _split_plan() if split else _stream_plan()
+    model, opt = apply(model, plan, torch.optim.AdamW, offload_config=knobs, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     for m, o in ((model, opt), (ref, ref_opt)):
@@ -583,28 +600,10 @@ def test_a_split_block_is_a_host_job_and_a_link_job() -> None:
         dataclasses.replace(whole, split_share=1.0)
 
 
-def _split_plan() -> Plan:
-    rows = tuple(BlockPlan(index=i, optimizer_streamed=i >= 2, checkpoint="full" if i == 1 else "none")
-                 for i in range(4))
-    return Plan(blocks=rows, budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=1.0,
-                predicted_tokens_per_s=1.0, optimizer_split_share=0.5)
-
-
-def test_apply_hands_a_split_block_s_largest_tensors_to_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_apply_hands_a_split_block_s_largest_tensors_to_the_host(built: dict) -> None:
     import torch
 
-    import elbowroom.optim
-
-    got: dict = {}
-
-    class Recorder:
-        def __init__(self, params, optimizer_class, **kw) -> None:
-            got.update(kw)
-
-        def overlap_with_forward(self, model) -> None:
-            pass
-
-    monkeypatch.setattr(elbowroom.optim, "CPUOffloadOptimizer", Recorder)
+    got = built
     model = _tiny()
     apply(model, _split_plan(), torch.optim.AdamW, lr=1e-3)
     ids = lambda ps: {id(p) for p in ps}  # noqa: E731
@@ -616,31 +615,6 @@ def test_apply_hands_a_split_block_s_largest_tensors_to_the_host(monkeypatch: py
         assert any(host) and not all(host)
         assert ids(p for p, h in zip(own, host) if not h) <= ids(got["stream_params"])
         assert not ids(p for p, h in zip(own, host) if h) & ids(got["stream_params"])
-
-
-@pytest.mark.skipif(not _streams(), reason="CPUOffloadOptimizer has no stream_params yet")
-def test_a_split_plan_trains_like_plain() -> None:
-    """Split blocks (their largest tensors on the host, the rest streamed) take the steps torch's AdamW takes."""
-    import torch
-    import torch.nn.functional as F
-
-    from elbowroom.optim import CPUOffloadConfig
-
-    ref = _tiny()
-    model = copy.deepcopy(ref)
-    knobs = CPUOffloadConfig(bucket_bytes=1 << 16, num_staging_slots=2, cpu_threads=1, stream_slot_numel=1 << 12)
-    model, opt = apply(model, _split_plan(), torch.optim.AdamW, offload_config=knobs, lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
-    for m, o in ((model, opt), (ref, ref_opt)):
-        for _ in range(3):
-            F.cross_entropy(m(idx).flatten(0, 1).float(), idx.flatten()).backward()
-            o.step()
-            o.zero_grad()
-    opt.wait_for_weights()
-    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-        err = ((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30)).item()
-        assert err <= 1e-5, f"{name}: relative error {err:.3e}"
 
 
 def test_a_split_plan_round_trips_reads_in_the_table_and_needs_streamed_blocks(tmp_path: Path) -> None:
