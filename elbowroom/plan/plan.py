@@ -303,8 +303,8 @@ class Plan:
             where += (f" ({len(off)})" if off else "") + (f"; state on the host, streamed to step on the device: "
                                                           f"blocks {_ranges(streamed)} ({len(streamed)})")
             if self.optimizer_split_share:
-                where += (f", each split: its largest tensors (about {self.optimizer_split_share:.0%}) step on the "
-                          "host")
+                where += (f", each split: its largest tensors, as near {self.optimizer_split_share:.0%} of its "
+                          "parameters as they come, step on the host")
         other = ("embeddings/head/norm on the host" if self.offload_other_params else
                  "head/norm on the host, embeddings on the device" if self.offload_head_params else
                  "embeddings/head/norm on the device")
