@@ -195,6 +195,7 @@ from elbowroom.plan.host_pipeline import (
     stream_link_seconds,
 )
 from elbowroom.plan.options import OPTIONS, Option, block_tables
+from elbowroom.plan.streaming import optimizer_parts
 from elbowroom.plan.types import Profile
 
 __all__ = [
@@ -466,27 +467,6 @@ def _sums(profile: Profile) -> _Sums:
         _SUMS.clear()
     _SUMS[id(profile)] = (profile, sums)  # the profile is held, so its id is not reused while cached
     return sums
-
-
-def optimizer_parts(profile: Profile, d: Decisions) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per block: (its parameters stepped on the host, its parameters streamed). A streamed block split at
-    ``d.split_share`` has both (:func:`~elbowroom.plan.streaming.host_part`)."""
-    key = (id(profile), d.offload_blocks, d.stream_blocks, d.split_share)
-    got = _PARTS.get(key)
-    if got is not None and got[0] is profile:
-        return got[1]
-    host, stream = [], []
-    for b, o, st in zip(profile.blocks, d.offload_blocks, d.streamed):
-        h = b.num_params if o else streaming.host_part(b.signature, b.num_params, d.split_share) if st else 0
-        host.append(h)
-        stream.append(b.num_params - h if st else 0)
-    if len(_PARTS) > _HOST_CACHE_SIZE:
-        _PARTS.clear()
-    _PARTS[key] = (profile, (tuple(host), tuple(stream)))  # the profile is held, so its id is not reused while cached
-    return _PARTS[key][1]
-
-
-_PARTS: dict[tuple[Any, ...], tuple[Profile, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 
 
 def _param_split(profile: Profile, d: Decisions) -> tuple[int, int, int]:

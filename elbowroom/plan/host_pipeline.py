@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from elbowroom.plan.streaming import optimizer_parts
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -216,8 +218,6 @@ def pipeline(profile: Profile, d: Decisions, rate_scale: float = 1.0,
     s = d.micro_batch / profile.micro_batch
     # (block index, parameters, streamed) of every block whose optimizer is off the device: a split block is two jobs,
     # its host-stepped tensors and its streamed ones, both ready as its gradients become final
-    from elbowroom.plan.cost import optimizer_parts
-
     host_n, stream_n = optimizer_parts(profile, d)
     jobs: list[tuple[int, int, bool]] = [job for i, (h, st) in enumerate(zip(host_n, stream_n))
                                          for job in ((i, h, False), (i, st, True)) if job[1]]

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elbowroom.plan.cost import Decisions
     from elbowroom.plan.types import Profile
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "LAUNCH_SECONDS_PER_CHUNK", "RING_BYTES_PER_ELEMENT", "SPLIT_SHARES", "chunks",
-           "device_bytes_per_param", "host_part", "lagging_gradient_bytes", "launch_seconds", "ring_bytes",
-           "split_on_host"]
+           "device_bytes_per_param", "host_part", "lagging_gradient_bytes", "launch_seconds", "optimizer_parts",
+           "ring_bytes", "split_on_host"]
 
 SPLIT_SHARES = (1 / 3, 1 / 2, 2 / 3)
 """The shares of a split block's parameters the search tries on the host (``Decisions.split_share``): a streamed block
@@ -78,6 +78,28 @@ on every model: on the 7B shape, whose backward is bound by the GPU, it errs on 
 blocks)."""
 
 
+def optimizer_parts(profile: Profile, d: Decisions) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per block: (its parameters stepped on the host, its parameters streamed). A streamed block split at
+    ``d.split_share`` has both (:func:`host_part`). Cached: the search and the host pipeline ask for every placement."""
+    key = (id(profile), d.offload_blocks, d.stream_blocks, d.split_share)
+    got = _PARTS.get(key)
+    if got is not None and got[0] is profile:
+        return got[1]
+    host, stream = [], []
+    for b, o, st in zip(profile.blocks, d.offload_blocks, d.streamed):
+        h = b.num_params if o else host_part(b.signature, b.num_params, d.split_share) if st else 0
+        host.append(h)
+        stream.append(b.num_params - h if st else 0)
+    if len(_PARTS) > _PARTS_CACHE_SIZE:
+        _PARTS.clear()
+    _PARTS[key] = (profile, (tuple(host), tuple(stream)))  # the profile is held, so its id is not reused while cached
+    return _PARTS[key][1]
+
+
+_PARTS: dict[tuple[Any, ...], tuple[Profile, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+_PARTS_CACHE_SIZE = 1 << 15  # (as the cost model's host-step cache: one search pass of placements)
+
+
 def device_bytes_per_param(offloaded_dtype: str) -> int:
     """Device bytes per streamed parameter, whatever its job's timing: its weight in the offloaded weights' dtype. Its
     gradient is counted, twice, only where its job on the link ends after the backward
@@ -92,8 +114,9 @@ def device_bytes_per_param(offloaded_dtype: str) -> int:
       with the weight alone: the gap is reserved memory the allocator cannot reuse yet, not allocations;
     - on an H200, plans made with the weight alone reserved within 1% of their predictions and inside their budgets
       where the link keeps pace with the backward (W2 at 12 and 16 GiB, W1 at 8 GiB split with the host), and the 7B
-      shape at 48 GiB (9 blocks streamed at 12 B per parameter each way, over a link that runs half a second past the
-      backward) ran out of memory with 1.3 GiB reserved and unallocated against a 0.3 GiB margin.
+      shape at 48 GiB (9 blocks streamed, their states needing 0.60 s of the link each way against a backward of
+      0.22 s, as its profile prices them) ran out of memory with 1.3 GiB reserved and unallocated against a 0.3 GiB
+      margin.
 
     A streamed gradient is read by the link's streams; its memory returns to the allocator only when its job there is
     done, so a job that outlasts the backward holds it into the next step."""
