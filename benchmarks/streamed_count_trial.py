@@ -1,6 +1,11 @@
 """Plans made again from a bench call's saved profiles with a streamed parameter's device bytes counted otherwise,
 to run with ``plan@FILE+cap`` on the GPU: a trial of the cost model's count, not a mechanism.
 
+Since the twenty-fourth session the cost model counts a streamed parameter's weight in every phase and its gradient
+in the phases that hold it (``elbowroom.plan.cost.streamed_gradient_bytes``); ``--count now`` is that. The other
+counts replace the weight's bytes by ``times`` items in every phase, on top of it (the history below is what they
+were for).
+
 The cost model counts a streamed parameter's weight, its gradient, and the gradient's bytes once more
 (``elbowroom.plan.streaming.device_bytes_per_param``: 6 bytes a parameter in bf16). Over the recorded rows the
 streamed plans' allocated peaks came in 5-28% under their predictions on W1 and W2 (``BENCHMARKS.md``, twentieth

@@ -51,9 +51,9 @@ def with_machine(p, **kw):
 # ---------------------------------------------------------------------------------------------- cost model
 @pytest.mark.parametrize("layout, weight", [("fp32", 4), ("bf16", 2), ("fp32-offload-bf16", 2)])
 def test_a_streamed_block_s_device_and_host_bytes(layout: str, weight: int) -> None:
-    """Its weight in the offloaded weights' dtype on the device, offloaded gradients or not (it steps where its
-    gradient is); its gradient, twice, only while its job on the link outlasts the backward, as every streamed job
-    does after a clipped backward (``streaming.device_bytes_per_param``); 12 B of state on the host and no host
+    """Its weight in the offloaded weights' dtype on the device the whole step, offloaded gradients or not (it steps
+    where its gradient is); its gradient, as many bytes again, only in the phases that hold it
+    (``cost.streamed_gradient_bytes``, in the states under accumulation); 12 B of state on the host and no host
     gradient; one ring of ``stream_slots`` slots of min(stream_slot_numel, its parameters rounded up to 64) x 16 B
     for all streamed blocks."""
     from elbowroom.optim.config import CPUOffloadConfig
@@ -68,9 +68,12 @@ def test_a_streamed_block_s_device_and_host_bytes(layout: str, weight: int) -> N
     resident = 16  # weight, gradient and AdamW's moments (bf16 weights: their fp32 masters besides)
     chunk = 4 * (min(cfg.device_chunk_numel, p.num_params - P) - min(cfg.device_chunk_numel, p.num_params)) \
         if layout == "bf16" else 0  # (the device masters' fp32 chunk is sized by the resident parameters)
-    assert cost.lagging_streamed_params(p, streamed) == P  # clipped (the default): its job starts after the backward
-    lag = 2 * weight  # its gradient, and its bytes once more
-    assert cost.state_bytes(p, streamed) - cost.state_bytes(p, base) == (weight + lag - resident) * P + ring + chunk
+    assert cost.streamed_gradient_bytes(p, streamed) == (0, 0, weight * P, 0)
+    assert cost.globals_for(p, streamed).streamed_grads == weight * P
+    assert cost.state_bytes(p, streamed) - cost.state_bytes(p, base) == (weight - resident) * P + ring + chunk
+    accumulated = dataclasses.replace(streamed, accumulation=2)  # held through every micro-batch: a model state
+    assert cost.state_bytes(p, accumulated) - cost.state_bytes(p, streamed) == weight * P
+    assert cost.globals_for(p, accumulated).streamed_grads == 0
     # no staging slots (no gradient of it goes to the host), and offloaded gradients leave its bytes as they are
     og = dataclasses.replace(streamed, offload_gradients=True)
     assert cost.state_bytes(p, og) == cost.state_bytes(p, streamed)
@@ -658,22 +661,55 @@ def test_the_search_splits_where_the_host_and_the_link_are_both_needed() -> None
     assert plan.predicted_step_seconds < unsplit.predicted_step_seconds
 
 
-def test_a_streamed_gradient_counts_while_its_link_job_outlasts_the_backward() -> None:
-    """A streamed block's gradient is counted only where its job on the link ends after the backward (its memory is
-    then held into the next step, and returned late): over a fast link only the last blocks' jobs do, over a slow one
-    nearly all; after a clipped backward all of them. Each lagging parameter adds its gradient twice."""
+def test_a_streamed_gradient_is_held_until_its_block_s_next_forward() -> None:
+    """The optimizer holds a streamed block's gradient from that block's backward to its forward pre-hook in the next
+    step (``Handover.release_grads``), however fast the link: backward block i holds the streamed gradients of blocks
+    i..n-1, forward block i those of blocks i+1..n-1, the forward's end none, the optimizer step all of them. A plan
+    whose streamed blocks come after device-resident ones keeping their activations (the 7B shape at 48 GiB, which
+    ran out of memory when they were not counted) pays for them in its early blocks; one whose first block streams
+    holds them beside few activations."""
     p = make_profile(n_layers=8)
     n = len(p.blocks)
-    d = decisions(n, stream_blocks=(True,) * n, grad_clipping=False)
-    fast = with_machine(p, duplex_bandwidth=p.machine.duplex_bandwidth * 100)
-    slow = with_machine(p, duplex_bandwidth=p.machine.duplex_bandwidth / 10)
-    lag = {name: cost.lagging_streamed_params(q, d) for name, q in (("fast", fast), ("slow", slow))}
-    total = sum(b.num_params for b in p.blocks)
-    assert 0 < lag["fast"] <= p.blocks[0].num_params + p.blocks[1].num_params  # block 0's gradient comes last
-    assert lag["slow"] >= total - p.blocks[-1].num_params
-    assert cost.lagging_streamed_params(fast, dataclasses.replace(d, grad_clipping=True)) == total
-    weight = 2 if cost.LAYOUTS[d.layout][1] == "bfloat16" else 4
-    assert cost.state_bytes(slow, d) - cost.state_bytes(fast, d) == 2 * weight * (lag["slow"] - lag["fast"])
-    # a split block's lagging part is its streamed tensors alone
-    split = dataclasses.replace(d, split_share=0.5)
-    assert cost.lagging_streamed_params(slow, split) <= sum(streaming.optimizer_parts(slow, split)[1])
+    idx = np.zeros(n, dtype=np.int64)  # every block kept
+    late = decisions(n, stream_blocks=tuple(i >= 4 for i in range(n)), grad_clipping=False)
+    g = cost.globals_for(p, late)
+    per = cost.streamed_gradient_bytes(p, late)
+    assert per[:4] == (0,) * 4 and all(x > 0 for x in per[4:]) and g.streamed_grads == sum(per)
+    ph = phases.phases(p, g, late, idx, 1 << 30)
+    assert ph.streamed.tolist() == [sum(per[i:]) for i in range(n)] + [0]
+    assert ph.describe(0)[1]["streamed gradients held"] == sum(per)  # forward block 0: all still held
+    assert "streamed gradients held" not in ph.describe(n - 1)[1]  # the last block's own is released by its hook
+    assert "streamed gradients held" not in ph.describe(n)[1]  # forward end
+    assert ph.describe(n + 1 + 5)[1]["streamed gradients held"] == sum(per[5:])  # backward block 5
+    assert ph.describe(2 * n + 1)[1]["streamed gradients held"] == sum(per)  # optimizer step
+    # the peak the search checks is the one predict reports
+    budget = 80 * GiB
+    pred = cost.predict(p, dataclasses.replace(late, options=(cost.Option(),) * n), budget)
+    assert phases.peak_bytes(p, late, idx, budget, 1 << 30, g) == pred.peak_bytes
+    # streamed first: the gradients are held beside the early blocks' few kept bytes, so the plan costs less than
+    # the same streamed bytes after four blocks that keep everything
+    early = decisions(n, stream_blocks=tuple(i < 4 for i in range(n)), grad_clipping=False)
+    assert sum(cost.streamed_gradient_bytes(p, early)) == pytest.approx(sum(per), rel=0.01)
+    lo = cost.predict(p, dataclasses.replace(early, options=(cost.Option(),) * n), budget).peak_bytes
+    assert lo <= pred.peak_bytes
+    # a split block holds its streamed tensors' gradients alone
+    split = dataclasses.replace(late, split_share=0.5)
+    item = 2 if cost.LAYOUTS[split.layout][1] == "bfloat16" else 4
+    assert 0 < sum(cost.streamed_gradient_bytes(p, split)) == item * sum(streaming.optimizer_parts(p, split)[1]) \
+        < sum(per)
+
+
+def test_the_minimum_with_streamed_blocks_names_them_and_plans() -> None:
+    """With a host that cannot step, the least plan streams every block: the minimum the error names plans, 64 MiB
+    less does not, and the error names the streamed gradients its least plan holds (at backward block 0, all of
+    them)."""
+    p = with_machine(make_profile(n_layers=8, dim=1024, ffn=4096, seq_len=64), host_adam_params_per_s=0.0)
+    kw = dict(grad_clipping=False, fused_loss_allowed=True)  # (a small head: the backward's phases bind)
+    with pytest.raises(BudgetError, match="streamed gradients held") as e:
+        plan_for(p, 1 << 20, **kw)
+    low = e.value.minimum_bytes
+    plan = plan_for(p, low, **kw)
+    assert plan.optimizer_stream_blocks and plan.predicted_peak_bytes <= low
+    assert plan.memory["streamed gradients held"] == sum(cost.streamed_gradient_bytes(p, plan.decisions()))
+    with pytest.raises(BudgetError):
+        plan_for(p, low - (64 << 20), **kw)

@@ -186,7 +186,7 @@ from typing import Any
 
 import numpy as np
 
-from elbowroom.plan import host_pipeline, phases, streaming
+from elbowroom.plan import phases, streaming
 from elbowroom.plan.host_pipeline import (
     OPTIMIZER_LINK_BYTES_PER_PARAM,
     host_exposed_seconds,
@@ -409,6 +409,9 @@ class Globals:
     """The resident gradients that exist only from the backward on (``M - M'``; 0 under accumulation)."""
     head_grads: int
     """``G_h`` when the gradients are transient (else 0): the resident gradients outside the blocks."""
+    streamed_grads: int
+    """The streamed blocks' gradients when the gradients are transient (else 0: in ``states``), each held from its
+    block's backward to its forward in the next step (:func:`streamed_gradient_bytes`)."""
     head: int
     """Head and loss at the forward's end (saved + transient), scaled; under FSDP2 with the root's parts in units of
     their own, plus their gathered parameters and gradients (``Profile.rank_head_transient_bytes``)."""
@@ -496,7 +499,8 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     off_per = (8 if off_dtype == "float32" else 4) // halve  # weight (+ gradient)
     total = 16 * p_res + off_per * p_off + (8 // halve - off_per) * fp32_offloaded_params(profile, d)
     total += streaming.device_bytes_per_param(off_dtype) * p_str + streaming.ring_bytes(profile, d)
-    total += streaming.lagging_gradient_bytes(off_dtype) * lagging_streamed_params(profile, d)
+    if not transient_gradients(d):  # streamed gradients held the whole step (else their phases hold them)
+        total += sum(streamed_gradient_bytes(profile, d))
     bucket, slots, chunk = _optimizer_config(d)
     if p_off:
         # each staging slot holds one bucket of gradients (at most bucket_bytes; the whole offloaded set when smaller)
@@ -506,6 +510,21 @@ def state_bytes(profile: Profile, d: Decisions) -> int:
     if weight == "bfloat16" and p_res:
         total += 4 * min(chunk, p_res)
     return total
+
+
+def transient_gradients(d: Decisions) -> bool:
+    """Whether gradients exist only from the backward on: not under accumulation (they live through every later
+    micro-batch's forward), nor in DDP's buckets (from their construction on)."""
+    return d.accumulation == 1 and not d.persistent_gradients
+
+
+def streamed_gradient_bytes(profile: Profile, d: Decisions) -> tuple[int, ...]:
+    """Each block's streamed gradients, in the offloaded weights' dtype. The optimizer holds them from the backward
+    until the block's forward pre-hook in the next step (``Handover.release_grads``: the compute stream must wait for
+    the link's reads first), however soon its job on the link ends; :mod:`~elbowroom.plan.phases` counts them in the
+    phases they live through."""
+    per = 4 if LAYOUTS[d.layout][1] == "float32" else 2
+    return tuple(per * p for p in optimizer_parts(profile, d)[1])
 
 
 def gradient_bytes(profile: Profile, d: Decisions) -> tuple[int, tuple[int, ...]]:
@@ -559,13 +578,13 @@ def globals_for(profile: Profile, d: Decisions) -> Globals:
     largest, in_max = sums.largest, sums.in_max
     grad_t = 2 * sums.params_max if (autocast and weight == "float32") else 0
     g_head, g_blocks = gradient_bytes(profile, d)
-    # else they live through every later micro-batch's forward, or in DDP's buckets from its construction on
-    transient = d.accumulation == 1 and not d.persistent_gradients
+    transient = transient_gradients(d)
     og_bytes = _offloaded_gradient_bytes(profile, d)
     return Globals(
         states=state_bytes(profile, d) + profile.rank_transient_bytes,
         transient_grads=g_head + sum(g_blocks) if transient else 0,
         head_grads=g_head if transient else 0,
+        streamed_grads=sum(streamed_gradient_bytes(profile, d)) if transient else 0,
         head=int(math.ceil(head_b)) + profile.rank_head_transient_bytes,  # (FSDP2's root units: gathered here)
         cache=cache,
         backward_work=int(math.ceil(s * (2 * in_max + largest))) + grad_t + gradient_backlog_bytes(profile, d),
@@ -658,30 +677,24 @@ def _host_step(profile: Profile, d: Decisions, device_step_s: float) -> tuple[fl
     the host step hiding pays for the risk it takes. Cached on what the pipeline reads (its lateness, from which each
     device step takes its own share): the search asks again for every weight layout, head and loss choice of one
     placement."""
-    _, whole, late, late_slow, _ = _host_pipeline(profile, d)
+    _, whole, late, late_slow = _host_pipeline(profile, d)
     return whole, float(0.5 * (max(0.0, late - device_step_s) + max(0.0, late_slow - device_step_s)))
 
 
-def _host_pipeline(profile: Profile, d: Decisions) -> tuple[Profile, float, float, float, int]:
-    """(profile, the whole host step, its lateness at the measured rate and at the slow end of its spread, the
-    streamed parameters whose link job ends after the backward), cached for :func:`_host_step` and
-    :func:`lagging_streamed_params`."""
+def _host_pipeline(profile: Profile, d: Decisions) -> tuple[Profile, float, float, float]:
+    """(profile, the whole host step, its lateness at the measured rate and at the slow end of its spread), cached
+    for :func:`_host_step`."""
     key = (id(profile), d.offload_blocks, d.stream_blocks, d.split_share, d.offload_other, d.offload_head,
            d.micro_batch, d.grad_clipping, d.offload_gradients, d.optimizer_config.step_order)
     got = _HOST.get(key)
     if got is None or got[0] is not profile:
-        whole, late, lagging = host_pipeline.pipeline(profile, d)
-        got = (profile, whole, late, host_lateness(profile, d, HOST_STEP_SPREAD)[1], lagging)
+        whole, late = host_lateness(profile, d)
+        got = (profile, whole, late, host_lateness(profile, d, HOST_STEP_SPREAD)[1])
         if len(_HOST) > _HOST_CACHE_SIZE:
             _HOST.clear()
         _HOST[key] = got  # the profile is held, so its id is not reused while cached
     return got
 
-
-def lagging_streamed_params(profile: Profile, d: Decisions) -> int:
-    """Streamed parameters whose job on the link ends after the backward (all of them after a clipped backward): the
-    memory of their gradients is held into the next step (:func:`~elbowroom.plan.streaming.device_bytes_per_param`)."""
-    return _host_pipeline(profile, d)[4] if d.streams else 0
 
 
 def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: float) -> float:

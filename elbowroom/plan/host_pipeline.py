@@ -207,13 +207,6 @@ def host_lateness(profile: Profile, d: Decisions, rate_scale: float = 1.0,
     """(host step seconds, how late the last job's weights are for the next forward were the device's own optimizer
     step instantaneous): :func:`host_exposed_seconds` is that lateness less the device step, floored at 0. Nothing
     else in the pipeline reads the device step, so the search prices one placement once for every weight layout."""
-    return pipeline(profile, d, rate_scale, extra_backward_s)[:2]
-
-
-def pipeline(profile: Profile, d: Decisions, rate_scale: float = 1.0,
-             extra_backward_s: Sequence[float] | None = None) -> tuple[float, float, int]:
-    """:func:`host_lateness`, and the streamed parameters whose job on the link ends after the backward: their
-    gradients' memory is still held when the next step begins (``elbowroom.plan.streaming.device_bytes_per_param``)."""
     m = profile.machine
     s = d.micro_batch / profile.micro_batch
     # (block index, parameters, streamed) of every block whose optimizer is off the device: a split block is two jobs,
@@ -223,11 +216,11 @@ def pipeline(profile: Profile, d: Decisions, rate_scale: float = 1.0,
                                          for job in ((i, h, False), (i, st, True)) if job[1]]
     before_n, after_n = outside_on_host(profile, d)
     if not jobs and not (before_n or after_n):
-        return 0.0, 0.0, 0
+        return 0.0, 0.0
     rate, bw = host_rate(m.host_adam_params_per_s, d.grad_clipping, d.offload_config) * rate_scale, m.duplex_bandwidth
     host_jobs = bool(before_n or after_n) or not all(st for _, _, st in jobs)
     if bw <= 0 or (host_jobs and rate <= 0):
-        return math.inf, math.inf, sum(p for _, p, st in jobs if st)
+        return math.inf, math.inf
     n = len(profile.blocks)
     fwd_before = np.concatenate(([0.0], np.cumsum([b.forward_s for b in profile.blocks]))) * s
     bwd = [b.backward_s for b in profile.blocks]
@@ -303,8 +296,4 @@ def pipeline(profile: Profile, d: Decisions, rate_scale: float = 1.0,
         if all(abs(x - y) < 1e-4 for x, y in zip(again, stretch)):
             break
         stretch = again
-    params = {j: p for j, p, st in jobs if st}
-    # (clipped, the times run from the backward's end: every streamed job ends after it)
-    ref = 0.0 if d.grad_clipping else t_backward
-    lagging = sum(params[j] for _, end, j in streams if end > ref + 1e-9) if streams else 0
-    return total, late, lagging
+    return total, late

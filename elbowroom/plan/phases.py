@@ -36,8 +36,9 @@ class _Phases:
     fetch: np.ndarray
     work_bwd: np.ndarray  # 2 In_i + L_i + G
     grads: np.ndarray  # gradients alive at backward block i
+    streamed: np.ndarray  # streamed gradients held at backward block i (sum_{j>=i}); forward block i holds i + 1's
     end: dict[str, int]
-    transient_grads: int
+    step_grads: int  # every gradient at the optimizer step: the resident ones and the streamed ones held
 
     def describe(self, at: int) -> tuple[str, dict[str, int]]:
         """The name and the terms of phase ``at`` (an index into ``values``)."""
@@ -45,17 +46,32 @@ class _Phases:
         if at < n:
             return f"forward block {at}", {"activations kept": int(self.before[at]),
                                            "block working set": int(self.work_fwd[at]),
-                                           "copies in flight": int(self.inflight[at])}
+                                           "copies in flight": int(self.inflight[at]),
+                                           **_named(_STREAMED, int(self.streamed[at + 1]))}
         if at == n:
             return "forward end", dict(self.end)
         if at <= 2 * n:
             i = at - n - 1
             return f"backward block {i}", {
-                "gradients": int(self.grads[i]), "activations kept": int(self.before[i]),
+                "gradients": int(self.grads[i]), **_named(_STREAMED, int(self.streamed[i])),
+                "activations kept": int(self.before[i]),
                 "block rematerialised": int(self.saved[i]), "prefetch": int(self.fetch[i]),
                 "backward working set": int(self.work_bwd[i]),
             }
-        return "optimizer step", {"gradients": self.transient_grads}
+        return "optimizer step", {"gradients": self.step_grads - self.streamed_total,
+                                  **_named(_STREAMED, self.streamed_total)}
+
+    @property
+    def streamed_total(self) -> int:
+        return int(self.streamed[0]) if len(self.streamed) else 0
+
+
+_STREAMED = "streamed gradients held"
+"""The phases' name for :func:`~elbowroom.plan.cost.streamed_gradient_bytes`."""
+
+def _named(name: str, value: int) -> dict[str, int]:
+    """``{name: value}``, or nothing when ``value`` is 0 (a term plans without streamed blocks never have)."""
+    return {name: value} if value else {}
 
 
 _SCALED: dict[tuple[int, float], tuple[Profile, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
@@ -91,6 +107,28 @@ def _later_gradients(profile: Profile, d: cost.Decisions) -> np.ndarray:
         _LATER.clear()
     _LATER[key] = (profile, later)  # the profile is held, so its id is not reused while cached
     return later
+
+
+def _streamed_held(profile: Profile, d: cost.Decisions) -> np.ndarray:
+    """The streamed gradients held at backward block ``i``: ``sum_{j>=i}`` of :func:`cost.streamed_gradient_bytes`
+    (int64, and a trailing 0: forward block ``i`` holds entry ``i + 1``, its own released by its pre-hook), zeros
+    where the gradients are not transient (then in the model states). Cached on the blocks' placement, the split and
+    the layout."""
+    key = (id(profile), d.offload_blocks, d.stream_blocks, d.split_share, d.layout, cost.transient_gradients(d))
+    got = _LATER.get(key)
+    if got is not None and got[0] is profile:
+        return got[1]
+    n = len(profile.blocks)
+    if d.streams and cost.transient_gradients(d):
+        per = np.asarray(cost.streamed_gradient_bytes(profile, d), dtype=np.int64)
+        held = np.concatenate((np.cumsum(per[::-1])[::-1], [0])).astype(np.int64)
+    else:
+        held = np.zeros(n + 1, dtype=np.int64)
+    held.flags.writeable = False  # (shared by every caller)
+    if len(_LATER) > 1024:
+        _LATER.clear()
+    _LATER[key] = (profile, held)  # the profile is held, so its id is not reused while cached
+    return held
 
 
 @dataclass(frozen=True)
@@ -189,7 +227,8 @@ def phases(profile: Profile, g: cost.Globals, d: cost.Decisions, idx: np.ndarray
     h = _held(profile, idx, s, window, copy_rate(profile, d))
     cache = g.cache if not h.policy else 0  # OPTIONS[0] is Option(): no block has a policy
     grad_t = _grad_work(profile, g, s)
-    fwd = h.before + h.work_fwd + h.inflight
+    held = _streamed_held(profile, d)
+    fwd = h.before + h.work_fwd + h.inflight + held[1:]
     root = profile.rank_head_transient_bytes  # (in g.head)
     end = {"activations kept": h.total_kept, "copies in flight": h.last_off, "head and loss": g.head - root,
            **({"FSDP2 gathered root and its gradients": root} if root else {}), "autocast weight cache": cache}
@@ -199,10 +238,11 @@ def phases(profile: Profile, g: cost.Globals, d: cost.Decisions, idx: np.ndarray
         grads = g.head_grads + _later_gradients(profile, d)
     else:
         grads = np.zeros(n, dtype=np.int64)
-    bwd = grads + h.before + h.saved + h.fetch + work_bwd
-    values = np.concatenate((fwd, [fwd_end], bwd, [g.transient_grads])).astype(np.int64)
-    return _Phases(values, h.kept, h.off, h.saved, h.before, h.work_fwd, h.inflight, h.fetch, work_bwd, grads, end,
-                   g.transient_grads)
+    bwd = grads + held[:-1] + h.before + h.saved + h.fetch + work_bwd
+    step = g.transient_grads + int(held[0])
+    values = np.concatenate((fwd, [fwd_end], bwd, [step])).astype(np.int64)
+    return _Phases(values, h.kept, h.off, h.saved, h.before, h.work_fwd, h.inflight, h.fetch, work_bwd, grads, held,
+                   end, step)
 
 
 def peak_bytes(profile: Profile, d: cost.Decisions, idx: np.ndarray, budget_bytes: int, window: int,
@@ -213,11 +253,16 @@ def peak_bytes(profile: Profile, d: cost.Decisions, idx: np.ndarray, budget_byte
     g = cost.globals_for(profile, d) if g is None else g
     s = d.micro_batch / profile.micro_batch
     h = _held(profile, idx, s, window, copy_rate(profile, d))
-    bwd_max = h.bwd_max
+    held = _streamed_held(profile, d)
+    streamed = bool(held[0])
+    fwd_max = int((h.before + h.work_fwd + h.inflight + held[1:]).max()) if streamed else h.fwd_max
+    bwd = h.bwd + held[:-1] if streamed else h.bwd
     if g.transient_grads:
-        bwd_max = int((h.bwd + (g.head_grads + _later_gradients(profile, d))).max())
-    top = max(h.fwd_max, h.total_kept + h.last_off + g.head + (0 if h.policy else g.cache),
-              bwd_max + _grad_work(profile, g, s), g.transient_grads)
+        bwd_max = int((bwd + (g.head_grads + _later_gradients(profile, d))).max())
+    else:
+        bwd_max = int(bwd.max()) if streamed else h.bwd_max
+    top = max(fwd_max, h.total_kept + h.last_off + g.head + (0 if h.policy else g.cache),
+              bwd_max + _grad_work(profile, g, s), g.transient_grads + int(held[0]))
     return g.states - g.transient_grads + top + cost.margin_bytes(profile, budget_bytes, d.expandable_segments)
 
 

@@ -167,7 +167,8 @@ def _stream_counts(profile: Profile, k: int, outside: int, host_ok: bool, grad_c
     return sorted({0, k, split, min(max(other_side, 0), k)})
 
 
-_MEMORY_TERMS = ("states", "transient_grads", "head_grads", "head", "cache", "backward_work", "largest", "host_bytes")
+_MEMORY_TERMS = ("states", "transient_grads", "head_grads", "streamed_grads", "head", "cache", "backward_work",
+                 "largest", "host_bytes")
 """The fields of :class:`cost.Globals` a plan's device and host memory depend on."""
 
 
@@ -191,12 +192,16 @@ def _undominated(placed: list[tuple[int, Decisions, cost.Globals]], s: float, ac
     return out
 
 
-def _bound_extra(g: cost.Globals, s: float, e: float, off: float, level0: bool, window: int) -> int:
-    """The non-additive part of the peak bound (module docstring of :mod:`cost`), scaled."""
+def _bound_extra(g: cost.Globals, s: float, e: float, off: float, level0: bool, window: int,
+                 streamed: bool = True) -> int:
+    """The non-additive part of the peak bound (module docstring of :mod:`cost`), scaled; without ``streamed``, with
+    no streamed gradient held."""
     ex, of = s * e, s * off
+    held = g.streamed_grads if streamed else 0
     fwd_end = g.head + (g.cache if level0 else 0) + of
-    bwd = ex + min(of, window) + g.backward_work + g.transient_grads
-    fwd_blk = ex + g.largest + of
+    # (streamed gradients: all of them beside every kept byte, true only where the first block kept everything)
+    bwd = ex + min(of, window) + g.backward_work + g.transient_grads + held
+    fwd_blk = ex + g.largest + of + held
     return int(math.ceil(max(fwd_end, bwd, fwd_blk))) - g.transient_grads
 
 
@@ -385,6 +390,23 @@ def plan_for(
     k_in = profile.inflight_microbatches
     slack = (n + 16) * k_in  # bytes lost to rounding each block's bytes up separately
 
+    def decisions(outer: _Outer, opts: tuple[int, ...]) -> Decisions:
+        host, stream = _placement(n, outer.k, outer.streamed)
+        return Decisions(
+            offload_config=offload_config, options=tuple(OPTIONS[o] for o in opts),
+            offload_blocks=host, stream_blocks=stream, split_share=outer.split,
+            offload_other=outer.other,
+            offload_head=outer.head,
+            layout=outer.layout,
+            micro_batch=outer.micro_batch,
+            accumulation=outer.accumulation,
+            fused_loss=outer.fused,
+            expandable_segments=outer.expandable,
+            grad_clipping=grad_clipping,
+            offload_gradients=outer.gradients_out,
+            persistent_gradients=persistent_gradients,
+        )
+
     # (seconds, outer, level, capacity, w, ks)
     best: tuple[float, _Outer, int, int, tuple[float, float], Knapsack] | None = None
     minimum: tuple[int, _Outer, dict[str, int]] | None = None
@@ -392,6 +414,8 @@ def plan_for(
     unhosted: tuple[int, int] | None = None
     # every choice the bound admits, with the fastest its programme could be at any capacity (refined below)
     admitted: list[tuple[float, _Outer, int, int, tuple[float, float], Knapsack, cost.Globals]] = []
+    # the choices with streamed blocks: (the least budget any plan of theirs could need, the bound's need, ...)
+    streamed_least: list[tuple[int, float, _Outer, int, tuple[float, float], Knapsack, cost.Globals]] = []
     for layout, k, (other, head), og in itertools.product(layouts, k_opts, other_opts, [False, True]):
         outside = profile.head.num_params if other else profile.head.after_params if head else 0
         if layout != "fp32" and not (k or outside) and layout == "fp32-offload-bf16":
@@ -428,11 +452,23 @@ def plan_for(
                     for expandable, ks in ((a, k) for a in alloc_opts for k in programmes):
                         for li, e in enumerate(ks.levels):
                             host_need = int(g.host_bytes + s * ks.level_pool[li])
-                            fixed = g.states + _bound_extra(g, s, e, ks.level_off[li], li == 0,
-                                                            prefetch_window_bytes) + slack
-                            fixed += (k_in - 1) * math.ceil(s * profile.head.saved_bytes)
+                            base = g.states + slack + (k_in - 1) * math.ceil(s * profile.head.saved_bytes)
+                            fixed = base + _bound_extra(g, s, e, ks.level_off[li], li == 0, prefetch_window_bytes)
                             outer = _Outer(layout, k, other, mb, acc, fused, expandable, og, st, head, share)
-                            need = fixed + k_in * ks.min_units[li] * ks.unit0 * s
+                            least = k_in * ks.min_units[li] * ks.unit0 * s
+                            need = fixed + least
+                            margin = cost.margin_bytes(profile, budget, expandable)
+                            loose = False  # the bound fails where the bound without streamed gradients does not
+                            if g.streamed_grads:
+                                # the bound holds every streamed gradient beside every kept byte: where the bound
+                                # without them fits, the exact phases may too (tried in _refine; for the minimum,
+                                # priced exactly when no plan fits)
+                                unheld = base + least + _bound_extra(g, s, e, ks.level_off[li], li == 0,
+                                                                     prefetch_window_bytes, streamed=False)
+                                if host_need <= host_mem:
+                                    streamed_least.append((_min_budget(profile, unheld, expandable), unheld, need,
+                                                           outer, li, w, ks, g))
+                                loose = unheld + margin <= budget
                             need_budget = _min_budget(profile, need, expandable)
                             if unhosted is None or need_budget < unhosted[0]:
                                 unhosted = (need_budget, host_need)
@@ -443,9 +479,12 @@ def plan_for(
                                     **_minimum_parts(profile, d, g, s, e, ks.level_off[li], li == 0,
                                                      prefetch_window_bytes, fixed, need),
                                     **_margin_part(profile, need, need_budget, expandable)})
-                            margin = cost.margin_bytes(profile, budget, expandable)
                             cap = int(math.floor((budget - margin - fixed) / (k_in * ks.unit0 * s)))
                             if cap < ks.min_units[li]:
+                                # every capacity from the least up, at their exact phases: the fastest this choice
+                                # could be is its floor until its programme is solved there
+                                if loose and (best is None or floor_s < best[0]):
+                                    admitted.append((floor_s, outer, li, ks.min_units[li] - 1, w, ks, g))
                                 continue
                             if best is not None and floor_s >= best[0]:
                                 continue
@@ -460,29 +499,13 @@ def plan_for(
                                 admitted.append((t_any, outer, li, cap, w, ks, g))
                             if best is None or t < best[0]:
                                 best = (t, outer, li, cap, w, ks)
+    best = _refine(profile, best, admitted, budget, decisions, prefetch_window_bytes)
     if best is None:
+        minimum = _exact_minimum(profile, minimum, streamed_least, budget, decisions, prefetch_window_bytes)
         raise _budget_error(
             profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed,
             offload_config, unhosted=unhosted, usable=budget,
         )
-    def decisions(outer: _Outer, opts: tuple[int, ...]) -> Decisions:
-        host, stream = _placement(n, outer.k, outer.streamed)
-        return Decisions(
-            offload_config=offload_config, options=tuple(OPTIONS[o] for o in opts),
-            offload_blocks=host, stream_blocks=stream, split_share=outer.split,
-            offload_other=outer.other,
-            offload_head=outer.head,
-            layout=outer.layout,
-            micro_batch=outer.micro_batch,
-            accumulation=outer.accumulation,
-            fused_loss=outer.fused,
-            expandable_segments=outer.expandable,
-            grad_clipping=grad_clipping,
-            offload_gradients=outer.gradients_out,
-            persistent_gradients=persistent_gradients,
-        )
-
-    best = _refine(profile, best, admitted, budget, decisions, prefetch_window_bytes)
     t, outer, li, cap, w, ks = best
     d = decisions(outer, ks.backtrack(li, w, cap))
     plan = plan_from_decisions(
@@ -497,23 +520,26 @@ def plan_for(
     return replace(plan, predicted_step_seconds=t, predicted_tokens_per_s=tokens / t if t > 0 else math.inf)
 
 
-def _refine(profile: Profile, best: tuple, admitted: list, budget: int, decisions: Any, window: int) -> tuple:
+def _refine(profile: Profile, best: tuple | None, admitted: list, budget: int, decisions: Any, window: int
+            ) -> tuple | None:
     """Capacities above the bound's where the exact peak still fits.
 
     The bound adds every kept byte to every gradient (true only at the optimizer step, when no activation is
-    left), so it leaves room that the exact phases of :func:`cost.predict` show. For each admitted outer choice,
-    fastest possible first, a bisection over a fixed grid of capacities (``M j / _REFINE_GRID``, never dependent
-    on the budget) finds the largest whose plan's exact peak fits; a choice whose fastest possible step cannot
+    left) and to every streamed gradient held (true only where the first blocks keep everything), so it leaves room
+    that the exact phases of :func:`cost.predict` show. For each admitted outer choice, fastest possible first, a
+    bisection over a fixed grid of capacities (``M j / _REFINE_GRID`` and the level's least, never dependent on the
+    budget) finds the largest whose plan's exact peak fits; a choice whose fastest possible step cannot
     beat the best so far is skipped. The exact peak grows with the capacity in all but corner cases (a larger
     capacity keeps more), which the bisection assumes: a larger budget then never predicts a slower step.
     """
     for t_any, outer, li, cap, w, ks, g in sorted(admitted, key=lambda a: a[0]):
-        if t_any >= best[0]:
+        if best is not None and t_any >= best[0]:
             break
         times = ks.best(li, w)
         s = outer.micro_batch / profile.micro_batch
-        grid = [c for c in (ks.M * j // _REFINE_GRID for j in range(1, _REFINE_GRID + 1)) if c > cap
-                and cost.step_seconds(g, s, outer.accumulation, float(times[c])) < best[0]]
+        steps = {ks.min_units[li], *(ks.M * j // _REFINE_GRID for j in range(1, _REFINE_GRID + 1))}
+        grid = [c for c in sorted(steps) if c > cap
+                and cost.step_seconds(g, s, outer.accumulation, float(times[c])) < (best[0] if best else math.inf)]
         lo, hi = 0, len(grid)  # grid[:lo] fit (or are untried below the first fit), grid[hi:] do not
         d = decisions(outer, (KEEP,) * len(profile.blocks))  # (the peak reads the options from ``opts``)
         while lo < hi:
@@ -526,6 +552,37 @@ def _refine(profile: Profile, best: tuple, admitted: list, budget: int, decision
             c = grid[lo - 1]
             best = (cost.step_seconds(g, s, outer.accumulation, float(times[c])), outer, li, c, w, ks)
     return best
+
+
+def _exact_minimum(profile: Profile, minimum: tuple | None, candidates: list, budget: int, decisions: Any,
+                   window: int) -> tuple | None:
+    """The minimum with the choices that stream priced at their exact phases, where those fit below their bound's
+    need (which holds every streamed gradient beside every kept byte), and never below the same bound without the
+    streamed gradients, under which the search does not try a choice: in the order of that, until it cannot beat the
+    minimum (only when no plan fits: the error names it)."""
+    for unheld_budget, unheld, bound_need, outer, li, w, ks, g in sorted(candidates, key=lambda c: c[0]):
+        if minimum is not None and unheld_budget >= minimum[0]:
+            break
+        d = decisions(outer, tuple(ks.picked(li, w, ks.min_units[li])))
+        need = max(unheld, _exact_need(profile, d, g, budget, window))
+        need_budget = _min_budget(profile, need, outer.expandable)
+        if need < bound_need and (minimum is None or need_budget < minimum[0]):
+            minimum = (need_budget, outer, {**_exact_parts(profile, d, budget, window),
+                                            **_margin_part(profile, need, need_budget, outer.expandable)})
+    return minimum
+
+
+def _exact_need(profile: Profile, d: Decisions, g: cost.Globals, budget: int, window: int) -> int:
+    """Device bytes of plan ``d``, less the allocator's margin, at its exact phases."""
+    idx = np.array([OPTIONS.index(o) for o in d.options], dtype=np.int64)
+    return phases.peak_bytes(profile, d, idx, budget, window, g) - cost.margin_bytes(profile, budget,
+                                                                                     d.expandable_segments)
+
+
+def _exact_parts(profile: Profile, d: Decisions, budget: int, window: int) -> dict[str, int]:
+    """What plan ``d``'s exact peak consists of, less the allocator's margin (for the BudgetError)."""
+    memory = cost.predict(profile, d, budget, prefetch_window_bytes=window).memory
+    return {k: v for k, v in memory.items() if k != "allocator margin"}
 
 
 def _most_optimizer_host_bytes(profile: Profile, opt_ok: bool, gradients_out: bool, offload_config: Any) -> int:
@@ -549,15 +606,18 @@ def _minimum_parts(profile: Profile, d: Decisions, g: cost.Globals, s: float, e:
     wait for their copy (``offload_gradients``) are named apart from the head and working memory they used to hide
     in: they grow as the micro-batch shrinks (a shorter backward hides less of the copies), which made W1's minimum
     fall with the tokens (1x2048 9.9 GiB, 1x8192 7.4 GiB on a 1 TiB host) under a name that did not say why."""
-    waiting = 0
+    def share(without: cost.Globals) -> int:  # the bound's part that ``without`` leaves out
+        return max(0, _bound_extra(g, s, e, off, level0, window) - _bound_extra(without, s, e, off, level0, window))
+
     backlog = cost.gradient_backlog_bytes(profile, d)
-    if backlog:
-        without = replace(g, backward_work=g.backward_work - backlog)
-        waiting = _bound_extra(g, s, e, off, level0, window) - _bound_extra(without, s, e, off, level0, window)
+    waiting = share(replace(g, backward_work=g.backward_work - backlog)) if backlog else 0
+    streamed = share(replace(g, streamed_grads=0)) if g.streamed_grads else 0
     parts = {"model states and optimizer buffers": g.states, "activations at least": int(need - fixed)}
-    if waiting > 0:
+    if waiting:
         parts[_WAITING] = int(waiting)
-    parts["head, loss and working memory"] = int(fixed - g.states - max(waiting, 0))
+    if streamed:
+        parts[phases._STREAMED] = int(streamed)
+    parts["head, loss and working memory"] = int(fixed - g.states - waiting - streamed)
     return parts
 
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from elbowroom.plan.types import Profile
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "LAUNCH_SECONDS_PER_CHUNK", "RING_BYTES_PER_ELEMENT", "SPLIT_SHARES", "chunks",
-           "device_bytes_per_param", "host_part", "lagging_gradient_bytes", "launch_seconds", "optimizer_parts",
+           "device_bytes_per_param", "host_part", "launch_seconds", "optimizer_parts",
            "ring_bytes", "split_on_host"]
 
 SPLIT_SHARES = (1 / 3, 1 / 2, 2 / 3)
@@ -101,33 +101,19 @@ _PARTS_CACHE_SIZE = 1 << 15  # (as the cost model's host-step cache: one search 
 
 
 def device_bytes_per_param(offloaded_dtype: str) -> int:
-    """Device bytes per streamed parameter, whatever its job's timing: its weight in the offloaded weights' dtype. Its
-    gradient is counted, twice, only where its job on the link ends after the backward
-    (:func:`lagging_gradient_bytes`).
+    """Device bytes per streamed parameter the whole step: its weight in the offloaded weights' dtype. Its gradient,
+    as many bytes again, lives from its block's backward to that block's forward in the next step
+    (:func:`~elbowroom.plan.cost.streamed_gradient_bytes`, counted phase by phase in :mod:`~elbowroom.plan.phases`).
 
-    Every streamed gradient used to be counted so (weight + gradient + gradient again: 6 B in bf16), after streamed
-    plans of W2 and of the 7B shape reserved 2-7 GiB beyond what they allocated and plans at 72 and 76 GiB ran out of
-    memory (H100, twelfth to fourteenth sessions). That count kept W1 at 8 GiB from streaming at all, and the
-    recorded rows say where it is needed (twenty-third session, ``BENCHMARKS.md``):
-
-    - the allocated peaks of all 19 recorded streamed rows (W1, W2, the 7B shape) are at or under their plans priced
-      with the weight alone: the gap is reserved memory the allocator cannot reuse yet, not allocations;
-    - on an H200, plans made with the weight alone reserved within 1% of their predictions and inside their budgets
-      where the link keeps pace with the backward (W2 at 12 and 16 GiB, W1 at 8 GiB split with the host), and the 7B
-      shape at 48 GiB (9 blocks streamed, their states needing 0.60 s of the link each way against a backward of
-      0.22 s, as its profile prices them) ran out of memory with 1.3 GiB reserved and unallocated against a 0.3 GiB
-      margin.
-
-    A streamed gradient is read by the link's streams; its memory returns to the allocator only when its job there is
-    done, so a job that outlasts the backward holds it into the next step."""
+    The count's history (``BENCHMARKS.md``, twelfth to twenty-fourth sessions): weight, gradient and gradient again in
+    every phase (6 B in bf16) kept W1 at 8 GiB from streaming at all, while the allocated peaks of all 19 recorded
+    streamed rows stood at or under their plans priced with the weight alone. The weight alone then ran the 7B shape at
+    48 GiB out of memory: its 9 streamed blocks sit after 11 device-resident ones that keep everything, whose forward
+    and backward run while every streamed gradient is held. Counting a gradient twice where its job on the link
+    outlasted the backward covered that case but priced W1's split plan at 8.56 GiB against the 7.59 it reserved:
+    there every block streams, and each phase holds few activations beside the gradients it holds. Counted phase by
+    phase, that plan is priced at 7.98 GiB and the 7B one at 50.56."""
     return 4 if offloaded_dtype == "float32" else 2
-
-
-def lagging_gradient_bytes(offloaded_dtype: str) -> int:
-    """Device bytes per streamed parameter whose job on the link ends after the backward
-    (:func:`~elbowroom.plan.cost.lagging_streamed_params`): its gradient, and its bytes once more (returned to the
-    allocator late, they are reserved beside the next step's allocations; :func:`device_bytes_per_param`)."""
-    return 2 * (4 if offloaded_dtype == "float32" else 2)
 
 
 def ring_bytes(profile: Profile, d: Decisions) -> int:
