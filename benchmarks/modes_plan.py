@@ -31,7 +31,8 @@
   ``+compile`` compiles the blocks in place and prices the plan on them compiled (``fit(compile=True)``, which
   recomputes pointwise results in backward: ``elbowroom.plan.fit.PLANNED_COMPILE``; ``+rpw`` says so explicitly);
   ``+compile+norpw`` compiles them with the partitioner's defaults (``fit(compile={"recompute_pointwise": False})``);
-  ``+cap`` caps the process's CUDA allocator at the budget once the plan is applied
+  ``+cap`` caps the process's CUDA allocator at the budget once the plan is applied (``+cap=78GiB``: at that
+  instead, above the plan's budget: what a plan does with room under its cap)
   (``torch.cuda.set_per_process_memory_fraction``), as on a device of the budget's size: the allocator then frees
   its cache and retries (``alloc_retries``) or runs out of memory, where an uncapped row only reports what it
   reserved on the larger card.
@@ -74,10 +75,12 @@ def resolve(name: str) -> Callable[..., Setup] | None:
                 return lambda model, args: _setup(model, args, uniform=arg.split("+")[0],
                                                  fused=getattr(args, "fused_loss", False))
             flags = arg.split("+")
+            cap_at = next((f[4:] for f in flags if f.startswith("cap=")), None)
             return lambda model, args: _setup(model, args, budget=flags[0],
                                              precision="bf16" if "bf16" in prefix else "fp32",
                                              fused=getattr(args, "fused_loss", False), clip="clip" in flags,
-                                             split="gb" in flags, cap="cap" in flags, og="nog" not in flags,
+                                             split="gb" in flags, cap=cap_at or "cap" in flags,
+                                             og="nog" not in flags,
                                              host=next((f[5:] for f in flags if f.startswith("host=")), None),
                                              compiled=_compiled(flags))
     return None
@@ -107,7 +110,7 @@ def _cap_at(budget_bytes: int) -> float | None:
 
 def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, precision: str = "fp32",
            plan_file: str | None = None, fused: bool = False, clip: bool = False,
-           split: bool = False, uniform: str | None = None, cap: bool = False, og: bool = True,
+           split: bool = False, uniform: str | None = None, cap: bool | str = False, og: bool = True,
            host: str | None = None, compiled: dict[str, Any] | None = None) -> Setup:
     import os
 
@@ -159,7 +162,9 @@ def _setup(model: torch.nn.Module, args: Any, *, budget: str | None = None, prec
     notes: dict[str, Any] = {"plan_seconds": round(plan_s, 2), "weights": plan.weight_dtype,
                              "fused_loss": plan.fused_loss}
     if cap:
-        notes["capped_GiB"] = _cap_at(plan.budget_bytes)
+        from elbowroom.plan import parse_budget
+
+        notes["capped_GiB"] = _cap_at(parse_budget(cap) if isinstance(cap, str) else plan.budget_bytes)
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     if plan.weight_dtype == "bfloat16":
         # a bf16 model runs as it is: the harness's autocast would run the norms in fp32 and save fp32 outputs
