@@ -18,7 +18,7 @@ import numpy as np
 from elbowroom.plan import cost, options
 from elbowroom.plan.types import Profile
 
-__all__ = ["peak_bytes", "phases"]
+__all__ = ["STREAMED_TERM", "peak_bytes", "phases"]
 
 
 @dataclass(frozen=True)
@@ -47,26 +47,26 @@ class _Phases:
             return f"forward block {at}", {"activations kept": int(self.before[at]),
                                            "block working set": int(self.work_fwd[at]),
                                            "copies in flight": int(self.inflight[at]),
-                                           **_named(_STREAMED, int(self.streamed[at + 1]))}
+                                           **_named(STREAMED_TERM, int(self.streamed[at + 1]))}
         if at == n:
             return "forward end", dict(self.end)
         if at <= 2 * n:
             i = at - n - 1
             return f"backward block {i}", {
-                "gradients": int(self.grads[i]), **_named(_STREAMED, int(self.streamed[i])),
+                "gradients": int(self.grads[i]), **_named(STREAMED_TERM, int(self.streamed[i])),
                 "activations kept": int(self.before[i]),
                 "block rematerialised": int(self.saved[i]), "prefetch": int(self.fetch[i]),
                 "backward working set": int(self.work_bwd[i]),
             }
         return "optimizer step", {"gradients": self.step_grads - self.streamed_total,
-                                  **_named(_STREAMED, self.streamed_total)}
+                                  **_named(STREAMED_TERM, self.streamed_total)}
 
     @property
     def streamed_total(self) -> int:
         return int(self.streamed[0]) if len(self.streamed) else 0
 
 
-_STREAMED = "streamed gradients held"
+STREAMED_TERM = "streamed gradients held"
 """The phases' name for :func:`~elbowroom.plan.cost.streamed_gradient_bytes`."""
 
 def _named(name: str, value: int) -> dict[str, int]:

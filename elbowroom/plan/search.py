@@ -556,10 +556,12 @@ def _refine(profile: Profile, best: tuple | None, admitted: list, budget: int, d
 
 def _exact_minimum(profile: Profile, minimum: tuple | None, candidates: list, budget: int, decisions: Any,
                    window: int) -> tuple | None:
-    """The minimum with the choices that stream priced at their exact phases, where those fit below their bound's
-    need (which holds every streamed gradient beside every kept byte), and never below the same bound without the
-    streamed gradients, under which the search does not try a choice: in the order of that, until it cannot beat the
-    minimum (only when no plan fits: the error names it)."""
+    """``minimum`` lowered by the choices that stream, each priced by its least plan's exact phases instead of the
+    bound (which holds every streamed gradient beside every kept byte).
+
+    A choice's need is never taken below its bound without streamed gradients: the search tries no choice under
+    that, so the minimum named must plan. Candidates go in the order of that floor, until it cannot beat the minimum.
+    Only called when no plan fits (the error names the minimum)."""
     for unheld_budget, unheld, bound_need, outer, li, w, ks, g in sorted(candidates, key=lambda c: c[0]):
         if minimum is not None and unheld_budget >= minimum[0]:
             break
@@ -616,7 +618,7 @@ def _minimum_parts(profile: Profile, d: Decisions, g: cost.Globals, s: float, e:
     if waiting:
         parts[_WAITING] = int(waiting)
     if streamed:
-        parts[phases._STREAMED] = int(streamed)
+        parts[phases.STREAMED_TERM] = int(streamed)
     parts["head, loss and working memory"] = int(fixed - g.states - waiting - streamed)
     return parts
 
