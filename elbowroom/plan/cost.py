@@ -32,12 +32,12 @@ plus, when anything is offloaded, ``num_staging_slots * bucket_bytes`` of device
 and, when its bf16 weights cast to and from fp32 on the device, the two copy streams' cast buffers
 (``CAST_STREAMS * cast_chunk_bytes``), and with bf16 weights the fp32 chunk the device masters step through
 (``device_chunk_numel * 4``). A streamed parameter (``P_str``) is counted at its weight in the offloaded weights'
-dtype (4 B, or 2 with bf16 device weights: :func:`~elbowroom.plan.streaming.device_bytes_per_param` says why its
-gradient is not), with or without ``offload_gradients`` (its gradient never leaves: it steps where it is), its state
-12 B on the host and no host gradient; when any block
-streams the device holds the ring it steps through,
-``stream_slots * min(stream_slot_numel, largest streamed block's parameters) * 16``
-(:func:`~elbowroom.plan.streaming.ring_bytes`).
+dtype (4 B, or 2 with bf16 device weights), with or without ``offload_gradients`` (its gradient never leaves: it
+steps where it is), its state 12 B on the host and no host gradient; its gradient (``Gs_i`` of block ``i``, as many
+bytes again) is counted in the phases that hold it, below (:func:`streamed_gradient_bytes`;
+:func:`~elbowroom.plan.streaming.device_bytes_per_param` tells the count's history). When any block streams the
+device holds the ring it steps through, ``stream_slots * min(stream_slot_numel, largest streamed block's
+parameters) * 16`` (:func:`~elbowroom.plan.streaming.ring_bytes`).
 
 Gradients of resident parameters (``g`` = 4 B fp32, 2 B bf16 per parameter; ``G_i`` of block ``i``, ``G_h`` of the
 parameters outside the blocks) are part of those 16 B, but with one micro-batch per step (and the loop's
@@ -75,6 +75,11 @@ what it kept is ``e_i = S_i - k_i``. Phases (``M`` model states and staging; com
                                                                                      accumulate into fp32 .grad)
 
     optimizer step:     M
+
+Streamed gradients (one micro-batch per step): the optimizer holds block ``i``'s from its backward to its forward
+pre-hook in the next step, however soon its job on the link ends, so backward block ``i`` adds
+``sum_{j>=i} Gs_j``, forward block ``i`` adds ``sum_{j>i} Gs_j``, the forward's end none, the optimizer step all;
+under accumulation they are in ``M`` whole.
 
 (``M`` includes ``Profile.rank_transient_bytes``: under FSDP2 a rank's all-gathered parameters and unsharded
 gradients, held from the first forward to the last backward; 0 for a model that is not sharded. ``H`` includes
