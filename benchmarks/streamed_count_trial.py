@@ -3,8 +3,8 @@ to run with ``plan@FILE+cap`` on the GPU: a trial of the cost model's count, not
 
 Since the twenty-fourth session the cost model counts a streamed parameter's weight in every phase and its gradient
 in the phases that hold it (``elbowroom.plan.cost.streamed_gradient_bytes``); ``--count now`` is that. The other
-counts replace the weight's bytes by ``times`` items in every phase, on top of it (the history below is what they
-were for).
+counts replace the weight's bytes by ``times`` items in every phase and leave the gradients' phases as they are
+(the history below is what they were for).
 
 The cost model counts a streamed parameter's weight, its gradient, and the gradient's bytes once more
 (``elbowroom.plan.streaming.device_bytes_per_param``: 6 bytes a parameter in bf16). Over the recorded rows the

@@ -701,7 +701,6 @@ def _host_pipeline(profile: Profile, d: Decisions) -> tuple[Profile, float, floa
     return got
 
 
-
 def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: float) -> float:
     """``A (compute + s sum_i c_i) + T_dev + T_host``: the one expression of the step time (search and predict)."""
     return accumulation * (g.compute_s + scale * block_cost_sum) + g.device_step_s + g.host_exposed_s

@@ -63,11 +63,12 @@ class _Phases:
 
     @property
     def streamed_total(self) -> int:
-        return int(self.streamed[0]) if len(self.streamed) else 0
+        return int(self.streamed[0])
 
 
 STREAMED_TERM = "streamed gradients held"
 """The phases' name for :func:`~elbowroom.plan.cost.streamed_gradient_bytes`."""
+
 
 def _named(name: str, value: int) -> dict[str, int]:
     """``{name: value}``, or nothing when ``value`` is 0 (a term plans without streamed blocks never have)."""
@@ -76,6 +77,7 @@ def _named(name: str, value: int) -> dict[str, int]:
 
 _SCALED: dict[tuple[int, float], tuple[Profile, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
 _LATER: dict[tuple[Any, ...], tuple[Profile, np.ndarray]] = {}
+_STREAMED_HELD: dict[tuple[Any, ...], tuple[Profile, np.ndarray]] = {}
 
 
 def _scaled(profile: Profile, s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -115,7 +117,7 @@ def _streamed_held(profile: Profile, d: cost.Decisions) -> np.ndarray:
     where the gradients are not transient (then in the model states). Cached on the blocks' placement, the split and
     the layout."""
     key = (id(profile), d.offload_blocks, d.stream_blocks, d.split_share, d.layout, cost.transient_gradients(d))
-    got = _LATER.get(key)
+    got = _STREAMED_HELD.get(key)
     if got is not None and got[0] is profile:
         return got[1]
     n = len(profile.blocks)
@@ -125,9 +127,9 @@ def _streamed_held(profile: Profile, d: cost.Decisions) -> np.ndarray:
     else:
         held = np.zeros(n + 1, dtype=np.int64)
     held.flags.writeable = False  # (shared by every caller)
-    if len(_LATER) > 1024:
-        _LATER.clear()
-    _LATER[key] = (profile, held)  # the profile is held, so its id is not reused while cached
+    if len(_STREAMED_HELD) > 1024:
+        _STREAMED_HELD.clear()
+    _STREAMED_HELD[key] = (profile, held)  # the profile is held, so its id is not reused while cached
     return held
 
 
