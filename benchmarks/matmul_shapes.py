@@ -7,7 +7,8 @@ For each reference workload (``elbowroom.models.workloads``) every linear layer 
 GEMMs a training step runs (forward ``x W^T``, the input's gradient ``dy W``, the weight's gradient ``dy^T x``),
 plus its causal attention forward and backward (``F.scaled_dot_product_attention``, flash). A sweep of square and
 skinny shapes goes beside them. Each line: the op, its shape, FLOPs (attention counted as torch's FLOP counter
-counts it: without the causal mask's saving), the median time over ``--iters`` runs on CUDA events, and TFLOP/s.
+counts it: without the causal mask's saving), the time of one run (the median over ``--iters`` windows of
+back-to-back runs on CUDA events) and TFLOP/s.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,18 +30,25 @@ from elbowroom.models.workloads import WORKLOADS  # noqa: E402
 
 
 def timed(fn, iters: int) -> float:
-    """Median seconds of ``fn`` over ``iters`` runs after three warm-up runs."""
+    """Seconds of one ``fn``: the median over ``iters`` windows, each of enough back-to-back runs to fill 2 ms of
+    the GPU (the host launches ahead, as in a training step; one run between two events also timed the host's
+    launch of a small kernel: 33 us for any GEMM up to 1536 cubed)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    reps = max(1, min(200, int(2e-3 / max(time.perf_counter() - t0, 1e-6))))
     out = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(reps):
+            fn()
         b.record()
         b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
+        out.append(a.elapsed_time(b) / 1e3 / reps)
     return statistics.median(out)
 
 
@@ -62,7 +71,7 @@ def attention(b: int, h: int, s: int, d: int, iters: int) -> tuple[float, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     rows = []
