@@ -1703,3 +1703,44 @@ def test_fsdp2_forward_prefetch_waits_for_the_prefetched_units(monkeypatch: pyte
     want = [own[id(u)] | (own[id(units[i + 1])] if i + 1 < len(units) else set()) for i, u in enumerate(units)]
     assert waited and all(w in want for w in waited), (waited, want)
     assert any(len(w) > len(own[id(units[0])]) for w in waited)  # some wait covered a unit ahead
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), [
+    (torch.optim.AdamW, {"fused": True}),
+    (torch.optim.AdamW, {"foreach": True}),
+    (torch.optim.Adam, {"amsgrad": True, "foreach": False}),
+])
+def test_early_state_is_torch_s_layout_and_steps_as_fresh(cls: type, kwargs: dict) -> None:
+    """Adam/AdamW state made before the first step (early_state) is the state torch's first step makes, key by
+    key (dtype, device, shape), and three steps from it are bitwise three steps from a fresh optimizer; a parameter
+    without a gradient keeps its zero state; other classes get none."""
+    from elbowroom.optim.early_state import create_state
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3), nn.Linear(3, 2))  # the last one gets no gradient
+    early = copy.deepcopy(ref)
+    o_ref = cls(ref.parameters(), lr=1e-2, weight_decay=0.1, **kwargs)
+    o_early = cls(early.parameters(), lr=1e-2, weight_decay=0.1, **kwargs)
+    assert create_state(o_early) == 0 and len(o_early.state) == 0  # CPU parameters: left to the first step
+    made = create_state(o_early, cuda_only=False)
+    n_moments = 3 if kwargs.get("amsgrad") else 2
+    assert made == n_moments * 4 * sum(p.numel() for p in early.parameters())
+    assert create_state(o_early, cuda_only=False) == 0  # once
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        for m, o in ((ref, o_ref), (early, o_early)):
+            o.zero_grad()
+            m[1](m[0](x)).square().mean().backward()  # m[2] unused: no gradient
+            o.step()
+    for p, q in zip(ref.parameters(), early.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+        if p.grad is None:
+            assert p not in o_ref.state and o_early.state[q]["step"].item() == 0
+            assert all(not v.any() for k, v in o_early.state[q].items())
+            continue
+        a, b = o_ref.state[p], o_early.state[q]
+        assert a.keys() == b.keys()
+        for k in a:
+            assert (a[k].dtype, a[k].device, a[k].shape) == (b[k].dtype, b[k].device, b[k].shape), k
+            torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+    assert create_state(torch.optim.SGD(ref.parameters(), lr=0.1), cuda_only=False) == 0

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from elbowroom.optim import clipping, masters, shards
+from elbowroom.optim import clipping, early_state, masters, shards
 from elbowroom.optim import state_dict as sd_mapping
 from elbowroom.optim.buffers import HostMemory, Streams
 from elbowroom.optim.clipping import ClipRequest
@@ -237,6 +237,10 @@ class CPUOffloadOptimizer(Optimizer):
         check_host_memory(sum(p.numel() for p in all_params if id(p) in offloaded), state_ratio, cfg)
         for gi, group in enumerate(self.param_groups):
             self._place(gi, group["params"], offloaded)
+        if self._placement.dev_opt is not None:
+            # the device moments beside the weights before the first forward, not in the first step's freed
+            # ranges (early_state)
+            early_state.create_state(self._placement.dev_opt)
         staging = self._placement.staging()
         self._slot_bytes, self._staging_bytes = staging.slot_bytes, staging.total_bytes
         self._engine = Engine(self._streams, staging, cfg)

@@ -243,7 +243,10 @@ def build_optimizer(
     masters = plan.weight_dtype == "bfloat16"
     groups: Any = param_groups(model) if param_groups is not None else params
     if not offload and not masters:
+        from elbowroom.optim.early_state import create_state
+
         opt: torch.optim.Optimizer = optimizer_class(groups, **opt_kwargs)
+        create_state(opt)  # Adam/AdamW's moments now, beside the weights, not in the first step's freed ranges
     else:
         from elbowroom.optim import CPUOffloadOptimizer
         from elbowroom.optim.masters import embedding_tables
