@@ -1,15 +1,14 @@
 """Adam/AdamW state made when the optimizer is built, not in its first ``step()``.
 
 torch's Adam and AdamW create each parameter's moments in their first step, after the first forward and backward
-have allocated and freed the step's activations and gradients. The CUDA caching allocator places those moments,
+have allocated and freed the step's activations and gradients, so the CUDA caching allocator places those moments,
 which live for the whole run, in the ranges the first step's activations left free, and every later step's
-activations and gradients have to fit between them. On the 7B shape at a 76 GiB cap (fp32 resident weights, 12
-blocks' optimizer streamed, no offloaded gradients) the moments of the resident parameters were 32.1 GiB of the
-74.3 GiB allocated peak, all made in the first step; the run then needed 79.4 GiB reserved uncapped, 5.6 GiB of it
-free in 218 ranges, and at its cap it released and remapped its cache 24 times in 10 steps (allocator retries, the
-placement of a 344 MiB fp32 gradient that no free range could hold), at 0.90 s a step against 0.68 uncapped
-(``BENCHMARKS.md``, 2026-11-29 twenty-fifth session). Made before the first forward, the moments sit beside the
-weights, and the steps' transient memory has one range of its own, as in the plain step the profile measures.
+activations and gradients fit between them. Made when the optimizer is built, before the first forward, they sit
+beside the weights instead. Measured on the 7B shape at a 76 GiB cap (fp32 resident weights, 12 blocks' optimizer
+streamed, no offloaded gradients; ``BENCHMARKS.md``, 2026-11-29 twenty-fifth session): the resident parameters'
+moments are 32.1 GiB of the 74.3 GiB allocated peak; made early, the free ranges inside the reserved memory at the
+allocator's retries went from about 210 to about 90, and the step from 0.90 to 0.83 s, but the retries stayed (24 in
+10 steps: the steps' own gradients and activations still fragment the rest, ``elbowroom.plan.cost``).
 
 The state is torch's own layout (what ``Adam._init_group`` makes): ``step`` a 0-d float32 tensor on the
 parameter's device for fused or capturable groups, else on the CPU (float64 under a float64 default dtype),
