@@ -27,6 +27,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--optimizer", action="store_true")
     ap.add_argument("--no-expandable", action="store_true")
+    ap.add_argument("--no-cache", action="store_true", help="autocast's weight cache off inside each block, as under "
+                    "a plan's block policies (each block casts its weights in forward and again in backward)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 weights, no autocast")
     a = ap.parse_args()
     if not a.no_expandable:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -39,6 +42,11 @@ def main() -> None:
 
     w = WORKLOADS[a.workload]
     model = build_model(ModelConfig.from_preset(w.preset), device="cuda")
+    if a.bf16:
+        model.to(torch.bfloat16)
+    if a.no_cache:
+        for blk in model.blocks:
+            blk.forward = _uncached(blk.forward, torch)
     opt = None
     if a.optimizer:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -48,7 +56,7 @@ def main() -> None:
     for step in range(a.steps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not a.bf16):
             logits = model(idx)
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), idx.view(-1))
         del logits
@@ -59,10 +67,19 @@ def main() -> None:
         torch.cuda.synchronize()
         r, al = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
         st = torch.cuda.memory_stats()
-        print(json.dumps({"workload": a.workload, "step": step, "optimizer": a.optimizer,
+        print(json.dumps({"workload": a.workload, "step": step, "optimizer": a.optimizer, "no_cache": a.no_cache,
+                          "bf16": a.bf16,
                           "expandable": not a.no_expandable, "reserved_GiB": round(r / G, 3),
                           "allocated_GiB": round(al / G, 3), "held_GiB": round((r - al) / G, 3),
                           "retries": st.get("num_alloc_retries", 0)}), flush=True)
+
+
+def _uncached(forward, torch):
+    """``forward`` under an autocast whose weight cache is off (what a block policy's wrapper runs)."""
+    def run(*args, **kwargs):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            return forward(*args, **kwargs)
+    return run
 
 
 if __name__ == "__main__":
