@@ -80,6 +80,10 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 _POINTWISE_TRAFFIC = 2.0
 """Bytes moved in forward per pointwise byte saved (written once, read once): the analytic memory term."""
 
+OVERHEAD_STEPS = 2
+"""Steps of each kind (plain, selective) over which the allocator's overhead with expandable segments is measured
+(:meth:`_Runner._expandable_overhead`): a plain 7B step held the same from its first step to its sixth."""
+
 
 def _resolve_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None) -> tuple[list[nn.Module], str]:
     names = {id(m): n for n, m in model.named_modules()}
@@ -621,8 +625,10 @@ class _Runner:
         return out
 
     def _expandable_overhead(self) -> int:
-        """Reserved minus allocated at a plain step's peak with ``expandable_segments:True``, measured from an empty
-        cache (the setting switched on for the step and back off, unless the process already runs with it).
+        """Reserved minus allocated with ``expandable_segments:True``, measured from an empty cache (the setting
+        switched on for the measure and back off, unless the process already runs with it): the most over
+        :data:`OVERHEAD_STEPS` plain steps and as many with every block under selective recompute, one after another
+        as a run's steps follow each other.
 
         A plan may choose the setting; the overhead of the default allocator says little of it (one mapping grows
         instead of many segments that do not fit a larger tensor). With the setting already on, the plain step's
@@ -630,6 +636,13 @@ class _Runner:
         profile's own passes, an earlier run in the process), and a Hugging Face Llama planned after a run whose
         plan had switched the setting on got a 13 GiB margin and a minimum of 19.2 GiB for a model that trains in
         10. 0 when this torch cannot tell the setting, or cannot switch it at run time when it is off.
+
+        Why the selective steps: a plan's blocks run under policies, which recompute in the backward and free and
+        make tensors in an order a plain step does not. On the 7B shape (H200, ``BENCHMARKS.md`` 2026-11-29
+        twenty-fifth session) plain steps held 0.31 GiB beyond their allocated peak, steady from the first step,
+        the same steps through a plan with every block selective 2.0 GiB, and the planned runs 3.7-5.0 GiB; the
+        plain measure alone (0.28 GiB) left the 76 GiB plans at their cap, releasing and remapping the cache
+        12-38 times in 10 steps.
         """
         setter, on = allocator_settings_setter(), expandable_segments_on()
         if on is None or (not on and setter is None):
@@ -639,17 +652,26 @@ class _Runner:
         if not on:
             setter("expandable_segments:True")
         try:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            r0, a0 = torch.cuda.memory_reserved(self.device), torch.cuda.memory_allocated(self.device)
-            self._run(Tracer(self.blocks, set(), self.clock, record_ops=False), record=False)
-            torch.cuda.synchronize(self.device)
-            # what the step's own allocations hold beyond their bytes: the segments made before the switch (the
-            # profile's, partly free) are not the planned run's, whose allocations after apply() are all new
-            # (GPT-2-XL planned with the setting: 0.4-0.9 GiB beyond allocated, where reserved minus allocated
-            # here read 1.6 GiB)
-            held = (torch.cuda.max_memory_reserved(self.device) - r0) - (torch.cuda.max_memory_allocated(self.device)
-                                                                           - a0)
-            return max(1, int(held))
+            held = 1
+            for mode in (None, "selective"):  # each from an empty cache, as a run's steps start from one
+                self._apply(mode, compiled=self.compiled)
+                try:
+                    torch.cuda.synchronize(self.device)
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    r0, a0 = torch.cuda.memory_reserved(self.device), torch.cuda.memory_allocated(self.device)
+                    for _ in range(OVERHEAD_STEPS):
+                        self._run(Tracer(self.blocks, set(), self.clock, record_ops=False), record=False)
+                        torch.cuda.synchronize(self.device)
+                    # what the steps' own allocations hold beyond their bytes: the segments made before the switch
+                    # (the profile's, partly free) are not the planned run's, whose allocations after apply() are
+                    # all new (GPT-2-XL planned with the setting: 0.4-0.9 GiB beyond allocated, where reserved minus
+                    # allocated here read 1.6 GiB)
+                    held = max(held, (torch.cuda.max_memory_reserved(self.device) - r0)
+                               - (torch.cuda.max_memory_allocated(self.device) - a0))
+                finally:
+                    self._apply(None)
+            return int(held)
         finally:
             if not on:
                 setter("expandable_segments:False")
