@@ -142,8 +142,8 @@ def test_analytic_compiled_w1(capsys: pytest.CaptureFixture[str]) -> None:
     kept = [[b["kept_bytes"] for b in p["blocks"] if b["checkpoint"] == "none" and not b["offload_ratio"]]
             for p in (eager, compiled)]
     assert max(kept[1]) < min(kept[0] or [1 << 62])  # a kept block holds less compiled
-    assert sum(b["checkpoint"] == "full" for b in compiled["blocks"]) < sum(
-        b["checkpoint"] == "full" for b in eager["blocks"])
+    assert sum(b["checkpoint"] != "none" for b in compiled["blocks"]) < sum(
+        b["checkpoint"] != "none" for b in eager["blocks"])  # fewer blocks recompute, fully or selectively
     assert compiled["predicted_step_seconds"] <= eager["predicted_step_seconds"]
     assert compiled["predicted_peak_bytes"] <= compiled["budget_bytes"] == 16 << 30
 

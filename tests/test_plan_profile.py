@@ -140,17 +140,55 @@ def test_gpt2_dropout_masks_are_pointwise() -> None:
     assert drop.blocks[0].saved_bytes["attention"] == 0 < plain.blocks[0].saved_bytes["attention"]
 
 
-def test_analytic_times_from_flops_and_bytes() -> None:
+def test_analytic_times_from_kernel_shapes_and_bytes() -> None:
+    """A block's analytic forward is its four GEMMs and its causal attention, each timed from its shape
+    (elbowroom.plan.kernels), plus its pointwise bytes at memory speed; the backward is longer."""
+    from elbowroom.plan import kernels
+
     prof = profile(build_model(_cfg("llama"), device="meta"), _ids(), machine="h100-80gb")
     assert prof.compute_dtype == "bfloat16"  # the default for a GPU target
     m = prof.machine
+    t, hd = B * S, D // H
+    gemms = [(t, 3 * D, D), (t, D, D), (t, 2 * FFN, D), (t, D, FFN)]  # qkv, out, w13, w2: (m, n, k)
+    expected = sum(kernels.seconds(("gemm", 1, a, b, c, 2), m) for a, b, c in gemms)
+    expected += kernels.seconds(("attention", B, H, S, S, hd, True, False), m)
     for blk in prof.blocks:
         assert blk.flops > 0 and blk.forward_s > 0 and blk.backward_s > blk.forward_s
         assert blk.recompute_s == blk.forward_s
         mem = 2 * blk.saved_bytes["pointwise"] / m.memory_bandwidth
         assert blk.selective_recompute_s == pytest.approx(mem)
-        assert blk.forward_s == pytest.approx(prof.extra["forward_flops"][blk.index] / m.matmul_flops + mem)
+        assert blk.forward_s == pytest.approx(expected + mem, rel=1e-9)
     assert prof.head.flops > 0 and prof.head.forward_s > 0
+
+
+def test_kernel_times_by_shape() -> None:
+    """The kernel model's arithmetic: a GEMM's FLOPs plus its bytes; causal attention walks the tiles on and below
+    the diagonal, each at a cost that shrinks less than its head dim; the backward is BACKWARD_RATIO forwards;
+    an op it does not know is its FLOPs at the matmul rate."""
+    from elbowroom.plan import get_device, kernels
+
+    m = get_device("h200")
+    gemm = kernels.seconds(("gemm", 2, 4096, 1600, 1600, 2), m)
+    assert gemm == pytest.approx(2 * 2 * 4096 * 1600 * 1600 / m.matmul_flops
+                                 + 2 * 2 * (4096 * 1600 + 1600 * 1600 + 4096 * 1600) / m.memory_bandwidth)
+    assert kernels.seconds(("flops", 1e12), m) == pytest.approx(1e12 / m.matmul_flops)
+    full = kernels.seconds(("attention", 1, 8, 1024, 1024, 128, False, False), m)
+    causal = kernels.seconds(("attention", 1, 8, 1024, 1024, 128, True, False), m)
+    assert causal / full == pytest.approx(36 / 64)  # 8 tiles a side: 1 + 2 + ... + 8 of 64
+    assert kernels.seconds(("attention", 1, 8, 1024, 1024, 128, True, True), m) == pytest.approx(
+        kernels.BACKWARD_RATIO * causal)
+    half = kernels.seconds(("attention", 1, 8, 1024, 1024, 64, True, False), m)
+    assert causal / 2 < half < causal  # half the matmul work, the same softmax
+    # what the tracer records of real ops (meta tensors: shapes only)
+    a, w = torch.empty(3, 5, 7, device="meta"), torch.empty(11, 7, device="meta")
+    assert kernels.describe(torch.ops.aten.mm.default, (a.view(15, 7), w.t()), {}, 0.0) == ("gemm", 1, 15, 11, 7, 4)
+    assert kernels.describe(torch.ops.aten.bmm.default, (a, torch.empty(3, 7, 2, device="meta")), {}, 0.0) == (
+        "gemm", 3, 5, 2, 7, 4)
+    q = torch.empty(2, 4, 256, 64, device="meta", dtype=torch.bfloat16)
+    op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    assert kernels.describe(op, (q, q, q, None, True, 0.0, True), {}, 0.0) == (
+        "attention", 2, 4, 256, 256, 64, True, False)
+    assert kernels.describe(torch.ops.aten.convolution.default, (), {}, 5.0) == ("flops", 5.0)
 
 
 def test_measured_times_are_positive() -> None:

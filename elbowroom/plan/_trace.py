@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from elbowroom.activations.selective import _ATTENTION_OPS, _MATMUL_OPS
+from elbowroom.plan import kernels
 
 HEAD = -1
 """Region index of everything outside the blocks (embeddings, final norm, head, loss)."""
@@ -95,6 +96,8 @@ class _Region:
         self.largest = 0
         self.fwd_flops = 0.0
         self.bwd_flops = 0.0
+        self.fwd_kernels: list[tuple] = []  # kernels.describe of each op with FLOPs, forward and backward apart
+        self.bwd_kernels: list[tuple] = []
         self.input_keys: set[StorageWeakRef] = set()
         self.main_input: StorageWeakRef | None = None
         self.input_bytes = 0
@@ -144,8 +147,10 @@ class Tracer:
                 flops = _grouped_attention_flops(func, args)
             if self.backward:
                 region.bwd_flops += flops
+                region.bwd_kernels.append(kernels.describe(func, args, kwargs, flops))
             else:
                 region.fwd_flops += flops
+                region.fwd_kernels.append(kernels.describe(func, args, kwargs, flops))
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         in_keys = {skey(t) for t in ins}
         name = func._overloadpacket.__name__

@@ -28,12 +28,14 @@ How each number is obtained (one or two traced steps, plus a few timed ones when
   output and input) on CUDA events, or ``time.perf_counter`` on a CPU; the median over ``iters`` steps after
   ``warmup`` steps, plain, under full and under selective checkpoint: recompute time is the difference
   in backward time. The head is the step minus the blocks.
-- **Times, analytic**: forward = forward FLOPs / ``machine.matmul_flops`` + 2 x pointwise saved bytes /
-  ``machine.memory_bandwidth`` (a pointwise op writes its output once and the next op reads it; the
-  documented assumption), backward = backward FLOPs / rate + twice the forward's memory term; full
-  recompute = forward, selective recompute = the forward's memory term. FLOPs are torch's formulas
-  (``FlopCounterMode``'s registry) counted per block, forward and backward apart; attention FLOPs are
-  counted without the causal mask's saving, as torch counts them.
+- **Times, analytic**: forward = each matmul and attention kernel's time from its shape
+  (:mod:`elbowroom.plan.kernels`: a GEMM's FLOPs at ``machine.matmul_flops`` plus its operands and output at
+  ``machine.memory_bandwidth``; attention by the score tiles it walks, causal ones on and below the diagonal) + 2 x
+  pointwise saved bytes / ``machine.memory_bandwidth`` (a pointwise op writes its output once and the next op reads
+  it; the documented assumption), backward = its kernels' times + twice the forward's memory term; full recompute =
+  forward, selective recompute = the forward's memory term. FLOPs stay torch's formulas (``FlopCounterMode``'s
+  registry, counted per block, forward and backward apart; attention without the causal mask's saving, as torch
+  counts it); ops with FLOPs the kernel model does not know are timed at ``machine.matmul_flops``.
 - **Analytic bytes**: the same traced step on the meta device (no memory, no device); autocast and the
   attention kernel are emulated as the target device would run them (:class:`._trace.MetaEmulation`).
   The bytes equal a measured trace of the same model (tested on CPU, fp32 and bf16 autocast). On CUDA
@@ -66,6 +68,7 @@ from torch.utils._pytree import tree_map
 from elbowroom.activations import _wrap
 from elbowroom.activations.compiled import compile_blocks, is_compiled, uncompile_blocks
 from elbowroom.activations.recompute import checkpoint, reentrant_default, uncheckpoint
+from elbowroom.plan import kernels
 from elbowroom.plan._trace import HEAD, KINDS, Clock, MetaEmulation, OpRecorder, Tracer, skey
 from elbowroom.plan.devices import allocator_settings_setter, expandable_segments_on, get_device
 from elbowroom.plan.machine import measure_machine
@@ -678,6 +681,11 @@ class _Runner:
             torch.cuda.empty_cache()
 
 
+def _kernel_seconds(ops: list[tuple], machine: MachineProfile) -> float:
+    """The analytic time of a region's matmul and attention kernels (:mod:`elbowroom.plan.kernels`)."""
+    return sum(kernels.seconds(k, machine) for k in ops)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
@@ -695,7 +703,7 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
     """The profile from the traced steps (and the timed ones). ``compiled``: the bytes the compiled blocks save, kept
     whole (None) and selective, which replace the eager trace's per block (FLOPs, the head and the state stay the
     eager trace's)."""
-    rate, bw = machine.matmul_flops, machine.memory_bandwidth
+    bw = machine.memory_bandwidth
     block_params = _unique_params(blocks)
     out_blocks = []
     for i, blk in enumerate(blocks):
@@ -730,8 +738,8 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
                 sel_s = _POINTWISE_TRAFFIC * saved["pointwise"] / bw
         else:
             mem = _POINTWISE_TRAFFIC * saved["pointwise"] / bw
-            fwd_s = r.fwd_flops / rate + mem
-            bwd_s = r.bwd_flops / rate + 2 * mem
+            fwd_s = _kernel_seconds(r.fwd_kernels, machine) + mem
+            bwd_s = _kernel_seconds(r.bwd_kernels, machine) + 2 * mem
             rec_s, sel_s = fwd_s, mem
         out_blocks.append(BlockProfile(
             index=i, signature=_signature(blk), num_params=sum(p.numel() for p in params.values()),
@@ -755,8 +763,8 @@ def _assemble(model: nn.Module, blocks: list[nn.Module], block_path: str, plain:
         head_bwd = max(0.0, timings[None]["total_bwd"] - sum(b.backward_s for b in out_blocks))
     else:
         mem = _POINTWISE_TRAFFIC * h.saved.get("pointwise", 0) / bw
-        head_fwd = h.fwd_flops / rate + mem
-        head_bwd = h.bwd_flops / rate + 2 * mem
+        head_fwd = _kernel_seconds(h.fwd_kernels, machine) + mem
+        head_bwd = _kernel_seconds(h.bwd_kernels, machine) + 2 * mem
     # those registered after the last block's parameters (a weight tied to the embedding counts at the embedding)
     order = list(model_params)
     last = max((i for i, k in enumerate(order) if k in block_params), default=len(order))
