@@ -682,7 +682,7 @@ def test_budget_watch_warns_once_when_the_allocator_keeps_retrying(caplog) -> No
     assert watch.check({"step": 2, **row, "alloc_retries": 2}) is None
     with caplog.at_level("WARNING"):
         msg = watch.check({"step": 3, **row, "alloc_retries": 5})
-    assert msg is not None and "3 times since step 1" in msg and "--budget 74.5GiB" in msg
+    assert msg is not None and "3 times since step 1" in msg and "--budget 72.2GiB" in msg
     assert msg in caplog.text
     assert watch.check({"step": 4, **row, "alloc_retries": 9}) is None  # once
     # a CPU row counts none; an unplanned run watches nothing
