@@ -524,3 +524,29 @@ def test_streamed_bf16_matches_device_masters() -> None:
     for a, b in zip(*(n.parameters() for n in nets)):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_device_moments_exist_before_the_first_step() -> None:
+    # elbowroom.optim.early_state: the device optimizer's AdamW moments are made with the optimizer (before the
+    # first forward), in torch's layout; the steps are then bitwise those of torch's AdamW on the GPU
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).cuda()
+    ref = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).cuda()
+    ref.load_state_dict(net.state_dict())
+    opt = make_opt(net.parameters(), torch.optim.AdamW, offload_fraction=0.0, lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    dev = opt._placement.dev_opt
+    assert all(dev.state[p]["exp_avg"].is_cuda and dev.state[p]["step"].item() == 0 for p in net.parameters())
+    for _ in range(3):
+        x = torch.randn(16, 64, device="cuda")
+        for m, o in ((net, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    torch.cuda.synchronize()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            a, b = dev.state[p][k], ref_opt.state[q][k]
+            assert (a.dtype, a.device) == (b.dtype, b.device)
+            torch.testing.assert_close(a, b, atol=0, rtol=0)

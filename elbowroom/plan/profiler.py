@@ -645,7 +645,8 @@ class _Runner:
         twenty-fifth session) plain steps held 0.31 GiB beyond their allocated peak, steady from the first step,
         the same steps through a plan with every block selective 2.0 GiB, and the planned runs 3.7-5.0 GiB; the
         plain measure alone (0.28 GiB) left the 76 GiB plans at their cap, releasing and remapping the cache
-        12-38 times in 10 steps.
+        12-38 times in 10 steps. Measured this way the margin is 1.75 GiB and those plans retry 9-10 times: the
+        rest of what a plan's mechanisms hold together is not modelled yet.
         """
         setter, on = allocator_settings_setter(), expandable_segments_on()
         if on is None or (not on and setter is None):
