@@ -8,7 +8,8 @@ beside the weights instead. Measured on the 7B shape at a 76 GiB cap (fp32 resid
 streamed, no offloaded gradients; ``BENCHMARKS.md``, 2026-11-29 twenty-fifth session): the resident parameters'
 moments are 32.1 GiB of the 74.3 GiB allocated peak; made early, the free ranges inside the reserved memory at the
 allocator's retries went from about 210 to about 90, and the step from 0.90 to 0.83 s, but the retries stayed (24 in
-10 steps: the steps' own gradients and activations still fragment the rest, ``elbowroom.plan.cost``).
+10 steps: the steps' own gradients and activations still fragment the rest, as the profile now measures in
+part, ``elbowroom.plan.profiler``).
 
 The state is torch's own layout (what ``Adam._init_group`` makes): ``step`` a 0-d float32 tensor on the
 parameter's device for fused or capturable groups, else on the CPU (float64 under a float64 default dtype),
