@@ -159,6 +159,67 @@ def test_out_of_memory_in_the_first_step_replans_tighter(tmp_path: Path, budgets
     assert train_losses(out) == pytest.approx(train_losses(tmp_path / "direct"), rel=1e-5)
 
 
+def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path, budgets: tuple[int, int],
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """The allocator keeps retrying in a --budget run's first steps (CUDA counters, simulated): the run is planned
+    again for the lower budget the warning names and starts over; the first try's rows move to
+    metrics.rewound-0.jsonl, and metrics.jsonl holds one curve, the one a run planned for that budget gives."""
+    from elbowroom.train import trainer
+    from elbowroom.train.metrics import BudgetWatch
+
+    budget = max(budgets[1], math.ceil(budgets[0] / 0.8))  # a tenth lower stays above the minimum
+    calls = {"n": 0}
+
+    def retrying(device: torch.device) -> dict[str, int]:  # the first try's second row counts new retries
+        calls["n"] += 1
+        return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
+                "alloc_retries": 5 if calls["n"] == 2 else 0}
+
+    monkeypatch.setattr(trainer, "peak_memory", retrying)
+    out = tmp_path / "retries"
+    no_decay = ("--optimizer.weight_decay", "0")
+    with caplog.at_level("WARNING"):
+        assert run(out, "--steps", "4", "--budget", str(budget), "--logging.log_every", "1", *no_decay) == 0
+    assert caplog.text.count("kept the allocator retrying") == 1
+    lower = json.loads((out / "plan.json").read_text())["budget_bytes"]  # the run's plan is the lower one
+    assert lower == BudgetWatch(None).lower_budget(budget) == budget - budget // 10  # (a tenth: under 5 GiB)
+    assert f"--budget {lower}B" in caplog.text  # the warning's suggestion, exact at this size
+    first = [json.loads(x) for x in (out / "metrics.rewound-0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in first] == [1, 2]  # the first try stopped at its second row
+    assert list(train_losses(out)) == [1, 2, 3, 4]  # one curve, from step 1
+    monkeypatch.setattr(trainer, "peak_memory", lambda device: {"peak_memory_bytes": 1})
+    assert run(tmp_path / "direct", "--steps", "4", "--budget", str(lower), "--logging.log_every", "1",
+               *no_decay) == 0
+    assert train_losses(out) == pytest.approx(train_losses(tmp_path / "direct"), rel=1e-5)
+
+
+def test_early_retries_under_a_budget_near_the_minimum_keep_the_plan(tmp_path: Path, budgets: tuple[int, int],
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The lower budget the retries ask for is below the run's minimum: the run says so and trains under the plan
+    that retried (one curve in metrics.jsonl, the first try's rows aside), instead of failing."""
+    from elbowroom.train import trainer
+
+    budget = budgets[0] + 1024
+    calls = {"n": 0}
+
+    def retrying(device: torch.device) -> dict[str, int]:
+        calls["n"] += 1
+        return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
+                "alloc_retries": 5 if calls["n"] == 2 else 0}
+
+    monkeypatch.setattr(trainer, "peak_memory", retrying)
+    out = tmp_path / "near-minimum"
+    with caplog.at_level("WARNING"):
+        assert run(out, "--steps", "3", "--budget", str(budget), "--logging.log_every", "1") == 0
+    assert "below the minimum" in caplog.text and f"training under the plan for --budget {budget} after all" in (
+        caplog.text)
+    assert json.loads((out / "plan.json").read_text())["budget_bytes"] == budget
+    assert list(train_losses(out)) == [1, 2, 3]
+    assert len((out / "metrics.rewound-0.jsonl").read_text().splitlines()) == 2
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

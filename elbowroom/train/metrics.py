@@ -90,6 +90,11 @@ def host_step(optimizer: Any) -> dict[str, Any]:
     return out
 
 
+def _budget_flag(n: int) -> str:
+    """A budget as ``--budget`` reads it: GiB to one decimal, or bytes below 1 GiB (a small model's)."""
+    return f"{n / 2**30:.1f}GiB" if n >= 1 << 30 else f"{n}B"
+
+
 class BudgetWatch:
     """Warns once when a planned run's allocator reserves more than the plan's budget (what a device of the
     budget's size would not have): the plan's margin missed something, and ``--budget`` needs that much less.
@@ -99,7 +104,7 @@ class BudgetWatch:
     included (the 7B shape's streaming plans at a 76 GiB cap: 200 ms a step, ``BENCHMARKS.md``, twelfth session)."""
 
     RETRY_MARGIN = 0.05
-    """The share of the budget the retry warning suggests planning below it (at least 0.5 GiB): the allocator's
+    """The share of the budget the retry warning suggests planning below it (:meth:`lower_budget`): the allocator's
     cap cut the reserved peak, so how far it would have gone is not known. On the 7B shape (H200, 76 GiB cap,
     ``BENCHMARKS.md`` twenty-fifth session) the 76 GiB plans held 3.2-5.0 GiB beyond their allocated peak and
     retried 9-37 times in 10 steps (1.28-1.43x their predicted step), where a plan for 72 GiB (5% less) reserved
@@ -129,15 +134,22 @@ class BudgetWatch:
         if count <= base:
             return None
         self.warned_retries = True
-        lower = self.budget - max(int(self.RETRY_MARGIN * self.budget), 1 << 29)
+        lower = self.lower_budget()
         msg = (f"step {row.get('step')}: the allocator found no room {count - base} times since step {since} and freed "
                f"its cache to retry, which waits for all the device's work each time (reserved "
                f"{row.get('peak_reserved_bytes', 0) / 2**30:.2f} GiB, allocated "
                f"{row.get('peak_memory_bytes', 0) / 2**30:.2f}, the plan's predicted peak "
                f"{(self.predicted or 0) / 2**30:.2f} of {self.budget / 2**30:.2f} GiB): the plan sits at this device's "
-               f"edge; plan for less, e.g. --budget {lower / 2**30:.1f}GiB")
+               f"edge; plan for less, e.g. --budget {_budget_flag(lower)}")
         log.warning("%s", msg)
         return msg
+
+    def lower_budget(self, budget: int | None = None) -> int:
+        """The budget the retry warning suggests for ``budget`` (default: the plan's): :data:`RETRY_MARGIN` below it,
+        and at least 0.5 GiB (or a tenth of it, where that is less) below it."""
+        b = self.budget if budget is None else budget
+        assert b is not None
+        return b - max(int(self.RETRY_MARGIN * b), min(1 << 29, b // 10))
 
     def _check_reserved(self, row: dict[str, Any]) -> str | None:
         reserved = row.get("peak_reserved_bytes")

@@ -62,6 +62,8 @@ from elbowroom.train.objectives import Distillation, load_distillation, micro_ba
 from elbowroom.train.planning import (
     MAX_REPLANS,
     PLAN_FILE,
+    RETRY_REPLAN_STEPS,
+    EarlyStepsRetrying,
     FirstStepOutOfMemory,
     apply_plan,
     cap_memory,
@@ -69,6 +71,7 @@ from elbowroom.train.planning import (
     plan_for_budget,
     plan_to_follow,
     replan_after_oom,
+    replan_after_retries,
     shared_link_for,
     uncap_memory,
 )
@@ -440,12 +443,23 @@ def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
             claimed = run.same_on_all(new_run_directory() if run.is_main else None)
             cfg = replace(cfg, out=str(claimed[0]))
         try:
+            rewind = False  # a try after logged rows: its log starts over (the rows before move aside)
+            retried: Config | None = None  # the config whose steps kept the allocator retrying
             for replans in itertools.count():
                 try:
                     # the last try fails as any run does: with the OOM report, what was live against the plan
-                    return _train(cfg, run, may_replan=replans < MAX_REPLANS)
+                    return _train(cfg, run, may_replan=replans < MAX_REPLANS and cfg is not retried,
+                                  rewind_metrics=rewind)
                 except FirstStepOutOfMemory as e:
                     cfg = replan_after_oom(cfg, e)
+                except EarlyStepsRetrying as e:
+                    retried, cfg, rewind = cfg, replan_after_retries(cfg, e), True
+                except ConfigError as e:
+                    if retried is None or cfg is retried:
+                        raise
+                    # the lower budget is below what the run needs: the plan that retried, retries and all
+                    log.warning("%s; training under the plan for --budget %s after all", e, retried.budget)
+                    cfg = retried
         except BaseException:
             if claimed is not None and run.is_main:  # a run that failed before its first step leaves nothing
                 _release_run_directory(*claimed)
@@ -482,10 +496,10 @@ def _release_run_directory(path: Path, made_root: bool) -> None:
             path.parent.rmdir()
 
 
-def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainResult:
+def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_metrics: bool = False) -> TrainResult:
     assert cfg.out is not None, "train() claims the run directory"
     out = Path(cfg.out)
-    _check_out_dir(out, cfg.resume)
+    _check_out_dir(out, cfg.resume or rewind_metrics)  # (a try started over after retries: its own first try's)
     device = run.place(resolve_device(cfg.train.device))
     amp_dtype = resolve_dtype(cfg.train.dtype, device)
     if cfg.optimizer.offload_param_dtype == "bfloat16" and amp_dtype != torch.bfloat16:
@@ -641,7 +655,8 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
         fused_loss = plan.fused_loss
     else:
         fused_loss = cfg.train.fused_loss
-    metrics = run.metrics(out, resume_step=loaded.step if loaded else None, tensorboard=cfg.logging.tensorboard)
+    metrics = run.metrics(out, resume_step=loaded.step if loaded else (0 if rewind_metrics else None),
+                          tensorboard=cfg.logging.tensorboard)
     progress = recorder = None
     # (no plan: they watch nothing; the step's pace is every rank's alike, so rank 0 alone says it)
     watch, pace = BudgetWatch(plan), PaceWatch(plan if run.is_main else None)
@@ -792,6 +807,12 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False) -> TrainR
                     result.losses[step] = loss_val
                     metrics.write(row)
                     watch.check(row)  # a planned run: warn once if the allocator passed the budget
+                    if (replannable and watch.warned_retries and step <= RETRY_REPLAN_STEPS
+                            and not (cfg.checkpoint.enabled and cfg.checkpoint.every
+                                     and step >= cfg.checkpoint.every)):
+                        # ... or kept retrying at it: plan again for less while nothing is checkpointed
+                        raise EarlyStepsRetrying(out, plan.budget_bytes, watch.lower_budget(),
+                                                 f"{row.get('alloc_retries')} retries by step {step}")
                     pace.check(row)  # ... or if its steps keep running slower than predicted
                     if progress is not None:
                         progress.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
