@@ -690,6 +690,32 @@ def test_budget_watch_warns_once_when_the_allocator_keeps_retrying(caplog) -> No
     assert BudgetWatch(None).check({"step": 2, **row, "alloc_retries": 9}) is None
 
 
+def test_budget_watch_keeps_retrying_needs_a_retry_a_step_and_slow_steps() -> None:
+    """What the trainer plans again for: since the first row at least one retry a step, and steps slower than the
+    prediction as PaceWatch counts slow; a few retries, or retries beside steps at their pace, are left alone."""
+    from elbowroom.plan import Plan
+    from elbowroom.plan.plan import BlockPlan
+    from elbowroom.train.metrics import BudgetWatch
+
+    plan = Plan(blocks=(BlockPlan(0),), budget_bytes=76 << 30, predicted_peak_bytes=75 << 30,
+                predicted_step_seconds=1.0, predicted_tokens_per_s=1.0)
+
+    def rows(*spec: tuple[int, int, float]) -> list[bool]:
+        watch = BudgetWatch(plan)
+        out = []
+        for step, retries, elapsed in spec:
+            row = {"step": step, "alloc_retries": retries, "elapsed_s": elapsed, "peak_reserved_bytes": 1}
+            watch.check(row)
+            out.append(watch.keeps_retrying(row))
+        return out
+
+    assert rows((1, 2, 9.0), (2, 5, 1.4), (3, 9, 1.5)) == [False, True, True]  # 3 and 4 a step, 1.4-1.5x
+    assert rows((1, 2, 9.0), (2, 5, 1.05), (3, 9, 1.1)) == [False, False, False]  # at their pace: left alone
+    assert rows((1, 0, 9.0), (11, 6, 15.0)) == [False, False]  # 6 retries in 10 steps: fewer than one a step
+    assert rows((1, 0, 9.0), (11, 10, 15.0)) == [False, True]  # 10 in 10, 1.5 s a step
+    assert BudgetWatch(None).keeps_retrying({"step": 2, "alloc_retries": 9, "elapsed_s": 9.0}) is False
+
+
 def test_pace_watch_warns_once_when_steps_run_slower_than_predicted(caplog) -> None:
     from elbowroom.plan import Plan
     from elbowroom.plan.plan import BlockPlan

@@ -159,6 +159,20 @@ def test_out_of_memory_in_the_first_step_replans_tighter(tmp_path: Path, budgets
     assert train_losses(out) == pytest.approx(train_losses(tmp_path / "direct"), rel=1e-5)
 
 
+def _slow_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every CPU step counts as slow against its plan (a plan predicting nothing, no minimum excess): the retries
+    alone decide (BudgetWatch.keeps_retrying; its slowness test is tests/test_trainer.py's)."""
+    from elbowroom.train import metrics, trainer
+
+    class Watch(metrics.BudgetWatch):
+        def __init__(self, plan: object) -> None:
+            super().__init__(plan)
+            self.predicted_step = 1e-9 if self.predicted_step else None
+
+    monkeypatch.setattr(trainer, "BudgetWatch", Watch)
+    monkeypatch.setattr(metrics.PaceWatch, "MIN_EXCESS_S", 0.0)
+
+
 def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path, budgets: tuple[int, int],
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
@@ -168,13 +182,14 @@ def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path,
     from elbowroom.train import trainer
     from elbowroom.train.metrics import BudgetWatch
 
+    _slow_steps(monkeypatch)
     budget = max(budgets[1], math.ceil(budgets[0] / 0.8))  # a tenth lower stays above the minimum
     calls = {"n": 0}
 
     def retrying(device: torch.device) -> dict[str, int]:  # the first try's second row counts new retries
         calls["n"] += 1
         return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
-                "alloc_retries": 5 if calls["n"] == 2 else 0}
+                "alloc_retries": 5 if calls["n"] == 2 else 0}  # the first try: 5 retries in its second step
 
     monkeypatch.setattr(trainer, "peak_memory", retrying)
     out = tmp_path / "retries"
@@ -201,13 +216,14 @@ def test_early_retries_under_a_budget_near_the_minimum_keep_the_plan(tmp_path: P
     that retried (one curve in metrics.jsonl, the first try's rows aside), instead of failing."""
     from elbowroom.train import trainer
 
+    _slow_steps(monkeypatch)
     budget = budgets[0] + 1024
     calls = {"n": 0}
 
     def retrying(device: torch.device) -> dict[str, int]:
         calls["n"] += 1
         return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
-                "alloc_retries": 5 if calls["n"] == 2 else 0}
+                "alloc_retries": 5 if calls["n"] == 2 else 0}  # the first try: 5 retries in its second step
 
     monkeypatch.setattr(trainer, "peak_memory", retrying)
     out = tmp_path / "near-minimum"

@@ -113,6 +113,8 @@ class BudgetWatch:
     def __init__(self, plan: Any) -> None:
         self.budget = getattr(plan, "budget_bytes", None)
         self.predicted = getattr(plan, "predicted_peak_bytes", None)
+        self.predicted_step = getattr(plan, "predicted_step_seconds", None)
+        self._last_step: int | None = None  # the last row keeps_retrying saw
         self.warned = False
         self.retries: tuple[Any, int] | None = None  # (step, count) of the first row that counted retries
         self.warned_retries = False
@@ -143,6 +145,23 @@ class BudgetWatch:
                f"edge; plan for less, e.g. --budget {_budget_flag(lower)}")
         log.warning("%s", msg)
         return msg
+
+    def keeps_retrying(self, row: dict[str, Any]) -> bool:
+        """Whether, by this logged row (pass every one, after :meth:`check`), the allocator has retried at least once
+        a step since the first row and this row's steps ran slow as :class:`PaceWatch` counts slow: what the trainer
+        plans again for (a few retries in the first steps, or retries a long step hides, are left alone: the 7B shape
+        at eight sequences a step retried 33 times in 8 steps and ran at 0.99x its prediction, at one sequence 24-37
+        times in 10 steps at 1.32-1.51x; ``BENCHMARKS.md``, twenty-fourth and twenty-fifth sessions)."""
+        step, elapsed, count = row.get("step"), row.get("elapsed_s"), row.get("alloc_retries")
+        last, self._last_step = self._last_step, step
+        if self.retries is None or not self.predicted_step or None in (step, elapsed, count, last) or step <= last:
+            return False
+        since, base = self.retries
+        if since is None or step <= since or count - base < step - since:
+            return False
+        step_s = elapsed / (step - last)
+        return (step_s > (1.0 + PaceWatch.TOLERANCE) * self.predicted_step
+                and step_s - self.predicted_step >= PaceWatch.MIN_EXCESS_S)
 
     def lower_budget(self, budget: int | None = None) -> int:
         """The budget the retry warning suggests for ``budget`` (default: the plan's): :data:`RETRY_MARGIN` below it,

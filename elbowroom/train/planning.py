@@ -383,8 +383,9 @@ class FirstStepOutOfMemory(Exception):
 
 
 RETRY_REPLAN_STEPS = 50
-"""A planned run whose allocator keeps retrying at its cap (``BudgetWatch``) by this step, before any checkpoint, is
-planned again for a budget ``BudgetWatch.RETRY_MARGIN`` lower and started over (:func:`replan_after_retries`)."""
+"""A planned run whose allocator keeps retrying at its cap, its steps running slow (``BudgetWatch.keeps_retrying``),
+by this step and before any checkpoint, is planned again for the lower budget ``BudgetWatch.lower_budget`` names and
+started over (:func:`replan_after_retries`)."""
 
 
 class EarlyStepsRetrying(Exception):

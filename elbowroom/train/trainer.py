@@ -807,10 +807,10 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_me
                     result.losses[step] = loss_val
                     metrics.write(row)
                     watch.check(row)  # a planned run: warn once if the allocator passed the budget
-                    if (replannable and watch.warned_retries and step <= RETRY_REPLAN_STEPS
+                    if (watch.keeps_retrying(row) and replannable and step <= RETRY_REPLAN_STEPS
                             and not (cfg.checkpoint.enabled and cfg.checkpoint.every
                                      and step >= cfg.checkpoint.every)):
-                        # ... or kept retrying at it: plan again for less while nothing is checkpointed
+                        # ... or keeps retrying at it, slowly: plan again for less while nothing is checkpointed
                         raise EarlyStepsRetrying(out, plan.budget_bytes, watch.lower_budget(),
                                                  f"{row.get('alloc_retries')} retries by step {step}")
                     pace.check(row)  # ... or if its steps keep running slower than predicted
