@@ -117,6 +117,35 @@ def test_budget_below_the_minimum_names_it_and_writes_nothing(
     assert not out.exists()
 
 
+def _models_collected_before(monkeypatch: pytest.MonkeyPatch, replan_name: str) -> list:
+    """Check, each time the trainer's ``replan_name`` has run, that every model built so far is collected (the failed
+    try's frames let go of, so that its device memory is free before the next plan profiles); the weak references
+    to the models built, in order."""
+    import gc
+    import weakref
+
+    from elbowroom.train import trainer
+
+    built: list[weakref.ref] = []
+    real_build, real_replan = trainer.build_model, getattr(trainer, replan_name)
+
+    def build(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        if kwargs.get("device") != "meta":
+            built.append(weakref.ref(model))
+        return model
+
+    def replan(cfg, e):
+        new = real_replan(cfg, e)
+        gc.collect()
+        assert all(r() is None for r in built), "a failed try's model is still alive"
+        return new
+
+    monkeypatch.setattr(trainer, "build_model", build)
+    monkeypatch.setattr(trainer, replan_name, replan)
+    return built
+
+
 @pytest.mark.parametrize("ooms", [1, 3], ids=["recovers", "gives-up"])
 def test_out_of_memory_in_the_first_step_replans_tighter(tmp_path: Path, budgets: tuple[int, int], ooms: int,
                                                          monkeypatch: pytest.MonkeyPatch,
@@ -136,6 +165,7 @@ def test_out_of_memory_in_the_first_step_replans_tighter(tmp_path: Path, budgets
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "accumulate_gradients", oom_first)
+    _models_collected_before(monkeypatch, "replan_after_oom")
     out = tmp_path / "oom"
     no_decay = ("--optimizer.weight_decay", "0")
     with caplog.at_level("WARNING"):
@@ -192,11 +222,12 @@ def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path,
                 "alloc_retries": 5 if calls["n"] == 2 else 0}  # the first try: 5 retries in its second step
 
     monkeypatch.setattr(trainer, "peak_memory", retrying)
+    built = _models_collected_before(monkeypatch, "replan_after_retries")
     out = tmp_path / "retries"
     no_decay = ("--optimizer.weight_decay", "0")
     with caplog.at_level("WARNING"):
         assert run(out, "--steps", "4", "--budget", str(budget), "--logging.log_every", "1", *no_decay) == 0
-    assert caplog.text.count("kept the allocator retrying") == 1
+    assert caplog.text.count("kept the allocator retrying") == 1 and len(built) == 2
     lower = json.loads((out / "plan.json").read_text())["budget_bytes"]  # the run's plan is the lower one
     assert lower == BudgetWatch(None).lower_budget(budget) == budget - budget // 10  # (a tenth: under 5 GiB)
     assert f"--budget {lower}B" in caplog.text  # the warning's suggestion, exact at this size

@@ -382,6 +382,13 @@ class FirstStepOutOfMemory(Exception):
         self.out, self.budget_bytes, self.message = out, budget_bytes, message
 
 
+def _drop_frames(e: BaseException) -> None:
+    """Let go of the failed try's frames (its model, optimizer, device memory), which the exception's traceback and
+    the error it replaced keep alive while the trainer handles it, so that the collection that follows frees them
+    before the next plan profiles."""
+    e.__traceback__, e.__context__, e.__cause__ = None, None, None
+
+
 RETRY_REPLAN_STEPS = 50
 """A planned run whose allocator keeps retrying at its cap, its steps running slow (``BudgetWatch.keeps_retrying``),
 by this step and before any checkpoint, is planned again for the lower budget ``BudgetWatch.lower_budget`` names and
@@ -407,6 +414,7 @@ def replan_after_retries(cfg: Config, e: EarlyStepsRetrying) -> Config:
     never, at 0.96x."""
     import gc
 
+    _drop_frames(e)
     log.warning("the first steps kept the allocator retrying at the budget of %s (%s): planning again for %s and "
                 "starting over", _size_at_least(e.budget_bytes), e.message, _size_at_least(e.lower_bytes))
     gc.collect()
@@ -426,6 +434,7 @@ def replan_after_oom(cfg: Config, e: FirstStepOutOfMemory) -> Config:
     """
     import gc
 
+    _drop_frames(e)
     tighter = int(e.budget_bytes * REPLAN_FACTOR)
     log.warning("the first step ran out of memory under the plan for %s (%s): planning again for %s and starting "
                 "over", _size_at_least(e.budget_bytes), e.message, _size_at_least(tighter))
