@@ -25,7 +25,9 @@ replace that, each with the table's rates only:
   Within 0.84-1.19x of the ten measured forwards (head dims 64 and 128, 1024-8192 tokens), and of their backwards
   within 0.74-1.24x (the backward measured 3.0-3.7x its forward).
 
-Other ops with FLOPs (convolutions, fp8 matmuls) keep FLOPs over ``matmul_flops``.
+Other ops with FLOPs (convolutions, fp8 matmuls) keep FLOPs over ``matmul_flops``. Every rate is the table's bf16
+one, whatever the operands' dtype: an analytic profile taken in fp32 (``dtype=torch.float32``) prices its matmuls as
+bf16 ones, far faster than a GPU runs fp32 matmuls (the table has no fp32 rate; planned runs compute in bf16).
 """
 
 from __future__ import annotations
