@@ -130,6 +130,12 @@ def fit(
     block waits for its own updated weights in forward. Weights read outside their module's forward (a tied
     weight used functionally, evaluation that bypasses ``forward``) need ``optimizer.wait_for(weight)`` first.
 
+    A plan fits ``budget`` in what its steps allocate, with the allocator's overhead as the profile measured it;
+    the steps of a plan that mixes recompute, host-stepped and streamed blocks can hold more (the 7B shape: 3.2-5.0
+    GiB where 1.75 was measured). On a device of the budget's size that shows as allocator retries
+    (``torch.cuda.memory_stats()["num_alloc_retries"]`` growing every step) and slow steps; plan about 5% lower then.
+    ``elbowroom train --budget`` does that by itself (:class:`elbowroom.train.metrics.BudgetWatch`).
+
     Args:
         model: the model, on its training device (parameters in fp32).
         sample_batch: one micro-batch as the model takes it (a tensor, or a tuple/dict of them).
