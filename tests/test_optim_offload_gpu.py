@@ -535,8 +535,9 @@ def test_device_moments_exist_before_the_first_step() -> None:
     ref.load_state_dict(net.state_dict())
     opt = make_opt(net.parameters(), torch.optim.AdamW, offload_fraction=0.0, lr=1e-3, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-    dev = opt._placement.dev_opt
-    assert all(dev.state[p]["exp_avg"].is_cuda and dev.state[p]["step"].item() == 0 for p in net.parameters())
+    early = opt.state_dict()["state"]
+    assert sorted(early) == list(range(4))
+    assert all(st["exp_avg"].is_cuda and st["step"].item() == 0 and not st["exp_avg_sq"].any() for st in early.values())
     for _ in range(3):
         x = torch.randn(16, 64, device="cuda")
         for m, o in ((net, opt), (ref, ref_opt)):
@@ -546,7 +547,10 @@ def test_device_moments_exist_before_the_first_step() -> None:
     torch.cuda.synchronize()
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0)
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for i in want:
         for k in ("step", "exp_avg", "exp_avg_sq"):
-            a, b = dev.state[p][k], ref_opt.state[q][k]
-            assert (a.dtype, a.device) == (b.dtype, b.device)
+            a, b = got[i][k], want[i][k]
+            assert (a.dtype, a.device) == (b.dtype, b.device), (i, k)
             torch.testing.assert_close(a, b, atol=0, rtol=0)
