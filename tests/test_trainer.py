@@ -199,7 +199,7 @@ def test_save_keeps_the_temporaries_of_a_live_writer(tmp_path: Path) -> None:
 
 def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path: Path, monkeypatch,
                                                                       capsys) -> None:
-    from elbowroom.train.trainer import new_run_directory
+    from elbowroom.train.run_dir import new_run_directory
 
     root = tmp_path / "runs"
     got = [new_run_directory(root, stamp="20250101-120000")[0] for _ in range(3)]

@@ -118,16 +118,16 @@ def test_budget_below_the_minimum_names_it_and_writes_nothing(
 
 
 def _models_collected_before(monkeypatch: pytest.MonkeyPatch, replan_name: str) -> list:
-    """Check, each time the trainer's ``replan_name`` has run, that every model built so far is collected (the failed
-    try's frames let go of, so that its device memory is free before the next plan profiles); the weak references
-    to the models built, in order."""
+    """Check, each time ``elbowroom.train.planning``'s ``replan_name`` has run, that every model built so far is
+    collected (the failed try's frames let go of, so that its device memory is free before the next plan
+    profiles); the weak references to the models built, in order."""
     import gc
     import weakref
 
-    from elbowroom.train import trainer
+    from elbowroom.train import planning, trainer
 
     built: list[weakref.ref] = []
-    real_build, real_replan = trainer.build_model, getattr(trainer, replan_name)
+    real_build, real_replan = trainer.build_model, getattr(planning, replan_name)
 
     def build(*args, **kwargs):
         model = real_build(*args, **kwargs)
@@ -142,7 +142,7 @@ def _models_collected_before(monkeypatch: pytest.MonkeyPatch, replan_name: str) 
         return new
 
     monkeypatch.setattr(trainer, "build_model", build)
-    monkeypatch.setattr(trainer, replan_name, replan)
+    monkeypatch.setattr(planning, replan_name, replan)
     return built
 
 

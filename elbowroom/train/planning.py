@@ -18,12 +18,13 @@ shard factor.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from elbowroom.plan import Plan
 
 log = logging.getLogger("elbowroom.train")
+
+T = TypeVar("T")
 
 PLAN_FILE = "plan.toml"
 """The plan a planned run writes to OUT with its first step and re-applies on --resume (plan.json beside it is the
@@ -421,6 +424,32 @@ def replan_after_retries(cfg: Config, e: EarlyStepsRetrying) -> Config:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return replace(cfg, out=str(e.out), budget=str(e.lower_bytes))
+
+
+def with_replans(cfg: Config, train_once: Callable[[Config, bool, bool], T]) -> T:
+    """``train_once(cfg, may_replan, rewind_metrics)`` until a try ends without asking to be planned again.
+
+    A first step out of memory (:class:`FirstStepOutOfMemory`) plans again for a tighter budget
+    (:func:`replan_after_oom`); first steps that keep the allocator retrying (:class:`EarlyStepsRetrying`) plan again
+    for the lower budget they name (:func:`replan_after_retries`), and every later try rewinds the log those steps
+    wrote. At most :data:`MAX_REPLANS` re-plans; the last try fails as any run does (an out-of-memory with its report,
+    what was live against the plan). Where the lower budget is below the run's minimum (a ``ConfigError`` from its
+    planning), the plan that retried trains after all, without another re-plan.
+    """
+    rewind = False
+    retried: Config | None = None  # the config whose steps kept the allocator retrying
+    for replans in itertools.count():
+        try:
+            return train_once(cfg, replans < MAX_REPLANS and cfg is not retried, rewind)
+        except FirstStepOutOfMemory as e:
+            cfg = replan_after_oom(cfg, e)
+        except EarlyStepsRetrying as e:
+            retried, cfg, rewind = cfg, replan_after_retries(cfg, e), True
+        except ConfigError as e:
+            if retried is None or cfg is retried:
+                raise
+            log.warning("%s; training under the plan for --budget %s after all", e, retried.budget)
+            cfg = retried
 
 
 def replan_after_oom(cfg: Config, e: FirstStepOutOfMemory) -> Config:

@@ -60,7 +60,6 @@ from elbowroom.train.model_parallel_run import plan_and_wrap
 from elbowroom.train.model_parallel_run import plan_to_follow as mp_plan_to_follow
 from elbowroom.train.objectives import Distillation, load_distillation, micro_batch_loss, token_loss_sum
 from elbowroom.train.planning import (
-    MAX_REPLANS,
     PLAN_FILE,
     RETRY_REPLAN_STEPS,
     EarlyStepsRetrying,
@@ -70,12 +69,18 @@ from elbowroom.train.planning import (
     check_plan,
     plan_for_budget,
     plan_to_follow,
-    replan_after_oom,
-    replan_after_retries,
     shared_link_for,
     uncap_memory,
+    with_replans,
 )
 from elbowroom.train.qat import apply_qat, resolve_qat
+from elbowroom.train.run_dir import (
+    atomic_write_text,
+    check_out_dir,
+    load_resume_checkpoint,
+    new_run_directory,
+    release_run_directory,
+)
 from elbowroom.train.schedule import build_scheduler, sync_lr
 from elbowroom.train.state import _restored_global_state, _StopSignal, rng_state, set_rng_state
 
@@ -278,43 +283,6 @@ def gradient_norm(params: list[torch.Tensor], optimizer: Any) -> torch.Tensor | 
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
 
 
-def _check_out_dir(out: Path, resume: bool) -> None:
-    """Refuse a run directory that cannot be one (a file, or under a file), and an earlier run unless resuming it."""
-    existing_part = next((p for p in (out, *out.parents) if p.exists()), None)
-    if existing_part is not None and not existing_part.is_dir():
-        raise ConfigError(f"--out {out}: {existing_part} is a file, not a directory; choose another --out")
-    if resume:
-        return
-    existing = [p.name for p in (out / "metrics.jsonl", out / "checkpoints") if p.exists()]
-    if existing:
-        raise ConfigError(
-            f"{out} already holds a run ({', '.join(existing)}); continue it with --resume, "
-            "or choose another --out"
-        )
-
-
-def _load_resume_checkpoint(out: Path, ckpts: CheckpointManager) -> Loaded:
-    """The newest valid checkpoint of the run in ``out``; CheckpointError (nothing touched) when there is none."""
-    if not out.is_dir():
-        raise CheckpointError(
-            f"--resume: {out} does not exist, so there is no run to continue; check --out (a typo?), "
-            "or drop --resume to start a new run"
-        )
-    if not ckpts.checkpoints():
-        raise CheckpointError(
-            f"--resume: {out} holds no checkpoint (nothing under {ckpts.directory}); check --out, "
-            "or drop --resume to start a new run in another directory"
-        )
-    loaded = ckpts.load_latest(map_location="cpu")
-    if loaded is None:
-        reasons = "; ".join(reason for _, reason in ckpts.corrupt()) or "none loads"
-        raise CheckpointError(
-            f"--resume: no checkpoint in {ckpts.directory} verifies ({reasons}); nothing was changed. "
-            "Restore a good copy of one, or start a new run with another --out"
-        )
-    return loaded
-
-
 def _saved_schedule_steps(meta: dict[str, Any]) -> int | None:
     """The schedule length a checkpoint was trained on (older checkpoints: from its saved config)."""
     if "schedule_steps" in meta:
@@ -409,12 +377,6 @@ def _check_enough_tokens(tokens: D.TokenFile, cfg: Config) -> None:
     )
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------- the run
 def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
     """Train as ``cfg`` says; returns the losses. Raises ConfigError / DataError / CheckpointError on bad input.
@@ -443,63 +405,17 @@ def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
             claimed = run.same_on_all(new_run_directory() if run.is_main else None)
             cfg = replace(cfg, out=str(claimed[0]))
         try:
-            rewind = False  # a try after logged rows: its log starts over (the rows before move aside)
-            retried: Config | None = None  # the config whose steps kept the allocator retrying
-            for replans in itertools.count():
-                try:
-                    # the last try fails as any run does: with the OOM report, what was live against the plan
-                    return _train(cfg, run, may_replan=replans < MAX_REPLANS and cfg is not retried,
-                                  rewind_metrics=rewind)
-                except FirstStepOutOfMemory as e:
-                    cfg = replan_after_oom(cfg, e)
-                except EarlyStepsRetrying as e:
-                    retried, cfg, rewind = cfg, replan_after_retries(cfg, e), True
-                except ConfigError as e:
-                    if retried is None or cfg is retried:
-                        raise
-                    # the lower budget is below what the run needs: the plan that retried, retries and all
-                    log.warning("%s; training under the plan for --budget %s after all", e, retried.budget)
-                    cfg = retried
+            return with_replans(cfg, lambda c, may_replan, rewind: _train(c, run, may_replan, rewind))
         except BaseException:
             if claimed is not None and run.is_main:  # a run that failed before its first step leaves nothing
-                _release_run_directory(*claimed)
+                release_run_directory(*claimed)
             raise
-
-
-def new_run_directory(root: str | os.PathLike = "runs", stamp: str | None = None) -> tuple[Path, bool]:
-    """Create a run directory no other run has: ``root/YYYYmmdd-HHMMSS``, or ``-2``, ``-3``... after it when
-    another run took that name (two runs started in the same second). ``os.mkdir`` is the claim: it fails for
-    every process but one.
-
-    Returns:
-        The directory, and whether ``root`` was created for it.
-    """
-    root = Path(root)
-    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
-    made_root = not root.is_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    n = 1
-    while True:
-        path = root / (stamp if n == 1 else f"{stamp}-{n}")
-        try:
-            os.mkdir(path)
-            return path, made_root
-        except FileExistsError:
-            n += 1
-
-
-def _release_run_directory(path: Path, made_root: bool) -> None:
-    """Remove a claimed run directory that nothing was written to (and ``runs/`` if it was made for it)."""
-    with contextlib.suppress(OSError):  # not empty: something was written, it stays
-        path.rmdir()
-        if made_root:
-            path.parent.rmdir()
 
 
 def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_metrics: bool = False) -> TrainResult:
     assert cfg.out is not None, "train() claims the run directory"
     out = Path(cfg.out)
-    _check_out_dir(out, cfg.resume or rewind_metrics)  # (a try started over after retries: its own first try's)
+    check_out_dir(out, cfg.resume or rewind_metrics)  # (a try started over after retries: its own first try's)
     device = run.place(resolve_device(cfg.train.device))
     amp_dtype = resolve_dtype(cfg.train.dtype, device)
     if cfg.optimizer.offload_param_dtype == "bfloat16" and amp_dtype != torch.bfloat16:
@@ -522,7 +438,7 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_me
         torch.use_deterministic_algorithms(True, warn_only=True)  # given back by train()
     ckpts = CheckpointManager(out / "checkpoints", keep=cfg.checkpoint.keep)
     # read and verify the checkpoint before the data: a --resume with nothing to resume fails before any work
-    loaded = _load_resume_checkpoint(out, ckpts) if cfg.resume else None
+    loaded = load_resume_checkpoint(out, ckpts) if cfg.resume else None
     run.check_resume(loaded, cfg.data.batch_size)
     cfg = resolve_qat(cfg, loaded)  # a resumed QAT run keeps its scheme
 
@@ -773,10 +689,10 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_me
                     progress.update(1)
                 if not started and run.is_main:  # the run directory appears with the first finished step
                     out.mkdir(parents=True, exist_ok=True)
-                    _atomic_write_text(out / "config.toml", to_toml(cfg))
+                    atomic_write_text(out / "config.toml", to_toml(cfg))
                     if plan is not None:
-                        _atomic_write_text(out / PLAN_FILE, plan.to_toml())
-                        _atomic_write_text(out / "plan.json", plan.to_json() + "\n")
+                        atomic_write_text(out / PLAN_FILE, plan.to_toml())
+                        atomic_write_text(out / "plan.json", plan.to_json() + "\n")
                     started = True
 
                 # one reading of the flag decides evaluation, the save and the exit: a signal that lands
