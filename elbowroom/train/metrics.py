@@ -107,7 +107,7 @@ class BudgetWatch:
     """The share of the budget the retry warning suggests planning below it (:meth:`lower_budget`): the allocator's
     cap cut the reserved peak, so how far it would have gone is not known. On the 7B shape (H200, 76 GiB cap,
     ``BENCHMARKS.md`` twenty-fifth session) the 76 GiB plans held 3.2-5.0 GiB beyond their allocated peak and
-    retried 9-37 times in 10 steps (1.28-1.43x their predicted step), where a plan for 72 GiB (5% less) reserved
+    retried 9-37 times in 10 steps (1.28-1.51x their predicted step), where a plan for 72 GiB (5% less) reserved
     74.5 GiB and never retried; 2% (the earlier figure) would have left it retrying."""
 
     def __init__(self, plan: Any) -> None:

@@ -385,11 +385,16 @@ class FirstStepOutOfMemory(Exception):
         self.out, self.budget_bytes, self.message = out, budget_bytes, message
 
 
-def _drop_frames(e: BaseException) -> None:
-    """Let go of the failed try's frames (its model, optimizer, device memory), which the exception's traceback and
-    the error it replaced keep alive while the trainer handles it, so that the collection that follows frees them
-    before the next plan profiles."""
+def _free_failed_try(e: BaseException) -> None:
+    """Free the failed try's model, optimizer and device memory before the next plan profiles: let go of its frames,
+    which the exception's traceback and the error it replaced keep alive while the trainer handles it, then
+    collect and empty the CUDA cache."""
+    import gc
+
     e.__traceback__, e.__context__, e.__cause__ = None, None, None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 RETRY_REPLAN_STEPS = 50
@@ -415,14 +420,9 @@ def replan_after_retries(cfg: Config, e: EarlyStepsRetrying) -> Config:
     ``metrics.jsonl`` holds one curve. Measured on the 7B shape (H200, ``BENCHMARKS.md`` twenty-fifth session): its
     76 GiB plan retried 9-37 times in 10 steps at 1.28-1.51x its prediction, a plan for 72 GiB under the same cap
     never, at 0.96x."""
-    import gc
-
-    _drop_frames(e)
     log.warning("the first steps kept the allocator retrying at the budget of %s (%s): planning again for %s and "
                 "starting over", _size_at_least(e.budget_bytes), e.message, _size_at_least(e.lower_bytes))
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _free_failed_try(e)
     return replace(cfg, out=str(e.out), budget=str(e.lower_bytes))
 
 
@@ -461,13 +461,8 @@ def replan_after_oom(cfg: Config, e: FirstStepOutOfMemory) -> Config:
     was trained and nothing was written, and the run that follows is the one a user would get with the tighter
     budget. The run directory keeps its name.
     """
-    import gc
-
-    _drop_frames(e)
     tighter = int(e.budget_bytes * REPLAN_FACTOR)
     log.warning("the first step ran out of memory under the plan for %s (%s): planning again for %s and starting "
                 "over", _size_at_least(e.budget_bytes), e.message, _size_at_least(tighter))
-    gc.collect()  # the failed step's model and optimizer, before the new plan profiles
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _free_failed_try(e)
     return replace(cfg, out=str(e.out), budget=str(tighter))
