@@ -135,8 +135,8 @@ def _models_collected_before(monkeypatch: pytest.MonkeyPatch, replan_name: str) 
             built.append(weakref.ref(model))
         return model
 
-    def replan(cfg, e):
-        new = real_replan(cfg, e)
+    def replan(e):
+        new = real_replan(e)
         gc.collect()
         assert all(r() is None for r in built), "a failed try's model is still alive"
         return new
@@ -146,26 +146,45 @@ def _models_collected_before(monkeypatch: pytest.MonkeyPatch, replan_name: str) 
     return built
 
 
-@pytest.mark.parametrize("ooms", [1, 3], ids=["recovers", "gives-up"])
-def test_out_of_memory_in_the_first_step_replans_tighter(tmp_path: Path, budgets: tuple[int, int], ooms: int,
-                                                         monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
-    # the first step of a --budget run runs out of memory: the run starts over under a plan for 90% of the budget
-    # (nothing was written yet), at most twice; then it fails with the error and the OOM report
+def _caps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int | None]]:
+    """The (plan's budget, limit) of each try's allocator cap, as the trainer asks for it (none is set on CPU)."""
+    from elbowroom.train import trainer
+
+    caps: list[tuple[int, int | None]] = []
+    real = trainer.cap_memory
+
+    def cap(plan, device, limit=None):
+        caps.append((plan.budget_bytes, limit))
+        return real(plan, device, limit)
+
+    monkeypatch.setattr(trainer, "cap_memory", cap)
+    return caps
+
+
+@pytest.mark.parametrize("ooms, at", [(1, 1), (1, 3), (3, 1)], ids=["recovers", "recovers-at-step-3", "gives-up"])
+def test_out_of_memory_in_the_first_steps_replans_tighter(tmp_path: Path, budgets: tuple[int, int], ooms: int,
+                                                          at: int, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A step of a --budget run runs out of memory before anything is checkpointed: the run starts over under a
+    plan for 90% of the budget, at most twice, the allocator still capped at --budget; the rows of steps that had
+    finished move aside, so that metrics.jsonl holds the curve of a run planned for that budget. After two re-plans
+    it fails with the error and the OOM report."""
+    from elbowroom.plan import parse_budget
     from elbowroom.train import trainer
 
     budget = max(budgets[1], math.ceil(budgets[0] / 0.8))  # two re-plans at 90% each stay above the minimum
     calls = {"n": 0}
     real = trainer.accumulate_gradients
 
-    def oom_first(*args, **kwargs):
+    def oom(*args, **kwargs):  # step `at` of the first `ooms` tries
         calls["n"] += 1
-        if calls["n"] <= ooms:
+        if calls["n"] in {k * at for k in range(1, ooms + 1)}:
             raise torch.OutOfMemoryError("simulated: CUDA out of memory")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "accumulate_gradients", oom_first)
+    monkeypatch.setattr(trainer, "accumulate_gradients", oom)
     _models_collected_before(monkeypatch, "replan_after_oom")
+    caps = _caps(monkeypatch)
     out = tmp_path / "oom"
     no_decay = ("--optimizer.weight_decay", "0")
     with caplog.at_level("WARNING"):
@@ -175,17 +194,22 @@ def test_out_of_memory_in_the_first_step_replans_tighter(tmp_path: Path, budgets
             with pytest.raises(torch.OutOfMemoryError, match="simulated"):
                 run(out, "--steps", "4", "--budget", str(budget), *no_decay)
     assert caplog.text.count("planning again for") == min(ooms, 2)
+    assert ("an early step ran out of memory" in caplog.text) == (at > 1)
+    assert [limit for _, limit in caps] == [budget] * min(ooms + 1, 3)  # the cap stays at --budget
     if ooms > 2:  # the third try fails as any run does: the OOM report, no trained state
         assert "out of memory:" in caplog.text and (out / "oom_report.txt").is_file()
         assert not (out / "metrics.jsonl").exists() and not (out / "plan.json").exists()
         return
     saved = json.loads((out / "plan.json").read_text())
-    assert saved["budget_bytes"] == int(budget * 0.9)  # the tighter plan is the run's plan, and its config's
-    assert "budget = " in (out / "config.toml").read_text()
+    assert saved["budget_bytes"] == int(budget * 0.9) == caps[-1][0]  # the tighter plan is the run's plan
+    assert parse_budget(resolve(out / "config.toml", []).budget) == budget  # the run's config keeps --budget
+    rewound = out / "metrics.rewound-0.jsonl"
+    assert (len(rewound.read_text().splitlines()) if rewound.exists() else 0) == at - 1  # the rows before the OOM
     # the run that follows is the one a fresh run under the tighter budget gives (its plan may differ by the
     # profile's CPU timings; recompute and the fused loss change memory, not the math)
     monkeypatch.setattr(trainer, "accumulate_gradients", real)
     assert run(tmp_path / "direct", "--steps", "4", "--budget", str(int(budget * 0.9)), *no_decay) == 0
+    assert list(train_losses(out)) == [1, 2, 3, 4]
     assert train_losses(out) == pytest.approx(train_losses(tmp_path / "direct"), rel=1e-5)
 
 
@@ -195,8 +219,8 @@ def _slow_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     from elbowroom.train import metrics, trainer
 
     class Watch(metrics.BudgetWatch):
-        def __init__(self, plan: object) -> None:
-            super().__init__(plan)
+        def __init__(self, plan: object, limit: int | None = None) -> None:
+            super().__init__(plan, limit)
             self.predicted_step = 1e-9 if self.predicted_step else None
 
     monkeypatch.setattr(trainer, "BudgetWatch", Watch)
@@ -207,8 +231,9 @@ def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """The allocator keeps retrying in a --budget run's first steps (CUDA counters, simulated): the run is planned
-    again for the lower budget the warning names and starts over; the first try's rows move to
-    metrics.rewound-0.jsonl, and metrics.jsonl holds one curve, the one a run planned for that budget gives."""
+    again for the lower budget the warning names and starts over, the allocator still capped at --budget; the first
+    try's rows move to metrics.rewound-0.jsonl, and metrics.jsonl holds one curve, the one a run planned for that
+    budget gives."""
     from elbowroom.train import trainer
     from elbowroom.train.metrics import BudgetWatch
 
@@ -216,26 +241,28 @@ def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path,
     budget = max(budgets[1], math.ceil(budgets[0] / 0.8))  # a tenth lower stays above the minimum
     calls = {"n": 0}
 
-    def retrying(device: torch.device) -> dict[str, int]:  # the first try's second row counts new retries
+    def retrying(device: torch.device) -> dict[str, int]:  # the first try: 5 retries a step after its first
         calls["n"] += 1
         return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
-                "alloc_retries": 5 if calls["n"] == 2 else 0}  # the first try: 5 retries in its second step
+                "alloc_retries": 5 * (calls["n"] - 1) if calls["n"] <= 4 else 0}
 
     monkeypatch.setattr(trainer, "peak_memory", retrying)
     built = _models_collected_before(monkeypatch, "replan_after_retries")
+    caps = _caps(monkeypatch)
     out = tmp_path / "retries"
     no_decay = ("--optimizer.weight_decay", "0")
     with caplog.at_level("WARNING"):
-        assert run(out, "--steps", "4", "--budget", str(budget), "--logging.log_every", "1", *no_decay) == 0
+        assert run(out, "--steps", "6", "--budget", str(budget), "--logging.log_every", "1", *no_decay) == 0
     assert caplog.text.count("kept the allocator retrying") == 1 and len(built) == 2
     lower = json.loads((out / "plan.json").read_text())["budget_bytes"]  # the run's plan is the lower one
     assert lower == BudgetWatch(None).lower_budget(budget) == budget - budget // 10  # (a tenth: under 5 GiB)
+    assert caps == [(budget, budget), (lower, budget)]  # capped at --budget both times
     assert f"--budget {lower}B" in caplog.text  # the warning's suggestion, exact at this size
     first = [json.loads(x) for x in (out / "metrics.rewound-0.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in first] == [1, 2]  # the first try stopped at its second row
-    assert list(train_losses(out)) == [1, 2, 3, 4]  # one curve, from step 1
+    assert [r["step"] for r in first] == [1, 2, 3, 4]  # the first try stopped at the fourth row, the third slow one
+    assert list(train_losses(out)) == [1, 2, 3, 4, 5, 6]  # one curve, from step 1
     monkeypatch.setattr(trainer, "peak_memory", lambda device: {"peak_memory_bytes": 1})
-    assert run(tmp_path / "direct", "--steps", "4", "--budget", str(lower), "--logging.log_every", "1",
+    assert run(tmp_path / "direct", "--steps", "6", "--budget", str(lower), "--logging.log_every", "1",
                *no_decay) == 0
     assert train_losses(out) == pytest.approx(train_losses(tmp_path / "direct"), rel=1e-5)
 
@@ -254,17 +281,17 @@ def test_early_retries_under_a_budget_near_the_minimum_keep_the_plan(tmp_path: P
     def retrying(device: torch.device) -> dict[str, int]:
         calls["n"] += 1
         return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
-                "alloc_retries": 5 if calls["n"] == 2 else 0}  # the first try: 5 retries in its second step
+                "alloc_retries": 5 * (calls["n"] - 1) if calls["n"] <= 4 else 0}  # the first try: 5 a step
 
     monkeypatch.setattr(trainer, "peak_memory", retrying)
     out = tmp_path / "near-minimum"
     with caplog.at_level("WARNING"):
-        assert run(out, "--steps", "3", "--budget", str(budget), "--logging.log_every", "1") == 0
+        assert run(out, "--steps", "5", "--budget", str(budget), "--logging.log_every", "1") == 0
     assert "below the minimum" in caplog.text and f"training under the plan for --budget {budget} after all" in (
         caplog.text)
     assert json.loads((out / "plan.json").read_text())["budget_bytes"] == budget
-    assert list(train_losses(out)) == [1, 2, 3]
-    assert len((out / "metrics.rewound-0.jsonl").read_text().splitlines()) == 2
+    assert list(train_losses(out)) == [1, 2, 3, 4, 5]
+    assert len((out / "metrics.rewound-0.jsonl").read_text().splitlines()) == 4
 
 
 @pytest.mark.parametrize(

@@ -298,7 +298,9 @@ class Decisions:
     micro_batch: int = 1
     accumulation: int = 1
     fused_loss: bool = False
-    expandable_segments: bool = False
+    expandable_segments: bool | None = None
+    """The caching allocator's ``expandable_segments`` as the plan sets it; None: as the process runs (on CPU, or
+    where the plan may not set it), priced as the defaults."""
     grad_clipping: bool = True
     """The loop clips gradients (or uses a GradScaler): the host step starts after the whole backward."""
     offload_gradients: bool = False  # offloaded parameters' gradients leave the device in the backward
@@ -706,14 +708,14 @@ def step_seconds(g: Globals, scale: float, accumulation: int, block_cost_sum: fl
     return accumulation * (g.compute_s + scale * block_cost_sum) + g.device_step_s + g.host_exposed_s
 
 
-def measured_margin(profile: Profile, expandable_segments: bool) -> int:
+def measured_margin(profile: Profile, expandable_segments: bool | None) -> int:
     """The allocator overhead the profile measured for this setting (0: not measured)."""
     if expandable_segments:
         return int(profile.allocator_overhead_expandable_bytes)
     return int(profile.allocator_overhead_bytes)
 
 
-def margin_bytes(profile: Profile, budget_bytes: int, expandable_segments: bool) -> int:
+def margin_bytes(profile: Profile, budget_bytes: int, expandable_segments: bool | None) -> int:
     """The allocator's margin: measured when the profile has it (for this setting), else a fraction of the budget."""
     got = measured_margin(profile, expandable_segments)
     if got > 0:

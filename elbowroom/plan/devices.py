@@ -16,8 +16,10 @@ rate measured on the lent H100 host, and host memory defaults to this machine's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from elbowroom.plan.types import MachineProfile
@@ -157,6 +159,40 @@ def expandable_segments_on() -> bool | None:
         return segment_is_expandable(torch.cuda.memory._snapshot().get("segments", []), x.data_ptr())
     finally:
         del x
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def expandable_segments(on: bool) -> Iterator[bool]:
+    """Run the block with the CUDA caching allocator's ``expandable_segments`` set to ``on``, from an empty cache,
+    and give the process's setting back after it (and empty the cache again, so that no segment of the borrowed
+    setting outlives it). Yields whether the setting is ``on`` inside: False when this torch cannot tell or cannot
+    switch it at run time.
+
+    What a measure of one setting needs: a process that runs with the other (the environment's
+    ``PYTORCH_CUDA_ALLOC_CONF``, or an earlier plan's choice) would otherwise measure that one. The 7B shape planned
+    again in a process whose first plan had switched expandable segments on measured the defaults' margin as 0.35
+    GiB, chose the defaults on it and, still running expandable segments, ran out of memory holding 1.96 GiB beyond
+    its tensors (``BENCHMARKS.md``, twenty-sixth session)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        yield False
+        return
+    was, setter = expandable_segments_on(), allocator_settings_setter()
+    if was is None or (was != on and setter is None):
+        yield False
+        return
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if was != on:
+        setter(f"expandable_segments:{on}")
+    try:
+        yield True
+    finally:
+        if was != on:
+            torch.cuda.synchronize()
+            setter(f"expandable_segments:{was}")
         torch.cuda.empty_cache()
 
 

@@ -212,6 +212,15 @@ class Plan:
 
     # ------------------------------------------------------------------------------------------ views
     @property
+    def expandable_segments(self) -> bool | None:
+        """The caching allocator's ``expandable_segments`` as the plan sets it; None: left as the process runs it."""
+        for kv in self.allocator_settings.split(","):
+            key, _, value = kv.partition(":")
+            if key.strip() == "expandable_segments":
+                return value.strip().lower() == "true"
+        return None
+
+    @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
@@ -258,7 +267,7 @@ class Plan:
             micro_batch=self.micro_batch,
             accumulation=self.gradient_accumulation_steps,
             fused_loss=self.fused_loss,
-            expandable_segments="expandable_segments:True" in self.allocator_settings,
+            expandable_segments=self.expandable_segments,
             grad_clipping=self.grad_clipping,
             offload_gradients=self.offload_gradients,
             persistent_gradients=self.persistent_gradients,

@@ -70,7 +70,7 @@ from elbowroom.activations.compiled import compile_blocks, is_compiled, uncompil
 from elbowroom.activations.recompute import checkpoint, reentrant_default, uncheckpoint
 from elbowroom.plan import kernels
 from elbowroom.plan._trace import HEAD, KINDS, Clock, MetaEmulation, OpRecorder, Tracer, skey
-from elbowroom.plan.devices import allocator_settings_setter, expandable_segments_on, get_device
+from elbowroom.plan.devices import expandable_segments, get_device
 from elbowroom.plan.machine import measure_machine
 from elbowroom.plan.types import BlockProfile, HeadProfile, MachineProfile, Profile
 
@@ -596,36 +596,47 @@ class _Runner:
         out: dict[str | None, dict[str, Any]] = {}
         cuda = self.device.type == "cuda"
         for mode in modes:
-            self._apply(mode, compiled=self.compiled)
-            try:
-                if cuda and mode is None:
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                fwd: list[list[float]] = [[] for _ in self.blocks]
-                bwd: list[list[float]] = [[] for _ in self.blocks]
-                tot_f: list[float] = []
-                tot_b: list[float] = []
-                for it in range(warmup + iters):
-                    tracer = Tracer(self.blocks, set(), self.clock, record_ops=False)
-                    f, b = self._run(tracer, record=False)
-                    if it < warmup:
-                        continue
-                    tot_f.append(f)
-                    tot_b.append(b)
-                    for i in range(len(self.blocks)):
-                        r = tracer.regions[i]
-                        fwd[i].append(self.clock.seconds(*r.fwd))
-                        bwd[i].append(self.clock.seconds(*r.bwd))
-                if cuda and mode is None:
-                    # fragmentation at the plain step's peak: what the caching allocator holds beyond the tensors
-                    self.allocator_overhead = int(torch.cuda.max_memory_reserved(self.device)
-                                                  - torch.cuda.max_memory_allocated(self.device))
-            finally:
-                self._apply(None)
+            # the plain step's overhead is the default allocator's: measured with it, whatever the process runs
+            setting = expandable_segments(False) if cuda and mode is None else contextlib.nullcontext(False)
+            with setting as measured:
+                fwd, bwd, tot_f, tot_b = self._time_mode(mode, warmup, iters, measured)
             out[mode] = {"fwd": [_median(x) for x in fwd], "bwd": [_median(x) for x in bwd],
                          "total_fwd": _median(tot_f), "total_bwd": _median(tot_b)}
         if cuda and None in modes:
             self.allocator_overhead_expandable = self._expandable_overhead()
         return out
+
+    def _time_mode(self, mode: str | None, warmup: int, iters: int, measure_overhead: bool
+                   ) -> tuple[list[list[float]], list[list[float]], list[float], list[float]]:
+        """Per-block forward and backward seconds and step totals of ``warmup + iters`` steps in ``mode`` (the
+        warm-up ones left out); ``measure_overhead``: also what the allocator held beyond the steps' tensors at their
+        peak (:attr:`allocator_overhead`)."""
+        self._apply(mode, compiled=self.compiled)
+        try:
+            if measure_overhead:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            fwd: list[list[float]] = [[] for _ in self.blocks]
+            bwd: list[list[float]] = [[] for _ in self.blocks]
+            tot_f: list[float] = []
+            tot_b: list[float] = []
+            for it in range(warmup + iters):
+                tracer = Tracer(self.blocks, set(), self.clock, record_ops=False)
+                f, b = self._run(tracer, record=False)
+                if it < warmup:
+                    continue
+                tot_f.append(f)
+                tot_b.append(b)
+                for i in range(len(self.blocks)):
+                    r = tracer.regions[i]
+                    fwd[i].append(self.clock.seconds(*r.fwd))
+                    bwd[i].append(self.clock.seconds(*r.bwd))
+            if measure_overhead:
+                # fragmentation at the plain step's peak: what the caching allocator holds beyond the tensors
+                self.allocator_overhead = int(torch.cuda.max_memory_reserved(self.device)
+                                              - torch.cuda.max_memory_allocated(self.device))
+        finally:
+            self._apply(None)
+        return fwd, bwd, tot_f, tot_b
 
     def _expandable_overhead(self) -> int:
         """Reserved minus allocated with ``expandable_segments:True``, measured from an empty cache (the setting
@@ -648,14 +659,9 @@ class _Runner:
         12-38 times in 10 steps. Measured this way the margin is 1.75 GiB and those plans retry 9-10 times: the
         rest of what a plan's mechanisms hold together is not modelled yet.
         """
-        setter, on = allocator_settings_setter(), expandable_segments_on()
-        if on is None or (not on and setter is None):
-            return 0
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # new segments only: the cached ones stay as they were made
-        if not on:
-            setter("expandable_segments:True")
-        try:
+        with expandable_segments(True) as on:
+            if not on:
+                return 0
             held = 1
             for mode in (None, "selective"):  # each from an empty cache, as a run's steps start from one
                 self._apply(mode, compiled=self.compiled)
@@ -676,10 +682,6 @@ class _Runner:
                 finally:
                     self._apply(None)
             return int(held)
-        finally:
-            if not on:
-                setter("expandable_segments:False")
-            torch.cuda.empty_cache()
 
 
 def _kernel_seconds(ops: list[tuple], machine: MachineProfile) -> float:

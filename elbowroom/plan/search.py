@@ -104,7 +104,7 @@ class _Outer:
     micro_batch: int
     accumulation: int
     fused: bool
-    expandable: bool
+    expandable: bool | None  # None: the allocator as the process runs it (CPU, or not the plan's to set)
     gradients_out: bool = False  # the offloaded parameters' gradients leave the device in the backward
     streamed: int = 0  # of those k, the first (earliest) this many stream; the rest step on the host
     head: bool = False  # not other: the parameters after the blocks (head, final norm) alone on the host
@@ -377,7 +377,7 @@ def plan_for(
     fused_opts = [False, True] if fused_loss_allowed else [False]
     # expandable segments first: where both fit at the same speed, the one that fragments less (a plan that frees
     # gradients one by one in the backward ran out of memory under a capped allocator with the defaults, W1 8 GiB)
-    alloc_opts = [True, False] if cuda_like else [False]
+    alloc_opts: list[bool | None] = [True, False] if cuda_like else [None]
     k_opts = _offload_counts(n) if opt_ok or stream_ok else [0]
     # the parameters outside the blocks: on the device, all on the host, or (where the model has both) the head and
     # final norm alone, the embeddings kept on the device (a clipped host step would stand before the next forward)
@@ -623,7 +623,7 @@ def _minimum_parts(profile: Profile, d: Decisions, g: cost.Globals, s: float, e:
     return parts
 
 
-def _margin_part(profile: Profile, need: float, minimum: int, expandable: bool) -> dict[str, int]:
+def _margin_part(profile: Profile, need: float, minimum: int, expandable: bool | None) -> dict[str, int]:
     """The allocator's share of the minimum (the budget above ``need``), named by where it comes from, so that the
     BudgetError's parts add up to the minimum it names."""
     measured = cost.measured_margin(profile, expandable) > 0
@@ -632,7 +632,7 @@ def _margin_part(profile: Profile, need: float, minimum: int, expandable: bool) 
     return {name: max(0, int(minimum - need))}
 
 
-def _min_budget(profile: Profile, need: float, expandable: bool) -> int:
+def _min_budget(profile: Profile, need: float, expandable: bool | None) -> int:
     """The smallest budget whose usable part (after the allocator's margin) holds ``need`` bytes."""
     got = cost.measured_margin(profile, expandable)
     if got > 0:
@@ -791,7 +791,9 @@ def plan_from_decisions(
         offload_head_params=d.offload_head and not d.offload_other,
         optimizer_split_share=d.split_share if d.streams else 0.0,
         fused_loss=d.fused_loss,
-        allocator_settings="expandable_segments:True" if d.expandable_segments else "",
+        # (the defaults said too: a process an earlier plan or PYTORCH_CUDA_ALLOC_CONF left on expandable segments
+        # would otherwise run this plan with the setting it did not price)
+        allocator_settings="" if d.expandable_segments is None else f"expandable_segments:{d.expandable_segments}",
         grad_clipping=d.grad_clipping,
         offload_gradients=d.offload_gradients,
         persistent_gradients=d.persistent_gradients,

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import resource
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -110,11 +111,14 @@ class BudgetWatch:
     retried 9-37 times in 10 steps (1.28-1.51x their predicted step), where a plan for 72 GiB (5% less) reserved
     74.5 GiB and never retried; 2% (the earlier figure) would have left it retrying."""
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: Any, limit: int | None = None) -> None:
         self.budget = getattr(plan, "budget_bytes", None)
+        # what the reserved peak may reach: --budget, where the plan was made again below it (planning.with_replans)
+        self.limit = self.budget if limit is None or self.budget is None else limit
         self.predicted = getattr(plan, "predicted_peak_bytes", None)
         self.predicted_step = getattr(plan, "predicted_step_seconds", None)
         self._last_step: int | None = None  # the last row keeps_retrying saw
+        self._paces: list[float] = []  # seconds a step of each row keeps_retrying saw after the first
         self.warned = False
         self.retries: tuple[Any, int] | None = None  # (step, count) of the first row that counted retries
         self.warned_retries = False
@@ -148,18 +152,24 @@ class BudgetWatch:
 
     def keeps_retrying(self, row: dict[str, Any]) -> bool:
         """Whether, by this logged row (pass every one, after :meth:`check`), the allocator has retried at least once
-        a step since the first row and this row's steps ran slow as :class:`PaceWatch` counts slow: what the trainer
-        plans again for (a few retries in the first steps, or retries a long step hides, are left alone: the 7B shape
-        at eight sequences a step retried 33 times in 8 steps and ran at 0.99x its prediction, at one sequence 24-37
-        times in 10 steps at 1.32-1.51x; ``BENCHMARKS.md``, twenty-fourth and twenty-fifth sessions)."""
+        a step since the first row, over at least :data:`PaceWatch.ROWS` rows, and those rows' median step ran slow
+        as :class:`PaceWatch` counts slow: what the trainer plans again for.
+
+        A few retries in the first steps, or retries a long step hides, are left alone: the 7B shape at eight
+        sequences a step retried 33 times in 8 steps and ran at 0.99x its prediction, at one sequence 24-37 times in
+        10 steps at 1.32-1.51x (``BENCHMARKS.md``, twenty-fourth and twenty-fifth sessions). One slow row is not
+        enough either: the 7B's second step waits 2.4 s for the host optimizer's first step (twenty-sixth session)."""
         step, elapsed, count = row.get("step"), row.get("elapsed_s"), row.get("alloc_retries")
         last, self._last_step = self._last_step, step
         if self.retries is None or not self.predicted_step or None in (step, elapsed, count, last) or step <= last:
             return False
         since, base = self.retries
-        if since is None or step <= since or count - base < step - since:
+        if since is None or step <= since:
             return False
-        step_s = elapsed / (step - last)
+        self._paces.append(elapsed / (step - last))
+        if len(self._paces) < PaceWatch.ROWS or count - base < step - since:
+            return False
+        step_s = statistics.median(self._paces)
         return (step_s > (1.0 + PaceWatch.TOLERANCE) * self.predicted_step
                 and step_s - self.predicted_step >= PaceWatch.MIN_EXCESS_S)
 
@@ -172,16 +182,17 @@ class BudgetWatch:
 
     def _check_reserved(self, row: dict[str, Any]) -> str | None:
         reserved = row.get("peak_reserved_bytes")
-        if self.warned or self.budget is None or reserved is None or reserved <= self.budget:
+        if self.warned or self.limit is None or reserved is None or reserved <= self.limit:
             return None
         self.warned = True
-        over = reserved - self.budget
+        over = reserved - self.limit
         # (an overshoot of a few MiB, an expandable segment's granule, reads in MiB: "0.00 GiB above" said nothing)
         by = f"{over / 2**20:.0f} MiB" if over < 2**30 // 10 else f"{over / 2**30:.2f} GiB"
         msg = (f"step {row.get('step')}: the allocator reserved {reserved / 2**30:.2f} GiB, {by} "
-               f"above the plan's budget of {self.budget / 2**30:.2f} GiB (predicted peak "
-               f"{(self.predicted or 0) / 2**30:.2f} GiB, allocated {row.get('peak_memory_bytes', 0) / 2**30:.2f}); "
-               f"on a device of the budget's size plan for about {max(self.budget - over, 0) / 2**30:.2f} GiB")
+               f"above the budget of {self.limit / 2**30:.2f} GiB (the plan's {self.budget / 2**30:.2f}, predicted "
+               f"peak {(self.predicted or 0) / 2**30:.2f} GiB, allocated "
+               f"{row.get('peak_memory_bytes', 0) / 2**30:.2f}); on a device of the budget's size plan for about "
+               f"{max(self.budget - over, 0) / 2**30:.2f} GiB")
         log.warning("%s", msg)
         return msg
 

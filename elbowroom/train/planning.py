@@ -154,10 +154,11 @@ def check_plan(plan: Plan, cfg: Config, amp_dtype: torch.dtype) -> None:
 
 def plan_for_budget(
     model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool, amp_dtype: torch.dtype,
-    shared_link: tuple[float, float, float] | None = None,
+    shared_link: tuple[float, float, float] | None = None, budget: int | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, Plan]:
-    """Profile ``model`` on ``sample`` (a training micro-batch), plan it into ``--budget`` and apply the plan.
-    ``shared_link``: the link with every rank of the host copying (``DistributedRun.plan_once`` measures it).
+    """Profile ``model`` on ``sample`` (a training micro-batch), plan it into ``--budget`` (or ``budget`` bytes, a
+    re-plan's, below it) and apply the plan. ``shared_link``: the link with every rank of the host copying
+    (``DistributedRun.plan_once`` measures it).
 
     Under FSDP2 the plan is one rank's and only its first half is applied here: the optimizer is None, built after
     sharding (:func:`plan_optimizer`). The budget too small for any plan is a ConfigError whose one line names the
@@ -174,7 +175,7 @@ def plan_for_budget(
         return fit(
             model,
             (sample["input_ids"], sample["targets"]),
-            budget=cfg.budget,
+            budget=cfg.budget if budget is None else budget,
             optimizer=torch.optim.AdamW,
             precision="bf16" if cfg.optimizer.param_dtype == "bfloat16" else "fp32",
             fused_loss=fused_loss,
@@ -344,16 +345,17 @@ def plan_optimizer(model: nn.Module, plan: Plan, cfg: Config, overlap_forward: b
 
 
 REPLAN_FACTOR = 0.9
-"""After an out-of-memory in the first step, the budget is planned again at this share of the last one."""
+"""After an out-of-memory in the first steps, the budget is planned again at this share of the last one."""
 
-def cap_memory(plan: Any, device: torch.device) -> bool:
-    """Cap this process's CUDA allocator at ``plan``'s budget (``torch.cuda.set_per_process_memory_fraction``), as
-    on a device of that size; whether a cap was set (none on CPU, without a plan, or for a budget as large as the
-    device). Uncapped, the allocator grows past a budget its plan fits in allocated bytes: W1 at 8 GiB in the
-    trainer reserved 8.37 GiB for 5.98 allocated, where capped runs of the same plan reserved 6.9-7.7 with no
-    retry (``BENCHMARKS.md``, thirteenth session). :func:`uncap_memory` undoes it."""
-    budget = getattr(plan, "budget_bytes", None)
-    if budget is None or device.type != "cuda":
+def cap_memory(plan: Any, device: torch.device, limit: int | None = None) -> bool:
+    """Cap this process's CUDA allocator at ``limit`` bytes, else at ``plan``'s budget
+    (``torch.cuda.set_per_process_memory_fraction``), as on a device of that size; whether a cap was set (none on
+    CPU, without a plan, or for a budget as large as the device). The trainer's limit is ``--budget``, also for a
+    plan made again below it (:func:`with_replans`). Uncapped, the allocator grows past a budget its plan fits in
+    allocated bytes: W1 at 8 GiB in the trainer reserved 8.37 GiB for 5.98 allocated, where capped runs of the same
+    plan reserved 6.9-7.7 with no retry (``BENCHMARKS.md``, thirteenth session). :func:`uncap_memory` undoes it."""
+    budget = getattr(plan, "budget_bytes", None) if limit is None else limit
+    if plan is None or budget is None or device.type != "cuda":
         return False
     index = _index(device)
     total = torch.cuda.get_device_properties(index).total_memory
@@ -361,6 +363,14 @@ def cap_memory(plan: Any, device: torch.device) -> bool:
         return False
     torch.cuda.set_per_process_memory_fraction(budget / total, index)
     return True
+
+
+def budget_limit(cfg: Config) -> int | None:
+    """``--budget`` in bytes, the limit a one-process run's allocator is capped at (:func:`cap_memory`) and its
+    reserved peak is watched against, whatever budget its plan was made for; None without one."""
+    from elbowroom.plan import parse_budget
+
+    return parse_budget(cfg.budget) if cfg.budget is not None else None
 
 
 def uncap_memory(device: torch.device) -> None:
@@ -374,15 +384,16 @@ def _index(device: torch.device) -> int:
 
 
 MAX_REPLANS = 2
-"""Re-plans after an out-of-memory in the first step before the run fails with it."""
+"""Re-plans (after an out-of-memory, or retries, in the first steps) before the run fails as any run does."""
 
 
-class FirstStepOutOfMemory(Exception):
-    """The first step of a run planned for ``--budget`` ran out of memory, before anything was written."""
+class EarlyOutOfMemory(Exception):
+    """A step of a run planned for ``--budget`` ran out of memory before anything was checkpointed (by
+    :data:`RETRY_REPLAN_STEPS`); ``started``: steps had finished and logged (the run directory exists)."""
 
-    def __init__(self, out: Path, budget_bytes: int, message: str) -> None:
+    def __init__(self, out: Path, budget_bytes: int, message: str, started: bool = False) -> None:
         super().__init__(message)
-        self.out, self.budget_bytes, self.message = out, budget_bytes, message
+        self.out, self.budget_bytes, self.message, self.started = out, budget_bytes, message, started
 
 
 def _free_failed_try(e: BaseException) -> None:
@@ -403,6 +414,13 @@ by this step and before any checkpoint, is planned again for the lower budget ``
 started over (:func:`replan_after_retries`)."""
 
 
+def may_start_over(cfg: Config, step: int) -> bool:
+    """Whether a run planned here may still be planned again and started over after ``step`` finished steps: by
+    :data:`RETRY_REPLAN_STEPS` and before its first checkpoint."""
+    saved = cfg.checkpoint.enabled and cfg.checkpoint.every and step >= cfg.checkpoint.every
+    return step <= RETRY_REPLAN_STEPS and not saved
+
+
 class EarlyStepsRetrying(Exception):
     """The first steps of a run planned for ``--budget`` kept the allocator retrying at its cap (each retry waits
     for all the device's work): the plan fits in allocated bytes but not in what its steps hold. Nothing was
@@ -413,56 +431,63 @@ class EarlyStepsRetrying(Exception):
         self.out, self.budget_bytes, self.lower_bytes, self.message = out, budget_bytes, lower_bytes, message
 
 
-def replan_after_retries(cfg: Config, e: EarlyStepsRetrying) -> Config:
-    """The config of the run started over with the lower budget the retries asked for, with a warning. As after a
-    first-step out-of-memory (:func:`replan_after_oom`) the run starts over from its seed; the rows the first try
-    logged move to ``metrics.rewound-0.jsonl`` (the trainer opens the log rewound to step 0), so that
-    ``metrics.jsonl`` holds one curve. Measured on the 7B shape (H200, ``BENCHMARKS.md`` twenty-fifth session): its
-    76 GiB plan retried 9-37 times in 10 steps at 1.28-1.51x its prediction, a plan for 72 GiB under the same cap
-    never, at 0.96x."""
+def replan_after_retries(e: EarlyStepsRetrying) -> int:
+    """The budget to plan the run again for, the lower one the retries asked for, with a warning. As after an early
+    out-of-memory (:func:`replan_after_oom`) the run starts over from its seed; the rows the first try logged move
+    to ``metrics.rewound-0.jsonl`` (the trainer opens the log rewound to step 0), so that ``metrics.jsonl`` holds
+    one curve. The allocator stays capped at ``--budget``: the plan for less leaves the room its mechanisms hold
+    beyond its tensors. Measured on the 7B shape (H200, ``BENCHMARKS.md`` twenty-fifth session): its 76 GiB plan
+    retried 9-37 times in 10 steps at 1.28-1.51x its prediction, a plan for 72 GiB under the same cap never, at
+    0.96x, reserving 74.5 GiB (capped at 72.2 GiB as well, a re-plan ran out of memory: twenty-sixth session)."""
     log.warning("the first steps kept the allocator retrying at the budget of %s (%s): planning again for %s and "
-                "starting over", _size_at_least(e.budget_bytes), e.message, _size_at_least(e.lower_bytes))
+                "starting over, the allocator still capped at --budget", _size_at_least(e.budget_bytes), e.message,
+                _size_at_least(e.lower_bytes))
     _free_failed_try(e)
-    return replace(cfg, out=str(e.out), budget=str(e.lower_bytes))
+    return e.lower_bytes
 
 
-def with_replans(cfg: Config, train_once: Callable[[Config, bool, bool], T]) -> T:
-    """``train_once(cfg, may_replan, rewind_metrics)`` until a try ends without asking to be planned again.
+def with_replans(cfg: Config, train_once: Callable[[Config, bool, bool, int | None], T]) -> T:
+    """``train_once(cfg, may_replan, rewind_metrics, plan_budget)`` until a try ends without asking to be planned
+    again. ``plan_budget``: the bytes to plan for, below ``--budget`` (None: ``--budget`` itself); the allocator's cap
+    stays at ``--budget`` and the run's config says ``--budget``, its plan file the budget it was planned for.
 
-    A first step out of memory (:class:`FirstStepOutOfMemory`) plans again for a tighter budget
+    An out-of-memory in the first steps (:class:`EarlyOutOfMemory`) plans again for a tighter budget
     (:func:`replan_after_oom`); first steps that keep the allocator retrying (:class:`EarlyStepsRetrying`) plan again
-    for the lower budget they name (:func:`replan_after_retries`), and every later try rewinds the log those steps
-    wrote. At most :data:`MAX_REPLANS` re-plans; the last try fails as any run does (an out-of-memory with its report,
-    what was live against the plan). Where the lower budget is below the run's minimum (a ``ConfigError`` from its
-    planning), the plan that retried trains after all, without another re-plan.
+    for the lower budget they name (:func:`replan_after_retries`); a try after one that logged rewinds the log those
+    steps wrote. At most :data:`MAX_REPLANS` re-plans; the last try fails as any run does (an out-of-memory with its
+    report, what was live against the plan). Where the lower budget is below the run's minimum (a ``ConfigError``
+    from its planning), the plan that retried trains after all, without another re-plan.
     """
-    rewind = False
-    retried: Config | None = None  # the config whose steps kept the allocator retrying
+    rewind, budget = False, None
+    retried: list[int | None] = []  # the budget whose plan kept the allocator retrying, once it did
     for replans in itertools.count():
+        settled = bool(retried) and budget == retried[0]  # back to the plan that retried: no other re-plan
         try:
-            return train_once(cfg, replans < MAX_REPLANS and cfg is not retried, rewind)
-        except FirstStepOutOfMemory as e:
-            cfg = replan_after_oom(cfg, e)
+            return train_once(cfg, replans < MAX_REPLANS and not settled, rewind, budget)
+        except EarlyOutOfMemory as e:
+            budget, rewind = replan_after_oom(e), rewind or e.started
         except EarlyStepsRetrying as e:
-            retried, cfg, rewind = cfg, replan_after_retries(cfg, e), True
+            retried, budget, rewind = [budget], replan_after_retries(e), True
         except ConfigError as e:
-            if retried is None or cfg is retried:
+            if not retried or settled:
                 raise
-            log.warning("%s; training under the plan for --budget %s after all", e, retried.budget)
-            cfg = retried
+            log.warning("%s; training under the plan for %s after all", e,
+                        "--budget " + str(cfg.budget) if retried[0] is None else _size_at_least(retried[0]))
+            budget = retried[0]
 
 
-def replan_after_oom(cfg: Config, e: FirstStepOutOfMemory) -> Config:
-    """The config of the run started over with a tighter budget (a wider margin for what the plan did not
-    foresee), with a warning. The trainer asks at most :data:`MAX_REPLANS` times; after that the run fails with
-    the out-of-memory error and its report, as any run does.
+def replan_after_oom(e: EarlyOutOfMemory) -> int:
+    """The budget to plan the run again for, a tighter one (a wider margin for what the plan did not foresee),
+    with a warning; the allocator stays capped at ``--budget``. The trainer asks at most :data:`MAX_REPLANS` times;
+    after that the run fails with the out-of-memory error and its report, as any run does.
 
-    The run starts over from its seed (model, data position, RNG): its first step never finished, so nothing
-    was trained and nothing was written, and the run that follows is the one a user would get with the tighter
-    budget. The run directory keeps its name.
+    The run starts over from its seed (model, data position, RNG): nothing was checkpointed, and the run that
+    follows is the one a user would get with the tighter plan (the rows of steps that had finished move aside, as
+    after retries). The run directory keeps its name.
     """
     tighter = int(e.budget_bytes * REPLAN_FACTOR)
-    log.warning("the first step ran out of memory under the plan for %s (%s): planning again for %s and starting "
-                "over", _size_at_least(e.budget_bytes), e.message, _size_at_least(tighter))
+    log.warning("%s ran out of memory under the plan for %s (%s): planning again for %s and starting over",
+                "an early step" if e.started else "the first step", _size_at_least(e.budget_bytes), e.message,
+                _size_at_least(tighter))
     _free_failed_try(e)
-    return replace(cfg, out=str(e.out), budget=str(tighter))
+    return tighter

@@ -61,12 +61,13 @@ from elbowroom.train.model_parallel_run import plan_to_follow as mp_plan_to_foll
 from elbowroom.train.objectives import Distillation, load_distillation, micro_batch_loss, token_loss_sum
 from elbowroom.train.planning import (
     PLAN_FILE,
-    RETRY_REPLAN_STEPS,
+    EarlyOutOfMemory,
     EarlyStepsRetrying,
-    FirstStepOutOfMemory,
     apply_plan,
+    budget_limit,
     cap_memory,
     check_plan,
+    may_start_over,
     plan_for_budget,
     plan_to_follow,
     shared_link_for,
@@ -405,14 +406,15 @@ def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
             claimed = run.same_on_all(new_run_directory() if run.is_main else None)
             cfg = replace(cfg, out=str(claimed[0]))
         try:
-            return with_replans(cfg, lambda c, may_replan, rewind: _train(c, run, may_replan, rewind))
+            return with_replans(cfg, lambda c, *replan: _train(c, run, *replan))
         except BaseException:
             if claimed is not None and run.is_main:  # a run that failed before its first step leaves nothing
                 release_run_directory(*claimed)
             raise
 
 
-def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_metrics: bool = False) -> TrainResult:
+def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_metrics: bool = False,
+           plan_budget: int | None = None) -> TrainResult:
     assert cfg.out is not None, "train() claims the run directory"
     out = Path(cfg.out)
     check_out_dir(out, cfg.resume or rewind_metrics)  # (a try started over after retries: its own first try's)
@@ -550,7 +552,8 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_me
         # plans alone)
         link = shared_link_for(cfg, device) if run.enabled else None
         model, optimizer, plan = run.plan_once(plan_for_budget, apply_plan, model, first, cfg, fused_loss=fused_ok,
-                                               amp_dtype=amp_dtype, shared_link=link)  # rank 0 plans; all follow
+                                               amp_dtype=amp_dtype, shared_link=link,  # rank 0 plans; all follow
+                                               budget=plan_budget)  # (a re-plan's, below --budget)
         fwd_model, optimizer = run.wrap(model, optimizer=optimizer, plan=plan)  # (FSDP2: the plan's, over shards)
         if device.type == "cuda":  # the logged peak is the training steps', not the profile's (an unplanned step)
             torch.cuda.empty_cache()
@@ -575,12 +578,12 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_me
                           tensorboard=cfg.logging.tensorboard)
     progress = recorder = None
     # (no plan: they watch nothing; the step's pace is every rank's alike, so rank 0 alone says it)
-    watch, pace = BudgetWatch(plan), PaceWatch(plan if run.is_main else None)
-    # a plan searched here for --budget (one process) is searched again, tighter, if its first step runs out of
-    # memory: nothing is written before that step ends
+    watch, pace = BudgetWatch(plan, budget_limit(cfg)), PaceWatch(plan if run.is_main else None)
+    # a plan searched here for --budget (one process) is searched again, tighter, if its first steps run out of
+    # memory or keep the allocator retrying, before anything is checkpointed (planning.with_replans)
     replannable, started = may_replan and planned_here and not run.enabled, False
     # one process: the budget is a limit from the first step on (the profile ran uncapped); lifted however the run ends
-    capped = cfg.cap_memory and not run.enabled and cap_memory(plan, device)
+    capped = cfg.cap_memory and not run.enabled and cap_memory(plan, device, budget_limit(cfg))
     try:  # from here on the optimizer (its host threads, pinned memory) is closed however the run ends
         scheduler = build_scheduler(
             optimizer,
@@ -723,9 +726,7 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_me
                     result.losses[step] = loss_val
                     metrics.write(row)
                     watch.check(row)  # a planned run: warn once if the allocator passed the budget
-                    if (watch.keeps_retrying(row) and replannable and step <= RETRY_REPLAN_STEPS
-                            and not (cfg.checkpoint.enabled and cfg.checkpoint.every
-                                     and step >= cfg.checkpoint.every)):
+                    if watch.keeps_retrying(row) and replannable and not last and may_start_over(cfg, step):
                         # ... or keeps retrying at it, slowly: plan again for less while nothing is checkpointed
                         raise EarlyStepsRetrying(out, plan.budget_bytes, watch.lower_budget(),
                                                  f"{row.get('alloc_retries')} retries by step {step}")
@@ -759,8 +760,9 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_me
                     log.warning("stopped by signal at step %d; continue with --resume", step)
                     break
     except torch.OutOfMemoryError as e:  # leave what was live, against the plan's prediction, then fail as before
-        if replannable and not started:
-            raise FirstStepOutOfMemory(out, plan.budget_bytes, str(e).splitlines()[0] if str(e) else "") from None
+        if replannable and may_start_over(cfg, step):
+            raise EarlyOutOfMemory(out, plan.budget_bytes, str(e).splitlines()[0] if str(e) else "",
+                                   started=started) from None
         from elbowroom.report import write_oom_report
 
         report = write_oom_report(out, model, optimizer, plan=plan.to_dict() if plan is not None else None, error=e)
