@@ -130,7 +130,7 @@ def test_the_refusal_names_parts_that_add_up_to_its_minimum(overhead: int) -> No
     named = {m[1]: float(m[2]) * units[m[3]] for m in re.finditer(r"(?:^|, )([a-z][^,]*?) ([\d.]+) (B|KiB|MiB|GiB|TiB)",
                                                                     parts)}
     margin = [k for k in named if k.startswith("allocator margin")]
-    assert margin == ["allocator margin (measured: reserved beyond allocated at the profile's plain step)" if overhead
+    assert margin == ["allocator margin (measured: reserved beyond allocated over the profile's steps)" if overhead
                       else "allocator margin (a share of the budget)"], named
     if overhead:
         assert named[margin[0]] == pytest.approx(overhead, rel=0.01)

@@ -726,6 +726,11 @@ def test_budget_watch_keeps_retrying_needs_a_retry_a_step_and_slow_steps() -> No
     assert rows((1, 0, 9.0), (11, 6, 15.0), (21, 12, 15.0), (31, 18, 15.0)) == [False] * 4  # under one a step
     assert rows((1, 0, 9.0), (11, 10, 15.0), (21, 20, 15.0), (31, 30, 15.0)) == [False, False, False, True]
     assert BudgetWatch(None).keeps_retrying({"step": 2, "alloc_retries": 9, "elapsed_s": 9.0}) is False
+    # the median the trainer hands the re-plan to beat (planning.NoFasterPlan)
+    watch = BudgetWatch(plan)
+    for step, elapsed in ((1, 9.0), (2, 1.4), (3, 1.6), (4, 1.5)):
+        watch.keeps_retrying({"step": step, "alloc_retries": 4 * step, "elapsed_s": elapsed})
+    assert watch.pace_s == pytest.approx(1.5)
 
 
 def test_pace_watch_warns_once_when_steps_run_slower_than_predicted(caplog) -> None:

@@ -213,15 +213,22 @@ def test_out_of_memory_in_the_first_steps_replans_tighter(tmp_path: Path, budget
     assert train_losses(out) == pytest.approx(train_losses(tmp_path / "direct"), rel=1e-5)
 
 
-def _slow_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+def _slow_steps(monkeypatch: pytest.MonkeyPatch, pace: float = math.inf) -> None:
     """Every CPU step counts as slow against its plan (a plan predicting nothing, no minimum excess): the retries
-    alone decide (BudgetWatch.keeps_retrying; its slowness test is tests/test_trainer.py's)."""
+    alone decide (BudgetWatch.keeps_retrying; its slowness test is tests/test_trainer.py's). ``pace``: the seconds a
+    step the retrying steps report having run, which the plan for less must beat (any plan beats the default)."""
     from elbowroom.train import metrics, trainer
 
     class Watch(metrics.BudgetWatch):
         def __init__(self, plan: object, limit: int | None = None) -> None:
             super().__init__(plan, limit)
             self.predicted_step = 1e-9 if self.predicted_step else None
+
+        def keeps_retrying(self, row: dict) -> bool:
+            got = super().keeps_retrying(row)
+            if self.pace_s is not None:
+                self.pace_s = pace
+            return got
 
     monkeypatch.setattr(trainer, "BudgetWatch", Watch)
     monkeypatch.setattr(metrics.PaceWatch, "MIN_EXCESS_S", 0.0)
@@ -292,6 +299,41 @@ def test_early_retries_under_a_budget_near_the_minimum_keep_the_plan(tmp_path: P
     assert json.loads((out / "plan.json").read_text())["budget_bytes"] == budget
     assert list(train_losses(out)) == [1, 2, 3, 4, 5]
     assert len((out / "metrics.rewound-0.jsonl").read_text().splitlines()) == 4
+
+
+def test_early_retries_keep_the_plan_when_the_plan_for_less_is_no_faster(
+        tmp_path: Path, budgets: tuple[int, int], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The plan for the lower budget predicts a step no faster than the retrying steps ran (the 7B's plan for 72 GiB:
+    0.92 s against 0.77): the run goes back to the plan that retried, capped at --budget, its first try's rows aside,
+    and follows the curve of a run under that plan."""
+    from elbowroom.train import trainer
+
+    _slow_steps(monkeypatch, pace=0.0)  # the retrying steps ran in no time: nothing beats them
+    budget = max(budgets[1], math.ceil(budgets[0] / 0.8))
+    calls = {"n": 0}
+
+    def retrying(device: torch.device) -> dict[str, int]:
+        calls["n"] += 1
+        return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
+                "alloc_retries": 5 * (calls["n"] - 1) if calls["n"] <= 4 else 0}  # the first try: 5 a step
+
+    monkeypatch.setattr(trainer, "peak_memory", retrying)
+    built = _models_collected_before(monkeypatch, "replan_after_retries")
+    caps = _caps(monkeypatch)
+    out = tmp_path / "no-faster"
+    no_decay = ("--optimizer.weight_decay", "0")
+    with caplog.at_level("WARNING"):
+        assert run(out, "--steps", "5", "--budget", str(budget), "--logging.log_every", "1", *no_decay) == 0
+    assert "no faster than the 0.000 s the plan that retried ran" in caplog.text
+    assert f"training under the plan for --budget {budget} after all" in caplog.text
+    assert len(built) == 3 and [limit for _, limit in caps] == [budget, budget]  # (the no-faster plan: not run)
+    assert json.loads((out / "plan.json").read_text())["budget_bytes"] == budget
+    assert len((out / "metrics.rewound-0.jsonl").read_text().splitlines()) == 4
+    monkeypatch.setattr(trainer, "peak_memory", lambda device: {"peak_memory_bytes": 1})
+    assert run(tmp_path / "direct", "--steps", "5", "--budget", str(budget), "--logging.log_every", "1",
+               *no_decay) == 0
+    assert train_losses(out) == pytest.approx(train_losses(tmp_path / "direct"), rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -84,8 +84,8 @@ _POINTWISE_TRAFFIC = 2.0
 """Bytes moved in forward per pointwise byte saved (written once, read once): the analytic memory term."""
 
 OVERHEAD_STEPS = 2
-"""Steps of each kind (plain, selective) over which the allocator's overhead with expandable segments is measured
-(:meth:`_Runner._expandable_overhead`): a plain 7B step held the same from its first step to its sixth."""
+"""Steps of each kind (plain, selective) over which the allocator's overhead is measured, with each setting
+(:meth:`_Runner._overhead`): a plain 7B step held the same from its first step to its sixth."""
 
 
 def _resolve_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None) -> tuple[list[nn.Module], str]:
@@ -596,25 +596,20 @@ class _Runner:
         out: dict[str | None, dict[str, Any]] = {}
         cuda = self.device.type == "cuda"
         for mode in modes:
-            # the plain step's overhead is the default allocator's: measured with it, whatever the process runs
-            setting = expandable_segments(False) if cuda and mode is None else contextlib.nullcontext(False)
-            with setting as measured:
-                fwd, bwd, tot_f, tot_b = self._time_mode(mode, warmup, iters, measured)
+            fwd, bwd, tot_f, tot_b = self._time_mode(mode, warmup, iters)
             out[mode] = {"fwd": [_median(x) for x in fwd], "bwd": [_median(x) for x in bwd],
                          "total_fwd": _median(tot_f), "total_bwd": _median(tot_b)}
         if cuda and None in modes:
-            self.allocator_overhead_expandable = self._expandable_overhead()
+            self.allocator_overhead = self._overhead(expandable=False)
+            self.allocator_overhead_expandable = self._overhead(expandable=True)
         return out
 
-    def _time_mode(self, mode: str | None, warmup: int, iters: int, measure_overhead: bool
+    def _time_mode(self, mode: str | None, warmup: int, iters: int
                    ) -> tuple[list[list[float]], list[list[float]], list[float], list[float]]:
         """Per-block forward and backward seconds and step totals of ``warmup + iters`` steps in ``mode`` (the
-        warm-up ones left out); ``measure_overhead``: also what the allocator held beyond the steps' tensors at their
-        peak (:attr:`allocator_overhead`)."""
+        warm-up ones left out)."""
         self._apply(mode, compiled=self.compiled)
         try:
-            if measure_overhead:
-                torch.cuda.reset_peak_memory_stats(self.device)
             fwd: list[list[float]] = [[] for _ in self.blocks]
             bwd: list[list[float]] = [[] for _ in self.blocks]
             tot_f: list[float] = []
@@ -630,36 +625,35 @@ class _Runner:
                     r = tracer.regions[i]
                     fwd[i].append(self.clock.seconds(*r.fwd))
                     bwd[i].append(self.clock.seconds(*r.bwd))
-            if measure_overhead:
-                # fragmentation at the plain step's peak: what the caching allocator holds beyond the tensors
-                self.allocator_overhead = int(torch.cuda.max_memory_reserved(self.device)
-                                              - torch.cuda.max_memory_allocated(self.device))
         finally:
             self._apply(None)
         return fwd, bwd, tot_f, tot_b
 
-    def _expandable_overhead(self) -> int:
-        """Reserved minus allocated with ``expandable_segments:True``, measured from an empty cache (the setting
-        switched on for the measure and back off, unless the process already runs with it): the most over
-        :data:`OVERHEAD_STEPS` plain steps and as many with every block under selective recompute, one after another
-        as a run's steps follow each other.
+    def _overhead(self, expandable: bool) -> int:
+        """What the caching allocator holds beyond the tensors (reserved minus allocated) with
+        ``expandable_segments`` set to ``expandable`` (switched for the measure and back, whatever the process runs),
+        from an empty cache: the most over :data:`OVERHEAD_STEPS` plain steps and as many with every block under
+        selective recompute, one after another as a run's steps follow each other. 0 when this torch cannot tell
+        the setting or cannot switch it at run time.
 
-        A plan may choose the setting; the overhead of the default allocator says little of it (one mapping grows
-        instead of many segments that do not fit a larger tensor). With the setting already on, the plain step's
-        reserved-minus-allocated is not the measure either: it counts every segment cached before the step (the
-        profile's own passes, an earlier run in the process), and a Hugging Face Llama planned after a run whose
-        plan had switched the setting on got a 13 GiB margin and a minimum of 19.2 GiB for a model that trains in
-        10. 0 when this torch cannot tell the setting, or cannot switch it at run time when it is off.
+        Why from an empty cache: with the setting already on, a step's reserved minus allocated counts every segment
+        cached before it (the profile's own passes, an earlier run in the process); a Hugging Face Llama planned after
+        a run whose plan had switched the setting on got a 13 GiB margin and a minimum of 19.2 GiB for a model that
+        trains in 10.
 
         Why the selective steps: a plan's blocks run under policies, which recompute in the backward and free and
         make tensors in an order a plain step does not. On the 7B shape (H200, ``BENCHMARKS.md`` 2026-11-29
-        twenty-fifth session) plain steps held 0.31 GiB beyond their allocated peak, steady from the first step,
-        the same steps through a plan with every block selective 2.0 GiB, and the planned runs 3.7-5.0 GiB; the
-        plain measure alone (0.28 GiB) left the 76 GiB plans at their cap, releasing and remapping the cache
+        twenty-fifth session) plain steps held 0.31 GiB beyond their allocated peak with expandable segments, steady
+        from the first step, the same steps with every block selective 2.0 GiB, and the planned runs 3.7-5.0 GiB;
+        the plain measure alone (0.28 GiB) left the 76 GiB plans at their cap, releasing and remapping the cache
         12-38 times in 10 steps. Measured this way the margin is 1.75 GiB and those plans retry 9-10 times: the
         rest of what a plan's mechanisms hold together is not modelled yet.
+
+        Why both settings alike: the defaults measured on a plain step alone (0.35 GiB on the 7B), a plan for
+        72.2 GiB chose them, held 5.7 GiB beyond its tensors by its sixteenth step and ran out of memory under a
+        76 GiB cap (twenty-sixth session).
         """
-        with expandable_segments(True) as on:
+        with expandable_segments(expandable) as on:
             if not on:
                 return 0
             held = 1

@@ -627,7 +627,7 @@ def _margin_part(profile: Profile, need: float, minimum: int, expandable: bool |
     """The allocator's share of the minimum (the budget above ``need``), named by where it comes from, so that the
     BudgetError's parts add up to the minimum it names."""
     measured = cost.measured_margin(profile, expandable) > 0
-    name = ("allocator margin (measured: reserved beyond allocated at the profile's plain step)" if measured
+    name = ("allocator margin (measured: reserved beyond allocated over the profile's steps)" if measured
             else "allocator margin (a share of the budget)")
     return {name: max(0, int(minimum - need))}
 

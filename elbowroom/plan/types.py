@@ -158,9 +158,10 @@ class Profile:
     block_path: str = ""
     """Where the blocks were found in the model (e.g. ``blocks``, ``model.layers``, ``transformer.h``)."""
     allocator_overhead_bytes: int = 0
-    """Measured reserved minus allocated at the peak (fragmentation), 0 when unknown."""
+    """Measured reserved minus allocated at the peak (fragmentation) with the allocator's defaults, over plain and
+    selective steps from an empty cache; 0 when unknown."""
     allocator_overhead_expandable_bytes: int = 0
-    """The same with ``expandable_segments:True`` (a plain step measured under it), 0 when unknown."""
+    """The same with ``expandable_segments:True``, 0 when unknown."""
     inflight_microbatches: int = 1
     """Micro-batches whose kept activations (and head or stage output) one pipeline stage holds at once (GPipe:
     all, 1F1B: the stages to the end; 1 without a pipeline): counted that many times, one block's working set once."""

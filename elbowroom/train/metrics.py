@@ -119,6 +119,7 @@ class BudgetWatch:
         self.predicted_step = getattr(plan, "predicted_step_seconds", None)
         self._last_step: int | None = None  # the last row keeps_retrying saw
         self._paces: list[float] = []  # seconds a step of each row keeps_retrying saw after the first
+        self.pace_s: float | None = None  # their median, once there are PaceWatch.ROWS of them
         self.warned = False
         self.retries: tuple[Any, int] | None = None  # (step, count) of the first row that counted retries
         self.warned_retries = False
@@ -167,9 +168,11 @@ class BudgetWatch:
         if since is None or step <= since:
             return False
         self._paces.append(elapsed / (step - last))
-        if len(self._paces) < PaceWatch.ROWS or count - base < step - since:
+        if len(self._paces) < PaceWatch.ROWS:
             return False
-        step_s = statistics.median(self._paces)
+        step_s = self.pace_s = statistics.median(self._paces)
+        if count - base < step - since:
+            return False
         return (step_s > (1.0 + PaceWatch.TOLERANCE) * self.predicted_step
                 and step_s - self.predicted_step >= PaceWatch.MIN_EXCESS_S)
 

@@ -22,7 +22,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -426,9 +426,33 @@ class EarlyStepsRetrying(Exception):
     for all the device's work): the plan fits in allocated bytes but not in what its steps hold. Nothing was
     checkpointed yet; the logged rows move aside when the run starts over."""
 
-    def __init__(self, out: Path, budget_bytes: int, lower_bytes: int, message: str) -> None:
+    def __init__(self, out: Path, budget_bytes: int, lower_bytes: int, message: str, step_seconds: float) -> None:
         super().__init__(message)
         self.out, self.budget_bytes, self.lower_bytes, self.message = out, budget_bytes, lower_bytes, message
+        self.step_seconds = step_seconds  # the retrying steps' median: what the plan for less must beat
+
+
+@dataclass(frozen=True)
+class Try:
+    """How :func:`with_replans` asks for one try of a run."""
+
+    may_replan: bool = False
+    """An early out-of-memory or retries may plan this run again (:class:`EarlyOutOfMemory`,
+    :class:`EarlyStepsRetrying`)."""
+    rewind_metrics: bool = False
+    """An earlier try logged rows: they move aside (``metrics.rewound-0.jsonl``)."""
+    plan_budget: int | None = None
+    """The bytes to plan for, below ``--budget`` (None: ``--budget``); the allocator stays capped at ``--budget``."""
+    beat_seconds: float | None = None
+    """A plan made again after retries must predict a step faster than this, the retrying steps' median, or the run
+    goes back to the plan that retried (:class:`NoFasterPlan`)."""
+
+
+class NoFasterPlan(ConfigError):
+    """The plan for less memory than a retrying plan's predicts no faster step than that plan ran, retries and all:
+    the run goes back to the plan that retried (:func:`with_replans`). On the 7B shape (H200, ``BENCHMARKS.md``
+    twenty-sixth session) a 76 GiB plan ran 0.77 s steps with 7 retries in 8, and the plan for 72 GiB predicted
+    0.92 s (it ran 0.90)."""
 
 
 def replan_after_retries(e: EarlyStepsRetrying) -> int:
@@ -446,34 +470,38 @@ def replan_after_retries(e: EarlyStepsRetrying) -> int:
     return e.lower_bytes
 
 
-def with_replans(cfg: Config, train_once: Callable[[Config, bool, bool, int | None], T]) -> T:
-    """``train_once(cfg, may_replan, rewind_metrics, plan_budget)`` until a try ends without asking to be planned
-    again. ``plan_budget``: the bytes to plan for, below ``--budget`` (None: ``--budget`` itself); the allocator's cap
-    stays at ``--budget`` and the run's config says ``--budget``, its plan file the budget it was planned for.
+def with_replans(cfg: Config, train_once: Callable[[Config, Try], T]) -> T:
+    """``train_once(cfg, attempt)`` until a try ends without asking to be planned again (:class:`Try`). The
+    allocator's cap stays at ``--budget`` and the run's config says ``--budget``; its plan file says the budget it
+    was planned for.
 
     An out-of-memory in the first steps (:class:`EarlyOutOfMemory`) plans again for a tighter budget
     (:func:`replan_after_oom`); first steps that keep the allocator retrying (:class:`EarlyStepsRetrying`) plan again
     for the lower budget they name (:func:`replan_after_retries`); a try after one that logged rewinds the log those
     steps wrote. At most :data:`MAX_REPLANS` re-plans; the last try fails as any run does (an out-of-memory with its
-    report, what was live against the plan). Where the lower budget is below the run's minimum (a ``ConfigError``
-    from its planning), the plan that retried trains after all, without another re-plan.
+    report, what was live against the plan). Where the plan for less is not to be had (a ``ConfigError`` from its
+    planning: below the run's minimum, or :class:`NoFasterPlan`), the plan that retried trains after all, without
+    another re-plan.
     """
-    rewind, budget = False, None
+    attempt = Try()
     retried: list[int | None] = []  # the budget whose plan kept the allocator retrying, once it did
     for replans in itertools.count():
-        settled = bool(retried) and budget == retried[0]  # back to the plan that retried: no other re-plan
+        settled = bool(retried) and attempt.plan_budget == retried[0]  # back to the plan that retried
+        attempt = replace(attempt, may_replan=replans < MAX_REPLANS and not settled)
         try:
-            return train_once(cfg, replans < MAX_REPLANS and not settled, rewind, budget)
+            return train_once(cfg, attempt)
         except EarlyOutOfMemory as e:
-            budget, rewind = replan_after_oom(e), rewind or e.started
+            attempt = Try(plan_budget=replan_after_oom(e), rewind_metrics=attempt.rewind_metrics or e.started)
         except EarlyStepsRetrying as e:
-            retried, budget, rewind = [budget], replan_after_retries(e), True
+            retried = [attempt.plan_budget]
+            attempt = Try(plan_budget=replan_after_retries(e), rewind_metrics=True, beat_seconds=e.step_seconds)
         except ConfigError as e:
             if not retried or settled:
                 raise
             log.warning("%s; training under the plan for %s after all", e,
                         "--budget " + str(cfg.budget) if retried[0] is None else _size_at_least(retried[0]))
-            budget = retried[0]
+            _free_failed_try(e)
+            attempt = Try(plan_budget=retried[0], rewind_metrics=True)
 
 
 def replan_after_oom(e: EarlyOutOfMemory) -> int:

@@ -63,6 +63,8 @@ from elbowroom.train.planning import (
     PLAN_FILE,
     EarlyOutOfMemory,
     EarlyStepsRetrying,
+    NoFasterPlan,
+    Try,
     apply_plan,
     budget_limit,
     cap_memory,
@@ -406,18 +408,17 @@ def train(cfg: Config, launch: Launch | None = None) -> TrainResult:
             claimed = run.same_on_all(new_run_directory() if run.is_main else None)
             cfg = replace(cfg, out=str(claimed[0]))
         try:
-            return with_replans(cfg, lambda c, *replan: _train(c, run, *replan))
+            return with_replans(cfg, lambda c, attempt: _train(c, run, attempt))
         except BaseException:
             if claimed is not None and run.is_main:  # a run that failed before its first step leaves nothing
                 release_run_directory(*claimed)
             raise
 
 
-def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_metrics: bool = False,
-           plan_budget: int | None = None) -> TrainResult:
+def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
     assert cfg.out is not None, "train() claims the run directory"
     out = Path(cfg.out)
-    check_out_dir(out, cfg.resume or rewind_metrics)  # (a try started over after retries: its own first try's)
+    check_out_dir(out, cfg.resume or attempt.rewind_metrics)  # (a try started over after retries: its own first try's)
     device = run.place(resolve_device(cfg.train.device))
     amp_dtype = resolve_dtype(cfg.train.dtype, device)
     if cfg.optimizer.offload_param_dtype == "bfloat16" and amp_dtype != torch.bfloat16:
@@ -553,7 +554,13 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_me
         link = shared_link_for(cfg, device) if run.enabled else None
         model, optimizer, plan = run.plan_once(plan_for_budget, apply_plan, model, first, cfg, fused_loss=fused_ok,
                                                amp_dtype=amp_dtype, shared_link=link,  # rank 0 plans; all follow
-                                               budget=plan_budget)  # (a re-plan's, below --budget)
+                                               budget=attempt.plan_budget)  # (a re-plan's, below --budget)
+        if attempt.beat_seconds is not None and plan.predicted_step_seconds >= attempt.beat_seconds:
+            if hasattr(optimizer, "close"):
+                optimizer.close()  # its host threads and pinned buffers: the run goes back to the plan that retried
+            raise NoFasterPlan(f"the plan for {plan.budget_bytes / 2**30:.2f} GiB predicts "
+                               f"{plan.predicted_step_seconds:.3f} s a step, no faster than the "
+                               f"{attempt.beat_seconds:.3f} s the plan that retried ran")
         fwd_model, optimizer = run.wrap(model, optimizer=optimizer, plan=plan)  # (FSDP2: the plan's, over shards)
         if device.type == "cuda":  # the logged peak is the training steps', not the profile's (an unplanned step)
             torch.cuda.empty_cache()
@@ -574,14 +581,14 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_me
         fused_loss = plan.fused_loss
     else:
         fused_loss = cfg.train.fused_loss
-    metrics = run.metrics(out, resume_step=loaded.step if loaded else (0 if rewind_metrics else None),
+    metrics = run.metrics(out, resume_step=loaded.step if loaded else (0 if attempt.rewind_metrics else None),
                           tensorboard=cfg.logging.tensorboard)
     progress = recorder = None
     # (no plan: they watch nothing; the step's pace is every rank's alike, so rank 0 alone says it)
     watch, pace = BudgetWatch(plan, budget_limit(cfg)), PaceWatch(plan if run.is_main else None)
     # a plan searched here for --budget (one process) is searched again, tighter, if its first steps run out of
     # memory or keep the allocator retrying, before anything is checkpointed (planning.with_replans)
-    replannable, started = may_replan and planned_here and not run.enabled, False
+    replannable, started = attempt.may_replan and planned_here and not run.enabled, False
     # one process: the budget is a limit from the first step on (the profile ran uncapped); lifted however the run ends
     capped = cfg.cap_memory and not run.enabled and cap_memory(plan, device, budget_limit(cfg))
     try:  # from here on the optimizer (its host threads, pinned memory) is closed however the run ends
@@ -729,7 +736,7 @@ def _train(cfg: Config, run: DistributedRun, may_replan: bool = False, rewind_me
                     if watch.keeps_retrying(row) and replannable and not last and may_start_over(cfg, step):
                         # ... or keeps retrying at it, slowly: plan again for less while nothing is checkpointed
                         raise EarlyStepsRetrying(out, plan.budget_bytes, watch.lower_budget(),
-                                                 f"{row.get('alloc_retries')} retries by step {step}")
+                                                 f"{row.get('alloc_retries')} retries by step {step}", watch.pace_s)
                     pace.check(row)  # ... or if its steps keep running slower than predicted
                     if progress is not None:
                         progress.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
