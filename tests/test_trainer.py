@@ -729,7 +729,9 @@ def test_budget_watch_keeps_retrying_needs_a_retry_a_step_and_slow_steps() -> No
     # the median the trainer hands the re-plan to beat (planning.NoFasterPlan)
     watch = BudgetWatch(plan)
     for step, elapsed in ((1, 9.0), (2, 1.4), (3, 1.6), (4, 1.5)):
-        watch.keeps_retrying({"step": step, "alloc_retries": 4 * step, "elapsed_s": elapsed})
+        row = {"step": step, "alloc_retries": 4 * step, "elapsed_s": elapsed, "peak_reserved_bytes": 1}
+        watch.check(row)
+        watch.keeps_retrying(row)
     assert watch.pace_s == pytest.approx(1.5)
 
 
