@@ -213,6 +213,12 @@ def test_out_of_memory_in_the_first_steps_replans_tighter(tmp_path: Path, budget
     assert train_losses(out) == pytest.approx(train_losses(tmp_path / "direct"), rel=1e-5)
 
 
+def _size(n: int) -> str:
+    from elbowroom.train.planning import _size_at_least
+
+    return _size_at_least(n)
+
+
 def _slow_steps(monkeypatch: pytest.MonkeyPatch, pace: float = math.inf) -> None:
     """Every CPU step counts as slow against its plan (a plan predicting nothing, no minimum excess): the retries
     alone decide (BudgetWatch.keeps_retrying; its slowness test is tests/test_trainer.py's). ``pace``: the seconds a
@@ -294,8 +300,8 @@ def test_early_retries_under_a_budget_near_the_minimum_keep_the_plan(tmp_path: P
     out = tmp_path / "near-minimum"
     with caplog.at_level("WARNING"):
         assert run(out, "--steps", "5", "--budget", str(budget), "--logging.log_every", "1") == 0
-    assert "below the minimum" in caplog.text and f"training under the plan for --budget {budget} after all" in (
-        caplog.text)
+    assert "below the minimum" in caplog.text
+    assert f"training under the plan that retried (for {_size(budget)}) after all" in caplog.text
     assert json.loads((out / "plan.json").read_text())["budget_bytes"] == budget
     assert list(train_losses(out)) == [1, 2, 3, 4, 5]
     assert len((out / "metrics.rewound-0.jsonl").read_text().splitlines()) == 4
@@ -321,13 +327,22 @@ def test_early_retries_keep_the_plan_when_the_plan_for_less_is_no_faster(
     monkeypatch.setattr(trainer, "peak_memory", retrying)
     built = _models_collected_before(monkeypatch, "replan_after_retries")
     caps = _caps(monkeypatch)
+    planned: list[int] = []
+    real_plan = trainer.plan_for_budget
+
+    def plan_for_budget(*args, **kwargs):
+        planned.append(kwargs.get("budget") or budget)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "plan_for_budget", plan_for_budget)
     out = tmp_path / "no-faster"
     no_decay = ("--optimizer.weight_decay", "0")
     with caplog.at_level("WARNING"):
         assert run(out, "--steps", "5", "--budget", str(budget), "--logging.log_every", "1", *no_decay) == 0
     assert "no faster than the 0.000 s the plan that retried ran" in caplog.text
-    assert f"training under the plan for --budget {budget} after all" in caplog.text
+    assert f"training under the plan that retried (for {_size(budget)}) after all" in caplog.text
     assert len(built) == 3 and [limit for _, limit in caps] == [budget, budget]  # (the no-faster plan: not run)
+    assert planned == [budget, budget - budget // 10]  # the plan that retried is taken back as it was, not re-made
     assert json.loads((out / "plan.json").read_text())["budget_bytes"] == budget
     assert len((out / "metrics.rewound-0.jsonl").read_text().splitlines()) == 4
     monkeypatch.setattr(trainer, "peak_memory", lambda device: {"peak_memory_bytes": 1})

@@ -426,9 +426,10 @@ class EarlyStepsRetrying(Exception):
     for all the device's work): the plan fits in allocated bytes but not in what its steps hold. Nothing was
     checkpointed yet; the logged rows move aside when the run starts over."""
 
-    def __init__(self, out: Path, budget_bytes: int, lower_bytes: int, message: str, step_seconds: float) -> None:
+    def __init__(self, out: Path, plan: Plan, lower_bytes: int, message: str, step_seconds: float) -> None:
         super().__init__(message)
-        self.out, self.budget_bytes, self.lower_bytes, self.message = out, budget_bytes, lower_bytes, message
+        self.out, self.plan, self.lower_bytes, self.message = out, plan, lower_bytes, message
+        self.budget_bytes = plan.budget_bytes
         self.step_seconds = step_seconds  # the retrying steps' median: what the plan for less must beat
 
 
@@ -446,6 +447,8 @@ class Try:
     beat_seconds: float | None = None
     """A plan made again after retries must predict a step faster than this, the retrying steps' median, or the run
     goes back to the plan that retried (:class:`NoFasterPlan`)."""
+    plan: Plan | None = None
+    """The plan to train under, as ``--plan`` gives one: the plan that retried, gone back to (no re-plan)."""
 
 
 class NoFasterPlan(ConfigError):
@@ -480,28 +483,27 @@ def with_replans(cfg: Config, train_once: Callable[[Config, Try], T]) -> T:
     for the lower budget they name (:func:`replan_after_retries`); a try after one that logged rewinds the log those
     steps wrote. At most :data:`MAX_REPLANS` re-plans; the last try fails as any run does (an out-of-memory with its
     report, what was live against the plan). Where the plan for less is not to be had (a ``ConfigError`` from its
-    planning: below the run's minimum, or :class:`NoFasterPlan`), the plan that retried trains after all, without
-    another re-plan.
+    planning: below the run's minimum, or :class:`NoFasterPlan`), the plan that retried trains after all, as it
+    was (not profiled and planned again), without another re-plan.
     """
-    attempt = Try()
-    retried: list[int | None] = []  # the budget whose plan kept the allocator retrying, once it did
+    attempt, retried = Try(), None  # retried: the plan whose steps kept the allocator retrying
     for replans in itertools.count():
-        settled = bool(retried) and attempt.plan_budget == retried[0]  # back to the plan that retried
+        settled = attempt.plan is not None  # back to the plan that retried: no other re-plan
         attempt = replace(attempt, may_replan=replans < MAX_REPLANS and not settled)
         try:
             return train_once(cfg, attempt)
         except EarlyOutOfMemory as e:
             attempt = Try(plan_budget=replan_after_oom(e), rewind_metrics=attempt.rewind_metrics or e.started)
         except EarlyStepsRetrying as e:
-            retried = [attempt.plan_budget]
+            retried = e.plan
             attempt = Try(plan_budget=replan_after_retries(e), rewind_metrics=True, beat_seconds=e.step_seconds)
         except ConfigError as e:
-            if not retried or settled:
+            if retried is None or settled:
                 raise
-            log.warning("%s; training under the plan for %s after all", e,
-                        "--budget " + str(cfg.budget) if retried[0] is None else _size_at_least(retried[0]))
+            log.warning("%s; training under the plan that retried (for %s) after all", e,
+                        _size_at_least(retried.budget_bytes))
             _free_failed_try(e)
-            attempt = Try(plan_budget=retried[0], rewind_metrics=True)
+            attempt = Try(plan=retried, rewind_metrics=True)
 
 
 def replan_after_oom(e: EarlyOutOfMemory) -> int:

@@ -498,8 +498,9 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
         check_host_memory(cfg, model_cfg)
     schedule_steps = schedule_length(cfg, loaded)
     cfg = replace(cfg, scheduler=replace(cfg.scheduler, decay_steps=schedule_steps))  # recorded in config.toml
-    # the memory layout to follow when it is saved (--plan, or the resumed run's own); --budget plans below
-    plan = (mp_plan_to_follow if run.model_ranks > 1 else plan_to_follow)(cfg, out)  # (tp/pp: one per stage)
+    # the memory layout to follow when it is saved (--plan, the resumed run's own, or the plan a try that retried
+    # goes back to); --budget plans below
+    plan = attempt.plan or (mp_plan_to_follow if run.model_ranks > 1 else plan_to_follow)(cfg, out)  # (tp/pp: each)
     if plan is not None and run.model_ranks == 1:
         check_plan(plan, cfg, amp_dtype)
 
@@ -735,7 +736,7 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
                     watch.check(row)  # a planned run: warn once if the allocator passed the budget
                     if watch.keeps_retrying(row) and replannable and not last and may_start_over(cfg, step):
                         # ... or keeps retrying at it, slowly: plan again for less while nothing is checkpointed
-                        raise EarlyStepsRetrying(out, plan.budget_bytes, watch.lower_budget(),
+                        raise EarlyStepsRetrying(out, plan, watch.lower_budget(),
                                                  f"{row.get('alloc_retries')} retries by step {step}", watch.pace_s)
                     pace.check(row)  # ... or if its steps keep running slower than predicted
                     if progress is not None:
