@@ -240,6 +240,21 @@ def _slow_steps(monkeypatch: pytest.MonkeyPatch, pace: float = math.inf) -> None
     monkeypatch.setattr(metrics.PaceWatch, "MIN_EXCESS_S", 0.0)
 
 
+def _first_try_retries(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+    """The CUDA counters the trainer logs, simulated: the first try's four rows count 5 allocator retries a step
+    after the first row, the later tries' none."""
+    from elbowroom.train import trainer
+
+    calls = {"n": 0}
+
+    def retrying(device: torch.device) -> dict[str, int]:
+        calls["n"] += 1
+        return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
+                "alloc_retries": 5 * (calls["n"] - 1) if calls["n"] <= 4 else 0}
+
+    monkeypatch.setattr(trainer, "peak_memory", retrying)
+
+
 def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path, budgets: tuple[int, int],
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
@@ -252,14 +267,7 @@ def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path,
 
     _slow_steps(monkeypatch)
     budget = max(budgets[1], math.ceil(budgets[0] / 0.8))  # a tenth lower stays above the minimum
-    calls = {"n": 0}
-
-    def retrying(device: torch.device) -> dict[str, int]:  # the first try: 5 retries a step after its first
-        calls["n"] += 1
-        return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
-                "alloc_retries": 5 * (calls["n"] - 1) if calls["n"] <= 4 else 0}
-
-    monkeypatch.setattr(trainer, "peak_memory", retrying)
+    _first_try_retries(monkeypatch, budget)
     built = _models_collected_before(monkeypatch, "replan_after_retries")
     caps = _caps(monkeypatch)
     out = tmp_path / "retries"
@@ -285,18 +293,10 @@ def test_early_retries_under_a_budget_near_the_minimum_keep_the_plan(tmp_path: P
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """The lower budget the retries ask for is below the run's minimum: the run says so and trains under the plan
     that retried (one curve in metrics.jsonl, the first try's rows aside), instead of failing."""
-    from elbowroom.train import trainer
 
     _slow_steps(monkeypatch)
     budget = budgets[0] + 1024
-    calls = {"n": 0}
-
-    def retrying(device: torch.device) -> dict[str, int]:
-        calls["n"] += 1
-        return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
-                "alloc_retries": 5 * (calls["n"] - 1) if calls["n"] <= 4 else 0}  # the first try: 5 a step
-
-    monkeypatch.setattr(trainer, "peak_memory", retrying)
+    _first_try_retries(monkeypatch, budget)
     out = tmp_path / "near-minimum"
     with caplog.at_level("WARNING"):
         assert run(out, "--steps", "5", "--budget", str(budget), "--logging.log_every", "1") == 0
@@ -317,14 +317,7 @@ def test_early_retries_keep_the_plan_when_the_plan_for_less_is_no_faster(
 
     _slow_steps(monkeypatch, pace=0.0)  # the retrying steps ran in no time: nothing beats them
     budget = max(budgets[1], math.ceil(budgets[0] / 0.8))
-    calls = {"n": 0}
-
-    def retrying(device: torch.device) -> dict[str, int]:
-        calls["n"] += 1
-        return {"peak_memory_bytes": budget // 3, "peak_reserved_bytes": budget // 2,
-                "alloc_retries": 5 * (calls["n"] - 1) if calls["n"] <= 4 else 0}  # the first try: 5 a step
-
-    monkeypatch.setattr(trainer, "peak_memory", retrying)
+    _first_try_retries(monkeypatch, budget)
     built = _models_collected_before(monkeypatch, "replan_after_retries")
     caps = _caps(monkeypatch)
     planned: list[int] = []
