@@ -312,3 +312,72 @@ def test_fit_compiled_with_compile_blocks_options() -> None:
     assert got == pytest.approx(want, rel=1e-4)
     with pytest.raises(ValueError, match=r"not \['recompute'\]"):
         fit(hf_llama(), IDS, budget=big, machine="cpu", compile={"recompute": True})
+
+
+def test_fit_s_optimizer_warns_when_the_allocator_keeps_retrying(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A loop of fit's (CUDA counters simulated on a CPU optimizer): the step post-hook reads the allocator after
+    each step, warns once when it keeps retrying (naming a budget 5% lower, as fit takes it) and once when it holds
+    more than the budget, then removes itself; after the first 50 steps it reads every 50th."""
+    from elbowroom.plan.fit import BudgetHook
+    from elbowroom.plan.plan import BlockPlan, Plan
+
+    plan = Plan(blocks=(BlockPlan(0),), budget_bytes=20 << 30, predicted_peak_bytes=19 << 30,
+                predicted_step_seconds=0.5, predicted_tokens_per_s=1.0)
+    counters = {"num_alloc_retries": 3, "reserved_bytes.all.current": 19 << 30, "allocated_bytes.all.current": 1}
+    reads: list[int] = []
+
+    def memory_stats(device: torch.device) -> dict[str, int]:
+        reads.append(hook.steps)
+        return dict(counters)
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    hook = BudgetHook(plan, torch.device("cuda", 0))
+    hook.register(opt)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    with caplog.at_level("WARNING"):
+        steps(2)  # the first row is the baseline (the profile's retries); no new ones: nothing said
+        assert caplog.text == ""
+        counters["num_alloc_retries"] = 5
+        steps(1)
+        assert caplog.text.count("the allocator found no room 2 times since step 1") == 1
+        assert "fit(budget='19.0GiB')" in caplog.text
+        counters["reserved_bytes.all.current"] = 21 << 30  # more than the budget: said once
+        steps(2)
+        assert caplog.text.count("above the budget of 20.00 GiB") == 1
+    assert reads == [1, 2, 3, 4]  # both said: the hook removed itself
+    # another hook, quiet: every step to the 50th, then every 50th
+    hook = BudgetHook(plan, torch.device("cuda", 0))
+    hook.register(opt)
+    reads.clear()
+    counters.update({"num_alloc_retries": 0, "reserved_bytes.all.current": 1})
+    steps(120)
+    assert reads == [*range(1, 51), 100]
+
+
+@pytest.mark.gpu
+def test_fit_s_optimizer_on_cuda_carries_the_budget_hook() -> None:
+    """On CUDA fit's optimizer carries the hook (and counts the loop's steps reading the real counters); with
+    watch=False it carries none."""
+    from elbowroom.plan.fit import BudgetHook
+
+    def hooks(opt: torch.optim.Optimizer) -> list[BudgetHook]:
+        return [h for h in opt._optimizer_step_post_hooks.values() if isinstance(h, BudgetHook)]
+
+    ids = IDS.cuda()
+    model, opt, plan = fit(hf_llama().cuda(), ids, budget="4GiB", lr=1e-3)
+    assert len(hooks(opt)) == 1 and plan.expandable_segments is not None  # the plan says which setting it priced
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert hooks(opt)[0].steps == 3 and hooks(opt)[0].watch.retries is not None
+    _, opt, _ = fit(hf_llama().cuda(), ids, budget="4GiB", lr=1e-3, watch=False)
+    assert hooks(opt) == []

@@ -101,6 +101,7 @@ def fit(
     stream: bool | None = None,
     host_memory: str | int | None = None,
     compile: bool | dict[str, Any] = False,
+    watch: bool = True,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -134,7 +135,9 @@ def fit(
     the steps of a plan that mixes recompute, host-stepped and streamed blocks can hold more (the 7B shape: 3.2-5.0
     GiB where 1.75 was measured). On a device of the budget's size that shows as allocator retries
     (``torch.cuda.memory_stats()["num_alloc_retries"]`` growing every step) and slow steps; plan about 5% lower then.
-    ``elbowroom train --budget`` does that by itself (:class:`elbowroom.train.metrics.BudgetWatch`).
+    The optimizer ``fit`` returns says so once, as a warning naming that budget, and once if the allocator reserves
+    more than the budget (``watch``); ``elbowroom train --budget`` plans again by itself
+    (:class:`elbowroom.train.metrics.BudgetWatch`).
 
     Args:
         model: the model, on its training device (parameters in fp32).
@@ -193,6 +196,10 @@ def fit(
             run alike, over :data:`PLANNED_COMPILE` (pointwise results recomputed in backward;
             ``{"recompute_pointwise": False}`` turns that off). The profile's compiled code is dropped before the
             run (``torch.compiler.reset()``): the run compiles its own.
+        watch: on CUDA, a step post-hook on the optimizer (:class:`BudgetHook`) reads the allocator's counters after
+            each of the first 50 steps, then every 50th, and warns once when it keeps retrying at the budget and once
+            when it reserves more than the budget (a step that would not fit a device of the budget's size). False:
+            no hook (the trainer watches its own rows).
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
 
     Returns:
@@ -271,7 +278,43 @@ def fit(
 
         compile_blocks(model, blocks=resolve_blocks(model, blocks), **compile_options)
     logger.info("%s", plan.table())
+    device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    if watch and device is not None:
+        BudgetHook(plan, device).register(opt)
     return model, opt, plan
+
+
+class BudgetHook:
+    """A step post-hook that watches the caching allocator of a loop ``fit`` planned: the trainer's
+    :class:`~elbowroom.train.metrics.BudgetWatch` over the allocator's counters after a step, read after each of the
+    first :data:`EVERY_STEP` steps and then every :data:`EVERY`-th (a dict of counters, tens of microseconds).
+
+    It reads what the allocator holds now, not its peaks: those count the profile's steps. It removes itself once
+    both warnings have been given."""
+
+    EVERY_STEP = 50
+    EVERY = 50
+
+    def __init__(self, plan: Plan, device: torch.device) -> None:
+        from elbowroom.train.metrics import BudgetWatch  # (the trainer's: one rule for both)
+
+        self.watch = BudgetWatch(plan, suggest="fit(budget='{}')")
+        self.device, self.steps, self._handle = device, 0, None
+
+    def register(self, optimizer: torch.optim.Optimizer) -> None:
+        self._handle = optimizer.register_step_post_hook(self)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        if self.steps > self.EVERY_STEP and self.steps % self.EVERY:
+            return
+        stats = torch.cuda.memory_stats(self.device)
+        self.watch.check({"step": self.steps, "alloc_retries": stats.get("num_alloc_retries", 0),
+                          "peak_reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+                          "peak_memory_bytes": stats.get("allocated_bytes.all.current", 0)})
+        if self.watch.warned and self.watch.warned_retries and self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
 
 PLANNED_COMPILE: dict[str, Any] = {"recompute_pointwise": True}

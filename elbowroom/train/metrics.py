@@ -111,7 +111,8 @@ class BudgetWatch:
     retried 9-37 times in 10 steps (1.28-1.51x their predicted step), where a plan for 72 GiB (5% less) reserved
     74.5 GiB and never retried; 2% (the earlier figure) would have left it retrying."""
 
-    def __init__(self, plan: Any, limit: int | None = None) -> None:
+    def __init__(self, plan: Any, limit: int | None = None, suggest: str = "--budget {}") -> None:
+        self.suggest = suggest  # how the retry warning names a lower budget (fit's own loop: "fit(budget='{}')")
         self.budget = getattr(plan, "budget_bytes", None)
         # what the reserved peak may reach: --budget, where the plan was made again below it (planning.with_replans)
         self.limit = self.budget if limit is None or self.budget is None else limit
@@ -147,7 +148,7 @@ class BudgetWatch:
                f"{row.get('peak_reserved_bytes', 0) / 2**30:.2f} GiB, allocated "
                f"{row.get('peak_memory_bytes', 0) / 2**30:.2f}, the plan's predicted peak "
                f"{(self.predicted or 0) / 2**30:.2f} of {self.budget / 2**30:.2f} GiB): the plan sits at this device's "
-               f"edge; plan for less, e.g. --budget {_budget_flag(lower)}")
+               f"edge; plan for less, e.g. {self.suggest.format(_budget_flag(lower))}")
         log.warning("%s", msg)
         return msg
 

@@ -194,6 +194,7 @@ def plan_for_budget(
             compile=cfg.train.compile,  # priced on the blocks as they will run
             stream=_one_process(cfg),  # DDP's reduced gradients are not measured with it
             host_memory=cfg.host_budget,
+            watch=False,  # the trainer's own BudgetWatch reads its logged rows
             **_adamw_kwargs(cfg),
         )
     except BudgetError as e:
