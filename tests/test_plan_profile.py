@@ -782,3 +782,28 @@ def test_analytic_compiled_with_pointwise_recompute_equals_measured(arch: str) -
     notes = plan_for(analytic, 1 << 40).notes
     assert "the blocks compiled with compile_blocks(recompute_pointwise=True)" in notes
     assert any("selective" in n and "analytic" in n for n in notes)
+
+
+def test_an_allocator_margin_whose_steps_run_out_of_memory_is_unknown(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The margin's steps run out of memory with one setting (the defaults fragment far more on the 7B shape: 16.9
+    GiB against 1.75): that margin is unknown (0, priced as a share of the budget), the profile goes on, says so,
+    and the other setting's steps still count."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from elbowroom.plan import profiler
+
+    monkeypatch.setattr(profiler, "expandable_segments", lambda on: contextlib.nullcontext(True))
+
+    def held(mode: str | None) -> int:
+        if mode == "selective":
+            raise torch.OutOfMemoryError("simulated")
+        return 5 << 20
+
+    runner = SimpleNamespace(_held_over_steps=held)
+    with caplog.at_level("WARNING"):
+        assert profiler._Runner._overhead(runner, False) == 0
+    assert "ran out of memory with expandable_segments:False" in caplog.text
+    runner = SimpleNamespace(_held_over_steps=lambda mode: (3 << 20) if mode else (5 << 20))
+    assert profiler._Runner._overhead(runner, True) == 5 << 20  # the most of the two kinds of steps

@@ -634,7 +634,8 @@ class _Runner:
         ``expandable_segments`` set to ``expandable`` (switched for the measure and back, whatever the process runs),
         from an empty cache: the most over :data:`OVERHEAD_STEPS` plain steps and as many with every block under
         selective recompute, one after another as a run's steps follow each other. 0 when this torch cannot tell
-        the setting or cannot switch it at run time.
+        the setting or cannot switch it at run time, or when the steps run out of memory with it (the plan then
+        prices the margin as a share of the budget).
 
         Why from an empty cache: with the setting already on, a step's reserved minus allocated counts every segment
         cached before it (the profile's own passes, an earlier run in the process); a Hugging Face Llama planned after
@@ -653,29 +654,41 @@ class _Runner:
         72.2 GiB chose them, held 5.7 GiB beyond its tensors by its sixteenth step and ran out of memory under a
         76 GiB cap (twenty-sixth session).
         """
+        out_of_memory = False
         with expandable_segments(expandable) as on:
             if not on:
                 return 0
             held = 1
-            for mode in (None, "selective"):  # each from an empty cache, as a run's steps start from one
-                self._apply(mode, compiled=self.compiled)
-                try:
-                    torch.cuda.synchronize(self.device)
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                    r0, a0 = torch.cuda.memory_reserved(self.device), torch.cuda.memory_allocated(self.device)
-                    for _ in range(OVERHEAD_STEPS):
-                        self._run(Tracer(self.blocks, set(), self.clock, record_ops=False), record=False)
-                        torch.cuda.synchronize(self.device)
-                    # what the steps' own allocations hold beyond their bytes: the segments made before the switch
-                    # (the profile's, partly free) are not the planned run's, whose allocations after apply() are
-                    # all new (GPT-2-XL planned with the setting: 0.4-0.9 GiB beyond allocated, where reserved minus
-                    # allocated here read 1.6 GiB)
-                    held = max(held, (torch.cuda.max_memory_reserved(self.device) - r0)
-                               - (torch.cuda.max_memory_allocated(self.device) - a0))
-                finally:
-                    self._apply(None)
-            return int(held)
+            try:
+                for mode in (None, "selective"):  # each from an empty cache, as a run's steps start from one
+                    held = max(held, self._held_over_steps(mode))
+            except torch.OutOfMemoryError:  # (handled once the exception and the tensors it holds are gone)
+                out_of_memory = True
+        if out_of_memory:  # the steps did not fit with this setting: unknown, priced as a share of the budget
+            logger.warning("profile: the steps ran out of memory with expandable_segments:%s; the plan prices "
+                           "that setting's allocator margin as a share of the budget", expandable)
+            return 0
+        return int(held)
+
+    def _held_over_steps(self, mode: str | None) -> int:
+        """Reserved minus allocated at the peak of :data:`OVERHEAD_STEPS` steps in ``mode`` from an empty cache."""
+        self._apply(mode, compiled=self.compiled)
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            r0, a0 = torch.cuda.memory_reserved(self.device), torch.cuda.memory_allocated(self.device)
+            for _ in range(OVERHEAD_STEPS):
+                self._run(Tracer(self.blocks, set(), self.clock, record_ops=False), record=False)
+                torch.cuda.synchronize(self.device)
+            # what the steps' own allocations hold beyond their bytes: the segments made before the switch (the
+            # profile's, partly free) are not the planned run's, whose allocations after apply() are all new
+            # (GPT-2-XL planned with the setting: 0.4-0.9 GiB beyond allocated, where reserved minus allocated here
+            # read 1.6 GiB)
+            return ((torch.cuda.max_memory_reserved(self.device) - r0)
+                    - (torch.cuda.max_memory_allocated(self.device) - a0))
+        finally:
+            self._apply(None)
 
 
 def _kernel_seconds(ops: list[tuple], machine: MachineProfile) -> float:
