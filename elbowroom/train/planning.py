@@ -455,8 +455,9 @@ class Try:
 class NoFasterPlan(ConfigError):
     """The plan for less memory than a retrying plan's predicts no faster step than that plan ran, retries and all:
     the run goes back to the plan that retried (:func:`with_replans`). On the 7B shape (H200, ``BENCHMARKS.md``
-    twenty-sixth session) a 76 GiB plan ran 0.77 s steps with 7 retries in 8, and the plan for 72 GiB predicted
-    0.92 s (it ran 0.90)."""
+    twenty-sixth session) the 76 GiB plan's first steps retried once a step at 0.79-0.80 s, the plan for 72.2 GiB
+    predicted 0.79-0.81 s, and the run went back to the 76 GiB plan (0.745-0.76 s a step); at 72 GiB the planner
+    falls from fp32 to bf16 weights with 29 selective blocks (in the bench: 0.92 s predicted, 0.90 run)."""
 
 
 def replan_after_retries(e: EarlyStepsRetrying) -> int:
