@@ -240,6 +240,51 @@ def _slow_steps(monkeypatch: pytest.MonkeyPatch, pace: float = math.inf) -> None
     monkeypatch.setattr(metrics.PaceWatch, "MIN_EXCESS_S", 0.0)
 
 
+def test_the_tries_of_a_run_that_retried_then_ran_out_of_memory() -> None:
+    """with_replans over scripted tries (the 7B's fourth call, twenty-sixth session): the 76 GiB plan retries; the
+    plan for 72.2 GiB runs out of memory at step 16; the plan for 90% of that is below the minimum; the run goes back
+    to the plan that retried, as it was, and may not re-plan again. Every try after one that logged rewinds the log;
+    a budget error with no retries before it is the run's error."""
+    from dataclasses import replace
+
+    from elbowroom.config import ConfigError
+    from elbowroom.plan.plan import BlockPlan
+    from elbowroom.train.planning import EarlyOutOfMemory, EarlyStepsRetrying, Try, with_replans
+
+    gib = 1 << 30
+    first = Plan(blocks=(BlockPlan(0),), budget_bytes=76 * gib, predicted_peak_bytes=75 * gib,
+                 predicted_step_seconds=0.66, predicted_tokens_per_s=1.0)
+    lower = int(72.2 * gib)
+    script = [EarlyStepsRetrying(Path("out"), first, lower, "4 retries by step 4", 0.8),
+              EarlyOutOfMemory(Path("out"), lower, "CUDA out of memory", started=True),
+              ConfigError("budget 65.0 GiB is below the minimum 71.9 GiB"), None]
+    tries: list[Try] = []
+
+    def train_once(cfg, attempt: Try) -> str:
+        tries.append(attempt)
+        outcome = script[len(tries) - 1]
+        if outcome is not None:
+            raise outcome
+        return "trained"
+
+    assert with_replans(resolve(None, ["--budget", "76GiB"]), train_once) == "trained"
+    assert tries == [Try(may_replan=True),
+                     Try(may_replan=True, rewind_metrics=True, plan_budget=lower, beat_seconds=0.8),
+                     Try(may_replan=False, rewind_metrics=True, plan_budget=int(lower * 0.9)),
+                     Try(may_replan=False, rewind_metrics=True, plan=first)]
+    # no retries before it: a budget error is the run's own
+    script, tries = [EarlyOutOfMemory(Path("out"), 8 * gib, "CUDA out of memory"), ConfigError("below")], []
+    with pytest.raises(ConfigError, match="below"):
+        with_replans(resolve(None, ["--budget", "8GiB"]), train_once)
+    assert tries == [Try(may_replan=True), Try(may_replan=True, plan_budget=int(8 * gib * 0.9))]
+    # and once back under the plan that retried, nothing more is re-planned: its own error is the run's
+    script, tries = [EarlyStepsRetrying(Path("out"), first, lower, "", 0.8), ConfigError("no faster"),
+                     ConfigError("other")], []
+    with pytest.raises(ConfigError, match="other"):
+        with_replans(resolve(None, ["--budget", "76GiB"]), train_once)
+    assert tries[-1] == replace(Try(rewind_metrics=True, plan=first), may_replan=False)
+
+
 def _first_try_retries(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
     """The CUDA counters the trainer logs, simulated: the first try's four rows count 5 allocator retries a step
     after the first row, the later tries' none."""
