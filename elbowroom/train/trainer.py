@@ -500,7 +500,8 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
     cfg = replace(cfg, scheduler=replace(cfg.scheduler, decay_steps=schedule_steps))  # recorded in config.toml
     # the memory layout to follow when it is saved (--plan, the resumed run's own, or the plan a try that retried
     # goes back to); --budget plans below
-    plan = attempt.plan or (mp_plan_to_follow if run.model_ranks > 1 else plan_to_follow)(cfg, out)  # (tp/pp: each)
+    plan = attempt.plan if attempt.plan is not None else (
+        (mp_plan_to_follow if run.model_ranks > 1 else plan_to_follow)(cfg, out))  # (tp/pp: one per stage)
     if plan is not None and run.model_ranks == 1:
         check_plan(plan, cfg, amp_dtype)
 
