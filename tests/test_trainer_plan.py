@@ -307,6 +307,7 @@ def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path,
     again for the lower budget the warning names and starts over, the allocator still capped at --budget; the first
     try's rows move to metrics.rewound-0.jsonl, and metrics.jsonl holds one curve, the one a run planned for that
     budget gives."""
+    from elbowroom.plan import parse_budget
     from elbowroom.train import trainer
     from elbowroom.train.metrics import BudgetWatch
 
@@ -331,6 +332,10 @@ def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path,
     assert run(tmp_path / "direct", "--steps", "6", "--budget", str(lower), "--logging.log_every", "1",
                *no_decay) == 0
     assert train_losses(out) == pytest.approx(train_losses(tmp_path / "direct"), rel=1e-5)
+    # resumed (its config keeps --budget): the plan it trained under, the allocator capped at --budget again
+    assert parse_budget(resolve(out / "config.toml", []).budget) == budget
+    assert run(out, "--resume", "--steps", "8") == 0
+    assert caps[-1] == (lower, budget) and list(train_losses(out)) == list(range(1, 9))
 
 
 def test_early_retries_under_a_budget_near_the_minimum_keep_the_plan(tmp_path: Path, budgets: tuple[int, int],
