@@ -559,6 +559,31 @@ def test_a_host_memory_limit_keeps_offloaded_parameters_near_their_12_bytes() ->
     assert tight.predicted_step_seconds >= plan_for(p, budget + GiB, **kw).predicted_step_seconds
 
 
+def test_a_plan_the_host_binds_says_what_more_host_memory_would_buy() -> None:
+    """The 7B shape on a 40 GiB host at a budget where the host binds (BENCHMARKS.md, twenty-sixth session: on a
+    32 GiB host the fp32 layout no longer fits the host at 72 GiB): the plan is the same as without the note, and
+    the note names the host memory and the step of the plan made without the host's limit. A plan without that
+    limit, or on a host with room, has no note."""
+    from elbowroom.plan import search
+
+    p = make_profile(dim=4096, n_layers=32, ffn=11008, micro_batch=1, seq_len=4096)
+    kw = dict(precision="bf16", fused_loss_allowed=True, grad_clipping=False, gradient_offload_allowed=True)
+    host, budget = 40 * GiB, 70 * GiB  # (here the limit costs 7%: 0.79 s against 0.73)
+    tight = with_machine(p, host_memory_bytes=host)
+    plan, free = plan_for(tight, budget, **kw), plan_for(with_machine(p, host_memory_bytes=0), budget, **kw)
+    assert free.predicted_step_seconds < (1 - search.HOST_NOTE_GAIN) * plan.predicted_step_seconds
+    note = [n for n in plan.notes if "binds this plan" in n]
+    assert len(note) == 1 and plan.host_bytes >= search.HOST_BINDS * host
+    assert f"with {search._gib(free.host_bytes)} of host memory" in note[0]
+    assert f"would take {free.predicted_step_seconds * 1e3:.0f} ms ({plan.predicted_step_seconds * 1e3:.0f} here)" in (
+        note[0])
+    assert dataclasses.replace(plan, notes=()) == dataclasses.replace(
+        plan_for(tight, budget, **kw), notes=())  # the note changes nothing else
+    assert not any("binds this plan" in n for n in free.notes)
+    roomy = plan_for(with_machine(p, host_memory_bytes=1024 * GiB), budget, **kw)
+    assert not any("binds this plan" in n for n in roomy.notes)
+
+
 # ---------------------------------------------------------------------------------------------- split blocks
 def test_a_split_block_puts_its_largest_tensors_on_the_host() -> None:
     """The rule the planner prices and ``apply`` builds: largest first, each taken where it brings the host's part

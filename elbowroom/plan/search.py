@@ -347,7 +347,8 @@ def plan_for(
                 errors.append(e)
         if not found:
             raise min(errors, key=lambda e: e.minimum_bytes)
-        return min(found, key=lambda pl: pl.predicted_step_seconds)
+        return _with_host_note(profile, budget_bytes, min(found, key=lambda pl: pl.predicted_step_seconds),
+                               dict(kw, bf16_bytes=bf16_bytes, weight_layouts=weight_layouts))
     if _layouts is not None:
         layouts = [x for x in layouts if x in _layouts]
     cuda_like = allocator_allowed and m.name.lower() != "cpu"
@@ -517,7 +518,45 @@ def plan_for(
     assert math.isclose(plan.predicted_step_seconds, t, rel_tol=1e-9), (plan.predicted_step_seconds, t)
     assert plan.predicted_peak_bytes <= budget, (plan.predicted_peak_bytes, budget)
     tokens = plan.global_batch * profile.seq_len
-    return replace(plan, predicted_step_seconds=t, predicted_tokens_per_s=tokens / t if t > 0 else math.inf)
+    plan = replace(plan, predicted_step_seconds=t, predicted_tokens_per_s=tokens / t if t > 0 else math.inf)
+    if _layouts is not None:  # one layout's search of the two above: the note is the whole plan's
+        return plan
+    return _with_host_note(profile, budget_bytes, plan, dict(
+        global_batch=global_batch, precision=precision, fused_loss_allowed=fused_loss_allowed,
+        offload_allowed=offload_allowed, gradient_offload_allowed=gradient_offload_allowed,
+        grad_clipping=grad_clipping, persistent_gradients=persistent_gradients, allocator_allowed=allocator_allowed,
+        prefetch_window_bytes=prefetch_window_bytes, selective_allowed=selective_allowed,
+        stream_allowed=stream_allowed, offload_config=offload_config, bf16_bytes=bf16_bytes,
+        weight_layouts=weight_layouts))
+
+
+HOST_BINDS = 0.9
+"""A plan whose host memory reaches this share of the host's is planned again without the host's limit
+(:func:`_with_host_note`)."""
+HOST_NOTE_GAIN = 0.05
+"""... and the note says what more host memory would buy where the step would be at least this much shorter."""
+
+
+def _with_host_note(profile: Profile, budget_bytes: int, plan: Plan, kw: dict[str, Any]) -> Plan:
+    """``plan`` with a note where the host's memory binds it: what the step would take with as much host memory as
+    the plan without that limit uses. The 7B shape with a 32 GiB host on an H200 (``BENCHMARKS.md``, twenty-sixth
+    session): at 73 GiB of device memory its plan held 31.7 GiB of host memory, and at 72 GiB the fp32-weight
+    layout no longer fitted the host, a step of 0.98 s predicted against 0.74; nothing said the host was the
+    limit."""
+    host = profile.machine.host_memory_bytes
+    if host <= 0 or plan.host_bytes < HOST_BINDS * host:
+        return plan
+    unbound = replace(profile, machine=replace(profile.machine, host_memory_bytes=0))  # (0: no limit)
+    try:
+        roomy = plan_for(unbound, budget_bytes, **kw)
+    except BudgetError:
+        return plan
+    if roomy.predicted_step_seconds > (1.0 - HOST_NOTE_GAIN) * plan.predicted_step_seconds:
+        return plan
+    note = (f"the host's {_gib(host)} binds this plan ({_gib(plan.host_bytes)} used): with "
+            f"{_gib(roomy.host_bytes)} of host memory the step would take "
+            f"{roomy.predicted_step_seconds * 1e3:.0f} ms ({plan.predicted_step_seconds * 1e3:.0f} here)")
+    return replace(plan, notes=(*plan.notes, note))
 
 
 def _refine(profile: Profile, best: tuple | None, admitted: list, budget: int, decisions: Any, window: int
