@@ -807,3 +807,39 @@ def test_an_allocator_margin_whose_steps_run_out_of_memory_is_unknown(monkeypatc
     assert "ran out of memory with expandable_segments:False" in caplog.text
     runner = SimpleNamespace(_held_over_steps=lambda mode: (3 << 20) if mode else (5 << 20))
     assert profiler._Runner._overhead(runner, True) == 5 << 20  # the most of the two kinds of steps
+
+
+@pytest.mark.parametrize("was", [False, True])
+def test_a_margin_is_measured_with_its_own_setting_and_the_process_s_is_given_back(
+        monkeypatch: pytest.MonkeyPatch, was: bool) -> None:
+    """devices.expandable_segments (CUDA simulated): each setting is switched to for its measure from an empty cache,
+    and the process's own is set again after it, also when the measure fails; a setting the process already runs is
+    not switched; a torch that cannot tell the setting, or cannot switch it, measures nothing."""
+    from elbowroom.plan import devices
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(devices, "expandable_segments_on", lambda: was)
+    monkeypatch.setattr(devices, "allocator_settings_setter", lambda: calls.append)
+    for on in (False, True):
+        calls.clear()
+        with devices.expandable_segments(on) as measured:
+            assert measured is True
+            calls.append("measure")
+        switched = [f"expandable_segments:{on}", "measure", f"expandable_segments:{was}"]
+        assert [c for c in calls if c != "empty"] == (switched if on != was else ["measure"])
+        assert calls[0] == "empty" and calls[-1] == "empty"  # from an empty cache, and none of it left after
+    calls.clear()
+    with pytest.raises(RuntimeError), devices.expandable_segments(not was):
+        raise RuntimeError("the measure failed")
+    assert f"expandable_segments:{was}" in calls  # given back all the same
+    monkeypatch.setattr(devices, "allocator_settings_setter", lambda: None)  # cannot switch
+    with devices.expandable_segments(not was) as measured:
+        assert measured is False
+    with devices.expandable_segments(was) as measured:  # (nothing to switch)
+        assert measured is True
+    monkeypatch.setattr(devices, "expandable_segments_on", lambda: None)  # cannot tell
+    with devices.expandable_segments(was) as measured:
+        assert measured is False
