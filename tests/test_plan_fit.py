@@ -381,3 +381,24 @@ def test_fit_s_optimizer_on_cuda_carries_the_budget_hook() -> None:
     assert hooks(opt)[0].steps == 3 and hooks(opt)[0].watch.retries is not None
     _, opt, _ = fit(hf_llama().cuda(), ids, budget="4GiB", lr=1e-3, watch=False)
     assert hooks(opt) == []
+
+
+def test_fit_s_before_apply_sees_the_plan_and_may_refuse_it() -> None:
+    """before_apply gets the plan before anything is applied; raising refuses it and leaves the model as it was
+    (the trainer refuses a re-plan that would not be faster so, before its pinned memory is allocated)."""
+    model = hf_llama()
+    low, _ = budgets(model)  # at the minimum blocks recompute: applied, they carry a policy
+    seen = []
+
+    def refuse(plan) -> None:
+        seen.append(plan)
+        raise RuntimeError("refused")
+
+    kw = dict(source="analytic", machine=DEVICE, lr=1e-3, offload_config=KNOBS)
+    with pytest.raises(RuntimeError, match="refused"):
+        fit(model, IDS, budget=low, before_apply=refuse, **kw)
+    assert len(seen) == 1 and seen[0].budget_bytes == low
+    assert any(b.checkpoint != "none" for b in seen[0].blocks)
+    assert all(_wrap.get_policy(m) is None for m in model.modules())  # nothing applied
+    model, _, plan = fit(model, IDS, budget=low, before_apply=seen.append, **kw)
+    assert seen[-1] is plan and any(_wrap.get_policy(m) is not None for m in model.modules())

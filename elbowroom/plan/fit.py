@@ -102,6 +102,7 @@ def fit(
     host_memory: str | int | None = None,
     compile: bool | dict[str, Any] = False,
     watch: bool = True,
+    before_apply: Callable[[Plan], None] | None = None,
     **opt_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Plan]:
     """Fit a training step of ``model`` into ``budget``: profile it, plan, apply the plan, log the plan's table.
@@ -200,6 +201,8 @@ def fit(
             each of the first 50 steps, then every 50th, and warns once when it keeps retrying at the budget and once
             when it reserves more than the budget (a step that would not fit a device of the budget's size). False:
             no hook (the trainer watches its own rows).
+        before_apply: called with the plan before it is applied; it may raise to refuse it, leaving the model as
+            it was (the trainer refuses a re-plan that would not be faster, before its pinned memory is allocated).
         **opt_kwargs: the optimizer's arguments (``lr``, ``weight_decay``...).
 
     Returns:
@@ -272,6 +275,8 @@ def fit(
         plan = dataclasses.replace(plan, notes=(*plan.notes, (
             f"one of {ranks_per_host} ranks on this host: planned on 1/{ranks_per_host} of its memory and of its host "
             f"optimizer rate ({prof.machine.host_adam_params_per_s / 1e9:.2f} G params/s)")))
+    if before_apply is not None:
+        before_apply(plan)
     model, opt = apply(model, plan, optimizer, blocks=blocks, reentrant=reentrant, **opt_kwargs)
     if compile:
         from elbowroom.activations import compile_blocks

@@ -18,6 +18,7 @@ shard factor.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -155,10 +156,12 @@ def check_plan(plan: Plan, cfg: Config, amp_dtype: torch.dtype) -> None:
 def plan_for_budget(
     model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool, amp_dtype: torch.dtype,
     shared_link: tuple[float, float, float] | None = None, budget: int | None = None,
+    beat_seconds: float | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, Plan]:
     """Profile ``model`` on ``sample`` (a training micro-batch), plan it into ``--budget`` (or ``budget`` bytes, a
     re-plan's, below it) and apply the plan. ``shared_link``: the link with every rank of the host copying
-    (``DistributedRun.plan_once`` measures it).
+    (``DistributedRun.plan_once`` measures it). ``beat_seconds``: a plan that does not predict a shorter step is
+    refused before it is applied (:class:`NoFasterPlan`).
 
     Under FSDP2 the plan is one rank's and only its first half is applied here: the optimizer is None, built after
     sharding (:func:`plan_optimizer`). The budget too small for any plan is a ConfigError whose one line names the
@@ -195,10 +198,13 @@ def plan_for_budget(
             stream=_one_process(cfg),  # DDP's reduced gradients are not measured with it
             host_memory=cfg.host_budget,
             watch=False,  # the trainer's own BudgetWatch reads its logged rows
+            before_apply=None if beat_seconds is None else functools.partial(refuse_slower, beat_seconds=beat_seconds),
             **_adamw_kwargs(cfg),
         )
     except BudgetError as e:
         raise _budget_error(e, cfg) from None
+    except ConfigError:
+        raise
     except ValueError as e:  # a model the planner cannot read
         raise ConfigError(" ".join(str(e).split())) from None
     finally:
@@ -458,6 +464,14 @@ class NoFasterPlan(ConfigError):
     twenty-sixth session) the 76 GiB plan's first steps retried once a step at 0.79-0.80 s, the plan for 72.2 GiB
     predicted 0.79-0.81 s, and the run went back to the 76 GiB plan (0.745-0.76 s a step); at 72 GiB the planner
     falls from fp32 to bf16 weights with 29 selective blocks (in the bench: 0.92 s predicted, 0.90 run)."""
+
+
+def refuse_slower(plan: Plan, beat_seconds: float) -> None:
+    """Refuse ``plan`` (:class:`NoFasterPlan`) unless it predicts a step shorter than ``beat_seconds``."""
+    if plan.predicted_step_seconds >= beat_seconds:
+        raise NoFasterPlan(f"the plan for {plan.budget_bytes / 2**30:.2f} GiB predicts "
+                           f"{plan.predicted_step_seconds:.3f} s a step, no faster than the {beat_seconds:.3f} s the "
+                           "plan that retried ran")
 
 
 def replan_after_retries(e: EarlyStepsRetrying) -> int:

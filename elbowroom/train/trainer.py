@@ -63,7 +63,6 @@ from elbowroom.train.planning import (
     PLAN_FILE,
     EarlyOutOfMemory,
     EarlyStepsRetrying,
-    NoFasterPlan,
     Try,
     apply_plan,
     budget_limit,
@@ -556,13 +555,8 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
         link = shared_link_for(cfg, device) if run.enabled else None
         model, optimizer, plan = run.plan_once(plan_for_budget, apply_plan, model, first, cfg, fused_loss=fused_ok,
                                                amp_dtype=amp_dtype, shared_link=link,  # rank 0 plans; all follow
-                                               budget=attempt.plan_budget)  # (a re-plan's, below --budget)
-        if attempt.beat_seconds is not None and plan.predicted_step_seconds >= attempt.beat_seconds:
-            if hasattr(optimizer, "close"):
-                optimizer.close()  # its host threads and pinned buffers: the run goes back to the plan that retried
-            raise NoFasterPlan(f"the plan for {plan.budget_bytes / 2**30:.2f} GiB predicts "
-                               f"{plan.predicted_step_seconds:.3f} s a step, no faster than the "
-                               f"{attempt.beat_seconds:.3f} s the plan that retried ran")
+                                               # (a re-plan's budget, below --budget, and the step it must beat)
+                                               budget=attempt.plan_budget, beat_seconds=attempt.beat_seconds)
         fwd_model, optimizer = run.wrap(model, optimizer=optimizer, plan=plan)  # (FSDP2: the plan's, over shards)
         if device.type == "cuda":  # the logged peak is the training steps', not the profile's (an unplanned step)
             torch.cuda.empty_cache()
