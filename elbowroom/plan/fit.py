@@ -292,7 +292,7 @@ def fit(
 class BudgetHook:
     """A step post-hook that watches the caching allocator of a loop ``fit`` planned: the trainer's
     :class:`~elbowroom.train.metrics.BudgetWatch` over the allocator's counters after a step, read after each of the
-    first :data:`EVERY_STEP` steps and then every :data:`EVERY`-th (a dict of counters, tens of microseconds).
+    first :data:`EVERY_STEP` steps and then every :data:`EVERY`-th (``torch.cuda.memory_stats``: no device sync).
 
     It reads what the allocator holds now, not its peaks: those count the profile's steps. It removes itself once
     both warnings have been given."""

@@ -324,15 +324,17 @@ def plan_for(
         if unknown or not weight_layouts:
             raise ValueError(f"weight_layouts must name some of {', '.join(cost.LAYOUTS)}, got {list(weight_layouts)}")
         layouts = [x for x in layouts if x in weight_layouts] or ["fp32"]
+    # the search's own arguments, for the searches this one makes again (a layout alone, the host unbound)
+    kw: dict[str, Any] = dict(
+        global_batch=global_batch, precision=precision, fused_loss_allowed=fused_loss_allowed,
+        offload_allowed=offload_allowed, gradient_offload_allowed=gradient_offload_allowed,
+        grad_clipping=grad_clipping, persistent_gradients=persistent_gradients, allocator_allowed=allocator_allowed,
+        prefetch_window_bytes=prefetch_window_bytes, selective_allowed=selective_allowed,
+        stream_allowed=stream_allowed, offload_config=offload_config)
+    whole_kw = dict(kw, bf16_bytes=bf16_bytes, weight_layouts=weight_layouts)
     if bf16_bytes is not None and "bf16" in layouts and _layouts is None:
         # the bf16 layout on its own bytes, the others on the profile's: the faster of the two searches (each
         # exact, so a tighter budget still never predicts a faster step)
-        kw = dict(global_batch=global_batch, precision=precision, fused_loss_allowed=fused_loss_allowed,
-                  offload_allowed=offload_allowed, gradient_offload_allowed=gradient_offload_allowed,
-                  grad_clipping=grad_clipping, persistent_gradients=persistent_gradients,
-                  allocator_allowed=allocator_allowed,
-                  prefetch_window_bytes=prefetch_window_bytes, selective_allowed=selective_allowed,
-                  stream_allowed=stream_allowed, offload_config=offload_config)
         found: list[Plan] = []
         errors: list[BudgetError] = []
         bf16 = (with_bf16_measurements(profile, bf16_bytes) if bf16_bytes.source == "measured"
@@ -347,8 +349,7 @@ def plan_for(
                 errors.append(e)
         if not found:
             raise min(errors, key=lambda e: e.minimum_bytes)
-        return _with_host_note(profile, budget_bytes, min(found, key=lambda pl: pl.predicted_step_seconds),
-                               dict(kw, bf16_bytes=bf16_bytes, weight_layouts=weight_layouts))
+        return _with_host_note(profile, budget_bytes, min(found, key=lambda pl: pl.predicted_step_seconds), whole_kw)
     if _layouts is not None:
         layouts = [x for x in layouts if x in _layouts]
     cuda_like = allocator_allowed and m.name.lower() != "cpu"
@@ -521,13 +522,7 @@ def plan_for(
     plan = replace(plan, predicted_step_seconds=t, predicted_tokens_per_s=tokens / t if t > 0 else math.inf)
     if _layouts is not None:  # one layout's search of the two above: the note is the whole plan's
         return plan
-    return _with_host_note(profile, budget_bytes, plan, dict(
-        global_batch=global_batch, precision=precision, fused_loss_allowed=fused_loss_allowed,
-        offload_allowed=offload_allowed, gradient_offload_allowed=gradient_offload_allowed,
-        grad_clipping=grad_clipping, persistent_gradients=persistent_gradients, allocator_allowed=allocator_allowed,
-        prefetch_window_bytes=prefetch_window_bytes, selective_allowed=selective_allowed,
-        stream_allowed=stream_allowed, offload_config=offload_config, bf16_bytes=bf16_bytes,
-        weight_layouts=weight_layouts))
+    return _with_host_note(profile, budget_bytes, plan, whole_kw)
 
 
 HOST_BINDS = 0.9

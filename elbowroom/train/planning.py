@@ -436,7 +436,6 @@ class EarlyStepsRetrying(Exception):
     def __init__(self, out: Path, plan: Plan, lower_bytes: int, message: str, step_seconds: float) -> None:
         super().__init__(message)
         self.out, self.plan, self.lower_bytes, self.message = out, plan, lower_bytes, message
-        self.budget_bytes = plan.budget_bytes
         self.step_seconds = step_seconds  # the retrying steps' median: what the plan for less must beat
 
 
@@ -483,7 +482,7 @@ def replan_after_retries(e: EarlyStepsRetrying) -> int:
     retried 9-37 times in 10 steps at 1.28-1.51x its prediction, a plan for 72 GiB under the same cap never, at
     0.96x, reserving 74.5 GiB (capped at 72.2 GiB as well, a re-plan ran out of memory: twenty-sixth session)."""
     log.warning("the first steps kept the allocator retrying at the budget of %s (%s): planning again for %s and "
-                "starting over, the allocator still capped at --budget", _size_at_least(e.budget_bytes), e.message,
+                "starting over, the allocator still capped at --budget", _size_at_least(e.plan.budget_bytes), e.message,
                 _size_at_least(e.lower_bytes))
     _free_failed_try(e)
     return e.lower_bytes

@@ -581,12 +581,13 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
                           tensorboard=cfg.logging.tensorboard)
     progress = recorder = None
     # (no plan: they watch nothing; the step's pace is every rank's alike, so rank 0 alone says it)
-    watch, pace = BudgetWatch(plan, budget_limit(cfg)), PaceWatch(plan if run.is_main else None)
+    limit = budget_limit(cfg)  # --budget: the cap and the watch's limit, whatever budget the plan was made for
+    watch, pace = BudgetWatch(plan, limit), PaceWatch(plan if run.is_main else None)
     # a plan searched here for --budget (one process) is searched again, tighter, if its first steps run out of
     # memory or keep the allocator retrying, before anything is checkpointed (planning.with_replans)
     replannable, started = attempt.may_replan and planned_here and not run.enabled, False
     # one process: the budget is a limit from the first step on (the profile ran uncapped); lifted however the run ends
-    capped = cfg.cap_memory and not run.enabled and cap_memory(plan, device, budget_limit(cfg))
+    capped = cfg.cap_memory and not run.enabled and cap_memory(plan, device, limit)
     try:  # from here on the optimizer (its host threads, pinned memory) is closed however the run ends
         scheduler = build_scheduler(
             optimizer,
