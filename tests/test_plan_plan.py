@@ -84,6 +84,22 @@ def test_load_validates_with_fix_it_messages(plan: Plan, tmp_path: Path, old: st
     assert str(path) in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "name, content, match",
+    [
+        ("cut.json", b'{"version": 1', r"cut\.json: Expecting .* line 1 column"),
+        ("cut.toml", b"version = ", r"cut\.toml: Invalid value"),
+        ("bin.json", b"\xff\xfe\x00\x81", r"bin\.json: not a text file"),
+    ],
+)
+def test_corrupt_plan_files_name_the_file_and_the_fault(tmp_path: Path, name: str, content: bytes, match: str) -> None:
+    # a truncated or binary file is a ValueError with the file and the parser's place in it, not a rebuilt
+    # JSONDecodeError's TypeError
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        Plan.load(tmp_path / name)
+
+
 def test_missing_keys_and_wrong_suffix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="missing key"):
         Plan.from_dict({"blocks": [{"index": 0}]})

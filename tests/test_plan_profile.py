@@ -251,6 +251,30 @@ def test_pair_batch_and_loss_fn() -> None:
     assert [b.saved_bytes for b in pair.blocks] == [b.saved_bytes for b in custom.blocks]
 
 
+class _OwnLoss(torch.nn.Module):
+    """A model that returns its own scalar loss (what the profile cannot read as logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = build_model(_cfg("llama"))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.inner(ids)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def test_a_model_returning_its_loss_or_a_triple_batch_is_told_to_pass_loss_fn() -> None:
+    torch.manual_seed(0)
+    model, ids = _OwnLoss(), _ids()
+    with pytest.raises(TypeError, match=r"tensor of shape \(\), not logits.*loss_fn=lambda model, batch: model"):
+        _quick(model, ids, dtype=torch.float32, blocks="inner.blocks")
+    with pytest.raises(TypeError, match=r"\(inputs, targets\), not 3 items; pass loss_fn="):
+        _quick(model.inner, (ids, ids, ids), dtype=torch.float32)
+    # the fix the messages name works
+    own = _quick(model, ids, dtype=torch.float32, blocks="inner.blocks", loss_fn=lambda m, batch: m(batch))
+    assert len(own.blocks) == 2 and all(sum(b.saved_bytes.values()) > 0 for b in own.blocks)
+
+
 def test_explicit_blocks() -> None:
     model = build_model(_cfg("llama"), device="meta")
     by_path = profile(model, _ids(), machine=CPU, blocks="blocks")

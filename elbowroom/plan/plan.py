@@ -394,11 +394,13 @@ class Plan:
         path = Path(path)
         if path.suffix not in (".toml", ".json"):
             raise ValueError(f"plan files end in .toml or .json, got {path.name!r}")
-        text = path.read_text()
         try:
+            text = path.read_text()
             return cls.from_toml(text) if path.suffix == ".toml" else cls.from_json(text)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"{path}: {e}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a text file (a plan is TOML or JSON text)") from None
+        except (ValueError, TypeError) as e:  # (a JSONDecodeError cannot be rebuilt from a message alone)
+            raise (TypeError if isinstance(e, TypeError) else ValueError)(f"{path}: {e}") from None
 
 
 def _placement(b: BlockPlan) -> str:

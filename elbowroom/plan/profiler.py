@@ -140,6 +140,9 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
 
 def _logits(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
+        if out.dim() < 2:  # a model that computes its own loss
+            raise TypeError(f"the model returned a tensor of shape {tuple(out.shape)}, not logits (batch, seq, vocab); "
+                            "if it is the loss, pass loss_fn=lambda model, batch: model(batch)")
         return out
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
@@ -154,6 +157,9 @@ class _Step:
 
     def __init__(self, model: nn.Module, batch: Any, loss_fn: LossFn | None) -> None:
         self.model, self.batch, self.loss_fn = model, batch, loss_fn
+        if loss_fn is None and isinstance(batch, (tuple, list)) and len(batch) != 2:
+            raise TypeError(f"a tuple sample batch is (inputs, targets), not {len(batch)} items; pass "
+                            "loss_fn=lambda model, batch: ... to compute the loss of another form")
         # training never uses a KV cache; Hugging Face models build one unless told (it would hold k and v)
         self.extra = {"use_cache": False} if _accepts(model.forward, "use_cache") else {}
         self.vocab = 0
