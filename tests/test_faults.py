@@ -26,6 +26,7 @@ from elbowroom.cli import main
 from elbowroom.train import checkpoint as C
 from elbowroom.train import trainer as T
 from elbowroom.train.checkpoint import CheckpointManager
+from elbowroom.train.distributed_run import DistributedRun
 from elbowroom.train.schedule import warmup_cosine
 
 SMALL = [
@@ -163,6 +164,37 @@ def test_resume_appends_to_metrics(tmp_path: Path) -> None:
     assert not list(out.glob("metrics.rewound-*"))
 
 
+def test_resume_past_steps_exits_2_and_changes_nothing(tmp_path: Path, capsys, caplog) -> None:
+    """`--resume --steps 2` on a run checkpointed at step 6 (meant as "2 more steps"): exit 2, one line that names
+    the step to pass, no schedule advice, no file created, modified or moved (no rows rewound)."""
+    out = tmp_path / "run"
+    assert run(out, "--steps", "6", "--checkpoint.every", "3") == 0
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    with caplog.at_level("INFO"):
+        assert run(out, "--steps", "2", "--resume") == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"elbowroom train: error: --resume: the newest checkpoint of {out} is at step 6, past --steps 2 (--steps "
+        "counts from the start of the run); pass --steps 7 or more to train further"), err
+    assert "Traceback" not in err
+    assert "decay_steps" not in caplog.text and "resumed from" not in caplog.text, caplog.text
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_at_steps_says_the_run_is_done_and_changes_nothing(tmp_path: Path, caplog) -> None:
+    out = tmp_path / "run"
+    assert run(out, "--steps", "6") == 0
+    before = snapshot(tmp_path)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert run(out, "--steps", "6", "--resume") == 0
+    assert (f"--resume: the newest checkpoint of {out} is at step 6, --steps 6: the run is done, nothing to train; "
+            "pass --steps 7 or more to train further") in caplog.messages, caplog.text
+    assert "decay_steps" not in caplog.text and "resumed from" not in caplog.text, caplog.text
+    assert snapshot(tmp_path) == before
+
+
 # ---------------------------------------------------------------- 3. only prepared token files train
 @pytest.mark.parametrize("content", ["text", "random bytes"])
 def test_a_file_not_made_by_prepare_is_refused(tmp_path: Path, capsys, content) -> None:
@@ -295,7 +327,11 @@ def test_signal_saves_skips_validation_and_exits_128_plus_n(tmp_path: Path, sig,
     logged = rows(out / "metrics.jsonl")
     stopped = max(r["step"] for r in logged)
     assert [s for s, _ in CheckpointManager(out / "checkpoints").checkpoints()] == [stopped]
-    assert not any("val_loss" in r and r["step"] == stopped for r in logged), "validated on the way out"
+    if any("val_loss" in r and r["step"] == stopped for r in logged):  # only if the signal landed in that validation
+        lines = output.splitlines()
+        received = next(i for i, line in enumerate(lines) if f"received {sig.name}" in line)
+        logged_step = next(i for i, line in enumerate(lines) if f"step {stopped:>6}  loss" in line)
+        assert received > logged_step, f"validated on the way out: {output[-2000:]}"
     assert "--resume" in output
 
 
@@ -347,6 +383,41 @@ def test_a_ctrl_c_during_a_periodic_save_stops_right_after_it(tmp_path: Path, mo
     assert (steps, saves) == ([1, 2], [2])
     assert [s for s, _ in CheckpointManager(out / "checkpoints").checkpoints()] == [2]
     assert max(r["step"] for r in rows(out / "metrics.jsonl")) == 2
+
+
+@pytest.mark.parametrize("during", ["validation", "the log line's sync"])
+def test_a_ctrl_c_between_steps_stops_after_the_step_it_follows(tmp_path: Path, monkeypatch, during: str) -> None:
+    """The first Ctrl-C lands while step 1 is validated (or its loss is read for the log line): that finishes,
+    step 1's checkpoint is saved, no step 2 runs, exit 130 ("finishing this step" means this one)."""
+    real_accumulate = T.accumulate_gradients
+    steps: list[int] = []
+
+    def accumulate(*args, **kwargs):
+        steps.append(len(steps) + 1)
+        return real_accumulate(*args, **kwargs)
+
+    def ctrl_c_once(real):
+        def wrapped(*args, **kwargs):
+            if not sent:
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs now, inside the validation or the sync
+            return real(*args, **kwargs)
+        return wrapped
+
+    sent: list[bool] = []
+    monkeypatch.setattr(T, "accumulate_gradients", accumulate)
+    if during == "validation":
+        monkeypatch.setattr(T, "evaluate", ctrl_c_once(T.evaluate))
+    else:
+        monkeypatch.setattr(DistributedRun, "global_loss", ctrl_c_once(DistributedRun.global_loss))
+    out = tmp_path / "run"
+    assert run(out, "--steps", "50", "--train.eval_every", "1", "--checkpoint.every", "0") == 130
+    assert sent and steps == [1]
+    assert [s for s, _ in CheckpointManager(out / "checkpoints").checkpoints()] == [1]
+    logged = rows(out / "metrics.jsonl")
+    assert max(r["step"] for r in logged) == 1
+    # the validation the signal landed in is finished and logged; after the log line's, none starts on the way out
+    assert any("val_loss" in r for r in logged) == (during == "validation")
 
 
 # ---------------------------------------------------------------- 7. logging does not change training; clean-up

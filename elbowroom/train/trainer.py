@@ -7,10 +7,11 @@ device sync). The loop syncs with the device only where logging, evaluation or a
 Everything that can be wrong with the input is checked before the first step (config, optional extras, the
 checkpoint to resume, the data file, the model against the data, the checkpoint and, on CPU, the RAM), and
 the run directory appears only with the first finished step, so a failed start leaves nothing behind. A
-resumed run keeps its checkpoint's LR schedule length unless ``--scheduler.decay_steps`` says otherwise. On
+resumed run keeps its checkpoint's LR schedule length unless ``--scheduler.decay_steps`` says otherwise; one
+whose checkpoint is past ``--steps`` is refused, one at ``--steps`` has nothing to do and touches nothing. On
 SIGTERM/SIGINT the step finishes, a checkpoint is saved (no validation pass first) and the result carries the
-signal, which the CLI turns into exit code 128 + N; a signal during a periodic save stops the run once that save,
-of the current step, is written.
+signal, which the CLI turns into exit code 128 + N; a signal during a validation pass or a periodic save stops the
+run once that is done, with the current step's checkpoint.
 
 With ``--budget`` the memory layout is planned, not configured: the model is built, its first training
 micro-batch is profiled and :func:`elbowroom.plan.fit` chooses recompute, offload, optimizer placement and
@@ -306,8 +307,8 @@ def schedule_length(cfg: Config, loaded: Loaded | None) -> int:
     if cfg.scheduler.decay_steps is None:
         log.warning(
             "resuming on the checkpoint's LR schedule of %d steps, not --steps %d (the LR continues the curve "
-            "it was on); pass --scheduler.decay_steps %d to stretch the schedule instead",
-            saved, cfg.train.steps, cfg.train.steps,
+            "it was on); pass --scheduler.decay_steps %d to %s the schedule instead",
+            saved, cfg.train.steps, cfg.train.steps, "stretch" if cfg.train.steps > saved else "shorten",
         )
         return saved
     if cfg.scheduler.name == "onecycle":
@@ -318,6 +319,26 @@ def schedule_length(cfg: Config, loaded: Loaded | None) -> int:
     log.warning("--scheduler.decay_steps %d: the LR schedule changes from %d to %d steps at step %d",
                 steps, saved, steps, loaded.step)
     return steps
+
+
+def _resumed_past_steps(cfg: Config, out: Path, loaded: Loaded) -> bool:
+    """True when the checkpoint to resume is at ``--steps`` already: the run is done, which the log says.
+
+    Raises:
+        ConfigError: the checkpoint is past ``--steps`` (``--steps`` counts from the run's start, not from the
+            checkpoint).
+    """
+    steps = cfg.train.steps
+    if loaded.step > steps:
+        raise ConfigError(
+            f"--resume: the newest checkpoint of {out} is at step {loaded.step}, past --steps {steps} (--steps counts "
+            f"from the start of the run); pass --steps {loaded.step + 1} or more to train further"
+        )
+    if loaded.step == steps:
+        log.info("--resume: the newest checkpoint of %s is at step %d, --steps %d: the run is done, nothing to "
+                 "train; pass --steps %d or more to train further", out, steps, steps, steps + 1)
+        return True
+    return False
 
 
 def available_host_memory() -> int | None:
@@ -442,6 +463,8 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
     # read and verify the checkpoint before the data: a --resume with nothing to resume fails before any work
     loaded = load_resume_checkpoint(out, ckpts) if cfg.resume else None
     run.check_resume(loaded, cfg.data.batch_size)
+    if loaded is not None and _resumed_past_steps(cfg, out, loaded):  # before anything is built, written or rewound
+        return TrainResult(step=loaded.step, losses={}, val_losses={}, out=out)
     cfg = resolve_qat(cfg, loaded)  # a resumed QAT run keeps its scheme
 
     # --- data (validated before anything is written to OUT)
@@ -702,8 +725,9 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
                         atomic_write_text(out / "plan.json", plan.to_json() + "\n")
                     started = True
 
-                # one reading of the flag decides evaluation, the save and the exit: a signal that lands
-                # between two readings must not stop the run without its checkpoint
+                # the flag is read here and again after each thing that takes time before the next step (the log
+                # line, validation, the save); a reading that finds it sets `last` with `stopping`: no signal stops
+                # the run without this step's checkpoint, or one step late
                 stopping = run.any_rank(stop.received is not None)
                 last = last or stopping
                 if log_now or last:
@@ -738,6 +762,8 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
                     if progress is not None:
                         progress.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
                     tokens_since_log, t_log = 0, time.perf_counter()
+                    if not last:  # a signal during the log line (its device sync) stops here, not one step later
+                        stopping = last = run.any_rank(stop.received is not None)
                 loss_acc.zero_()
 
                 # on a signal the checkpoint comes first: no validation pass on the way out
@@ -749,6 +775,8 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
                         result.val_losses[step] = val
                         metrics.write({"step": step, "val_loss": val})
                     t_log = time.perf_counter()  # evaluation time is not training throughput
+                    if not last:  # a signal during the validation pass stops here too: this step's checkpoint
+                        stopping = last = run.any_rank(stop.received is not None)
 
                 if cfg.checkpoint.enabled and (
                     (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last
