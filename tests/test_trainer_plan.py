@@ -226,8 +226,8 @@ def _slow_steps(monkeypatch: pytest.MonkeyPatch, pace: float = math.inf) -> None
     from elbowroom.train import metrics, trainer
 
     class Watch(metrics.BudgetWatch):
-        def __init__(self, plan: object, limit: int | None = None) -> None:
-            super().__init__(plan, limit)
+        def __init__(self, plan: object, limit: int | None = None, suggest: str = "--budget {}") -> None:
+            super().__init__(plan, limit, suggest)
             self.predicted_step = 1e-9 if self.predicted_step else None
 
         def keeps_retrying(self, row: dict) -> bool:
@@ -324,7 +324,8 @@ def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path,
     lower = json.loads((out / "plan.json").read_text())["budget_bytes"]  # the run's plan is the lower one
     assert lower == BudgetWatch(None).lower_budget(budget) == budget - budget // 10  # (a tenth: under 5 GiB)
     assert caps == [(budget, budget), (lower, budget)]  # capped at --budget both times
-    assert f"--budget {lower}B" in caplog.text  # the warning's suggestion, exact at this size
+    # the warning's suggestion, exact at this size, and that this run may take it itself
+    assert f"--budget {lower}B; this run plans for that itself if its steps keep retrying" in caplog.text
     first = [json.loads(x) for x in (out / "metrics.rewound-0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in first] == [1, 2, 3, 4]  # the first try stopped at the fourth row, the third slow one
     assert list(train_losses(out)) == [1, 2, 3, 4, 5, 6]  # one curve, from step 1

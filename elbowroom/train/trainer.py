@@ -62,6 +62,7 @@ from elbowroom.train.model_parallel_run import plan_to_follow as mp_plan_to_foll
 from elbowroom.train.objectives import Distillation, load_distillation, micro_batch_loss, token_loss_sum
 from elbowroom.train.planning import (
     PLAN_FILE,
+    RETRY_REPLAN_STEPS,
     EarlyOutOfMemory,
     EarlyStepsRetrying,
     Try,
@@ -605,10 +606,13 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
     progress = recorder = None
     # (no plan: they watch nothing; the step's pace is every rank's alike, so rank 0 alone says it)
     limit = budget_limit(cfg)  # --budget: the cap and the watch's limit, whatever budget the plan was made for
-    watch, pace = BudgetWatch(plan, limit), PaceWatch(plan if run.is_main else None)
     # a plan searched here for --budget (one process) is searched again, tighter, if its first steps run out of
     # memory or keep the allocator retrying, before anything is checkpointed (planning.with_replans)
     replannable, started = attempt.may_replan and planned_here and not run.enabled, False
+    # the retry warning names a lower --budget; where this run may plan for it itself, it says so
+    suggest = "--budget {}" + (f"; this run plans for that itself if its steps keep retrying and run slow, by step "
+                               f"{RETRY_REPLAN_STEPS} and before a checkpoint" if replannable else "")
+    watch, pace = BudgetWatch(plan, limit, suggest), PaceWatch(plan if run.is_main else None)
     # one process: the budget is a limit from the first step on (the profile ran uncapped); lifted however the run ends
     capped = cfg.cap_memory and not run.enabled and cap_memory(plan, device, limit)
     try:  # from here on the optimizer (its host threads, pinned memory) is closed however the run ends
