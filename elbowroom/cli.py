@@ -3,17 +3,19 @@
 Bad input (an unknown key, a wrong type, a missing data file, a checkpoint of another model) prints one
 line naming the problem and the fix and exits with code 2, without a traceback and without writing
 anything. A run stopped by SIGTERM or SIGINT saves a checkpoint and exits with 128 + the signal's number
-(143, 130), as shells and schedulers expect of a process a signal ended.
+(143, 130), as shells and schedulers expect of a process a signal ended; Ctrl-C anywhere else (while importing,
+reading the config, planning) prints one line saying what was left and exits 130, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -93,9 +95,14 @@ def cmd_train(argv: list[str]) -> int:
         return _fail("train", str(e))
     cfg = _from_environment(cfg)
 
-    from elbowroom.train.checkpoint import CheckpointError
-    from elbowroom.train.data import DataError
-    from elbowroom.train.trainer import train
+    with _interrupt_held():
+        # (torch._dynamo is imported by the model's first meta-device init: a Ctrl-C there left sympy half-imported,
+        # and the trainer's clean-up, importing torch._inductor, ended in an AttributeError instead)
+        import torch._dynamo  # noqa: F401
+
+        from elbowroom.train.checkpoint import CheckpointError
+        from elbowroom.train.data import DataError
+        from elbowroom.train.trainer import train
 
     _setup_logging()
     try:
@@ -236,6 +243,41 @@ def cmd_export(argv: list[str]) -> int:
 
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "plan": cmd_plan, "report": cmd_report, "export": cmd_export}
 
+# What a Ctrl-C that reaches main() leaves, per command. train's reaches it only before train() (which saves, or
+# says which checkpoint stands, itself), prepare's only outside prepare() (which removes its partial file), plan
+# writes --out through a temporary file and export through a temporary folder, each renamed into place at the end.
+_LEFT_WHEN_INTERRUPTED = {
+    "train": "nothing written",
+    "prepare": "nothing written",
+    "plan": "nothing written",
+    "report": "RUN_DIR/report/ may be incomplete; run `elbowroom report RUN_DIR` again",
+    "export": "nothing written at --out",
+}
+
+# The commands that import torch anyway, first thing: they import it first and whole (see _interrupt_held).
+_TORCH_COMMANDS = ("train", "prepare", "plan", "export")
+
+
+@contextlib.contextmanager
+def _interrupt_held() -> Iterator[None]:
+    """Hold a Ctrl-C back until the block ends, then raise it: an import it stops midway can be left half-done
+    without a word (torch swallows a KeyboardInterrupt raised while it imports numpy: the run went on, to an
+    AttributeError of numpy's where it read its tokens)."""
+    import threading
+
+    held: list[int] = []
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler or \
+            threading.current_thread() is not threading.main_thread():
+        yield  # (SIGINT ignored, as in a background job, or handled by whoever called main; or not ours to set)
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -253,7 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     command = COMMANDS.get(argv[0])
     if command is None:
         return _fail(argv[0], f"unknown command; choose one of {', '.join(COMMANDS)}")
-    return command(argv[1:])
+    try:
+        if argv[0] in _TORCH_COMMANDS and not {"-h", "--help"} & set(argv[1:]):
+            with _interrupt_held():
+                import torch  # noqa: F401
+        return command(argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C where no command handles it: while importing, reading the config, planning
+        print(f"elbowroom {argv[0]}: interrupted; {_LEFT_WHEN_INTERRUPTED[argv[0]]}", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -31,6 +31,12 @@ def test_round_trip_through_toml(tmp_path) -> None:
     "args, message",
     [
         (["--train.stepz", "3"], "unknown config key 'train.stepz'; did you mean train.steps"),
+        # a shortcut's typo is offered the shortcut (it said only "unknown config key 'stepz'")
+        (["--stepz", "3"], r"unknown config key 'stepz'; did you mean --steps\?"),
+        (["--host-budgt", "1GiB"], r"unknown config key 'host_budgt'; did you mean --host-budget\?"),
+        (["--log-evry", "5"], r"did you mean --log-every\?"),
+        (["--train_steps", "3"], r"did you mean --train.steps\?"),
+        (["--host-budget"], "--host-budget needs a value"),
         (["--steps", "-1"], r"train.steps must be >= 1 \(the optimizer steps of the whole run\), got -1"),
         (["--steps", "ten"], "train.steps expects an integer, got 'ten'"),
         (["--train.dtype", "fp8"], "train.dtype must be one of auto, fp32, bf16, fp16"),
@@ -78,8 +84,87 @@ def test_every_option_documented() -> None:
         if key.removeprefix("offload.") in _OFFLOAD_PLACEMENT and key.startswith("offload."):
             assert f"--{key}" not in text  # set from [optimizer], refused in [offload]: not offered
             continue
-        assert f"--{key}" in text
+        flag = f"--{key}" if "." in key else f"--{key.replace('_', '-')}"  # --host-budget, as the README has it
+        assert flag in text
     assert "(default: 200)" in text  # train.steps
+
+
+def test_help_spells_top_level_flags_as_the_readme_and_lists_the_presets(capsys) -> None:
+    """`train --help` shows --host-budget and --cap-memory as the README and its own shortcuts line spell them (it
+    showed --host_budget), and the presets the registry has (its hand-written list lacked gpt2-xl)."""
+    from pathlib import Path
+
+    from elbowroom.cli import main
+    from elbowroom.models import PRESETS
+
+    assert main(["train", "--help"]) == 0
+    text = capsys.readouterr().out
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for flag in ("--host-budget", "--cap-memory"):
+        assert f"\n  {flag}" in text and flag in readme
+    assert "--host_budget" not in text and "--cap_memory" not in text
+    assert "gpt2-xl" in PRESETS and f"One of: {', '.join(PRESETS)}." in text
+    # both spellings are read
+    assert resolve(None, ["--host_budget", "1GiB", "--budget", "2GiB"]) == resolve(
+        None, ["--host-budget", "1GiB", "--budget", "2GiB"])
+
+
+@pytest.mark.parametrize("kind", ["not utf-8", "a folder"])
+def test_a_config_file_that_cannot_be_read_exits_2_writing_nothing(tmp_path, monkeypatch, capsys, kind) -> None:
+    """`train --config` of a binary file or of a folder: one line naming the file and the fix, code 2 (it was a
+    UnicodeDecodeError or IsADirectoryError traceback and code 1)."""
+    from elbowroom.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    if kind == "a folder":
+        (tmp_path / "adir").mkdir()
+        expected = "config file adir is a folder; pass a TOML file as --config FILE.toml"
+    else:
+        (tmp_path / "bin.toml").write_bytes(b"\xff\xfe\x00")
+        expected = "config file bin.toml is not UTF-8 text (byte 0xff at offset 0)"
+    before = sorted(tmp_path.iterdir())
+    assert main(["train", "--out", "o", "--config", "adir" if kind == "a folder" else "bin.toml"]) == 2
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elbowroom train: error: " + expected), cap.err
+    assert "Traceback" not in cap.err and cap.out == ""
+    assert sorted(tmp_path.iterdir()) == before  # no run directory, nothing else
+
+
+def test_a_plan_file_that_is_a_folder_exits_2_writing_nothing(tmp_path, monkeypatch, capsys) -> None:
+    """`train --plan d.toml` of a folder: the file named with the fix (it printed "[Errno 21] Is a directory")."""
+    from elbowroom.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.toml").mkdir()
+    assert main(["train", "--out", "o", "--plan", "d.toml", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elbowroom train: error: plan file d.toml is a folder; pass a "
+                                                   "plan file saved by `elbowroom plan --out FILE.toml`"), err
+    assert "Errno" not in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.toml"]
+
+
+def test_ctrl_c_while_the_config_resolves_exits_130_with_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """Ctrl-C before the trainer's own handler (here: while the config resolves) is one line and 128 + SIGINT, not
+    a KeyboardInterrupt traceback and -2."""
+    import elbowroom.config
+    from elbowroom.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(elbowroom.config, "resolve", interrupted)
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["train", "--out", "o", "--steps", "1"])
+    except KeyboardInterrupt:  # (not let through to stop the suite)
+        pytest.fail("a KeyboardInterrupt came out of main()")
+    assert code == 130
+    cap = capsys.readouterr()
+    assert cap.err.strip().splitlines() == ["elbowroom train: interrupted; nothing written"] and cap.out == ""
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_help_reads_as_plain_text(capsys) -> None:

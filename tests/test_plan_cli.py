@@ -80,7 +80,7 @@ def test_bad_input_returns_2_with_one_line(
     cap = capsys.readouterr()
     assert cap.out == ""
     lines = cap.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("elbowroom plan: ")
+    assert len(lines) == 1 and lines[0].startswith("elbowroom plan: error: ")  # as `elbowroom train: error: `
     import re
 
     assert re.search(match, lines[0]), lines[0]
@@ -166,6 +166,86 @@ def test_help_lists_every_model(capsys: pytest.CaptureFixture[str]) -> None:
         cmd_plan(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "gpt2-xl" in PRESETS and f"model preset: {', '.join(PRESETS)}" in out
+
+
+def test_help_lists_the_devices_and_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """--device names the device table's devices and aliases and says when it is needed (it listed none, and showed
+    no default though it is required without --profile); --precision shows its default."""
+    from elbowroom.plan.devices import ALIASES, DEVICES
+
+    with pytest.raises(SystemExit):
+        cmd_plan(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    options = out[out.index("options:"):]
+    device = options[options.index("--device DEVICE"):options.index("--host-memory HOST_MEMORY")]
+    assert f"{', '.join(sorted(DEVICES))} (any case; aliases: {', '.join(ALIASES)})" in device
+    assert "required unless --profile" in device
+    assert "with fp32 masters (default: fp32)" in out
+
+
+def test_errors_read_as_trains_do(capsys: pytest.CaptureFixture[str]) -> None:
+    """`elbowroom plan: error: ...`, as `elbowroom train: error: ...` (it had no "error:"), argparse's own too."""
+    from elbowroom.cli import main
+
+    for argv in (["plan", "--model", "w9", "--device", "h100", "--budget", "24GiB"], ["plan", "--frobnicate"]):
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("elbowroom plan: error: "), lines
+    assert main(["train", "--stepz", "3"]) == 2
+    assert capsys.readouterr().err.startswith("elbowroom train: error: ")
+
+
+def _main_not_interrupted(argv: list[str]) -> int:
+    """``elbowroom.cli.main(argv)``, failing the test where a KeyboardInterrupt comes out (not stopping the suite)."""
+    from elbowroom.cli import main
+
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("a KeyboardInterrupt came out of main()")
+
+
+def test_ctrl_c_while_planning_exits_130_writing_nothing(
+    profile_file: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Ctrl-C during the search: one line and 128 + SIGINT (it was a KeyboardInterrupt traceback and -2), no --out."""
+    import elbowroom.plan.search
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(elbowroom.plan.search, "plan_for", interrupted)
+    out = tmp_path / "plan.toml"
+    assert _main_not_interrupted(["plan", "--profile", profile_file, "--budget", "24GiB", "--out", str(out)]) == 130
+    cap = capsys.readouterr()
+    assert cap.err.strip().splitlines() == ["elbowroom plan: interrupted; nothing written"] and cap.out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_saving_leaves_the_older_plan_whole(
+    profile_file: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--out is written beside its place and renamed over it: a Ctrl-C mid-write leaves the plan that was there,
+    and no partial or temporary file."""
+    from elbowroom.cli import main
+
+    out = tmp_path / "plan.toml"
+    assert main(["plan", "--profile", profile_file, "--budget", "24GiB", "--out", str(out)]) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    save = Plan.save
+
+    def cut_short(self: Plan, path: str | Path) -> Path:
+        Path(path).write_text(self.to_toml()[:100])  # half of it...
+        raise KeyboardInterrupt  # ...then Ctrl-C
+
+    monkeypatch.setattr(Plan, "save", cut_short)
+    assert _main_not_interrupted(["plan", "--profile", profile_file, "--budget", "30GiB", "--out", str(out)]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["elbowroom plan: interrupted; nothing written"]
+    assert out.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["plan.toml"]
+    monkeypatch.setattr(Plan, "save", save)
+    assert main(["plan", "--profile", profile_file, "--budget", "30GiB", "--out", str(out)]) == 0
+    assert Plan.load(out).budget_bytes == 30 << 30 and [p.name for p in tmp_path.iterdir()] == ["plan.toml"]
 
 
 def test_a_budget_under_one_gib_is_shown_in_mib(capsys: pytest.CaptureFixture[str]) -> None:

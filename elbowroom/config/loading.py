@@ -193,11 +193,23 @@ def _known_keys() -> list[str]:
     return [k for k, *_ in iter_options()]
 
 
-def _unknown_key(key: str) -> ConfigError:
+def _flag(key: str) -> str:
+    """The command-line flag of a dotted key as ``--help`` and the README spell it: a top-level key hyphenated
+    (``--host-budget``; ``--host_budget`` is read too), a section's key as it is (``--data.batch_size``)."""
+    return f"--{key}" if "." in key else f"--{key.replace('_', '-')}"
+
+
+def _unknown_key(key: str, option: bool = False) -> ConfigError:
+    """The error for an unknown key, with the nearest known one. ``option``: ``key`` came from the command line
+    (hyphens read as underscores), where a key without a section is nearest a shortcut or top-level flag
+    (``--stepz``: ``--steps``), suggested as its flag."""
     import difflib
 
-    near = difflib.get_close_matches(key, _known_keys(), n=1)
-    hint = f"; did you mean {near[0]}?" if near else "; `elbowroom train --help` lists every option"
+    names = {k: k for k in _known_keys()}
+    if option and "." not in key:
+        names = {k: _flag(k) for k in names} | {k.replace("-", "_"): f"--{k}" for k in ALIASES if "_" not in k}
+    near = difflib.get_close_matches(key, list(names), n=1)
+    hint = f"; did you mean {names[near[0]]}?" if near else "; `elbowroom train --help` lists every option"
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 
@@ -240,12 +252,20 @@ def _section_message(section: str, tp: type, given: list[str], message: str) -> 
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML config file, with a clear error for a missing or malformed one."""
+    """Read a TOML config file, with a clear error for a missing, unreadable or malformed one."""
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; pass an existing --config FILE.toml") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder; pass a TOML file as --config FILE.toml") from None
+    except OSError as e:  # (no read permission, an I/O error)
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror or e}); pass a readable --config "
+                          "FILE.toml") from None
+    except UnicodeDecodeError as e:  # tomllib reads UTF-8 only
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start}); a config is TOML text: save it as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 
@@ -338,7 +358,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             if any(k.startswith(f"{name}.") for k in hints):  # --profile plan.toml
                 nxt = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
                 raise _section_as_option(name, value if eq else nxt)
-            raise _unknown_key(name)
+            raise _unknown_key(name, option=True)
         tp = hints[name]
         if not eq:
             nxt = args[i + 1] if i + 1 < len(args) else None
@@ -349,7 +369,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             if is_bool and (nxt is None or nxt.startswith("--")):
                 value = "true"
             elif nxt is None or (nxt.startswith("--") and not _looks_numeric(nxt)):
-                raise ConfigError(f"--{name} needs a value ({type_name(tp)})")
+                raise ConfigError(f"{_flag(name)} needs a value ({type_name(tp)})")
             else:
                 value = nxt
                 i += 1
@@ -505,10 +525,19 @@ def _toml_value(v: Any) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _registry_choices() -> dict[str, list[str]]:
+    """The values of options whose choices are a registry's keys rather than their type's: ``--help`` lists them as
+    the code has them (a docstring's list went stale when gpt2-xl was added)."""
+    from elbowroom.models import PRESETS
+
+    return {"model.preset": list(PRESETS)}
+
+
 def help_text() -> str:
     """Every option with its type, default and docstring, grouped by section."""
     lines = []
     section = None
+    choices = _registry_choices()
     for key, tp, default, doc in iter_options():
         if key.startswith("offload.") and key.removeprefix("offload.") in _OFFLOAD_PLACEMENT:
             continue  # set from [optimizer]; refused here
@@ -517,6 +546,8 @@ def help_text() -> str:
             section = sec
             lines.append(f"\n[{sec}]" if sec else "\n[top level]")
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        lines.append(f"  --{key} {type_name(tp).upper() if tp is not bool else ''}".rstrip())
+        lines.append(f"  {_flag(key)} {type_name(tp).upper() if tp is not bool else ''}".rstrip())
+        if key in choices:
+            doc = f"{doc} One of: {', '.join(choices[key])}."
         lines.append(f"      {doc} (default: {shown})")
     return "\n".join(lines)

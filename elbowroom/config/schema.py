@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelSection:
     preset: str = "tiny"
-    """Named shape: tiny (CPU default), w1, w2, 7b; the fields below override it."""
+    """Named shape (tiny: the CPU default); the fields below override it."""
     arch: Literal["llama", "gpt2"] = "llama"
     """Block family: llama (RMSNorm, RoPE, SwiGLU) or gpt2 (LayerNorm, learned positions, GELU)."""
     dim: int | None = None

@@ -10,8 +10,9 @@
 The model (a preset, or a Hugging Face causal LM from the ``config.json`` of a local directory: no download, no
 weights read) is built on the meta device (no memory) and profiled analytically (bytes from a trace, speeds from
 the device table ``elbowroom.plan.devices``). Prints the plan's table (or its JSON with ``--json``) and the
-predicted peak and step time; ``--out`` saves the plan as TOML or JSON for ``Plan.load``. Bad input (an unknown
-model or device, a bad budget or batch, a budget below the minimum) prints one line on stderr and returns 2,
+predicted peak and step time; ``--out`` saves the plan as TOML or JSON for ``Plan.load``, whole or not at all (a
+temporary file renamed into place). Bad input (an unknown model or device, a bad budget or batch, a budget below the
+minimum) prints one line on stderr (``elbowroom plan: error: ...``, as ``elbowroom train``'s) and returns 2,
 writing nothing.
 """
 
@@ -22,6 +23,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,12 +33,12 @@ __all__ = ["cmd_plan"]
 
 
 class _UsageError(Exception):
-    pass
+    """Bad input: its message, which ``cmd_plan`` prints after "elbowroom plan: error: " as the one line."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise _UsageError(f"elbowroom plan: {message} (see elbowroom plan --help)")
+        raise _UsageError(f"{message} (see elbowroom plan --help)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", "--model.hf", dest="hf", default=None, metavar="DIR", help="plan the Hugging Face causal "
                    "LM of this local directory (its config.json; as `elbowroom train --model.hf DIR` trains it) "
                    "instead of a preset")
-    p.add_argument("--device", default=None, help="device of the table elbowroom.plan.devices, e.g. h100-80gb")
+    p.add_argument("--device", default=None, help=f"device to plan for, from the table elbowroom.plan.devices: "
+                   f"{', '.join(_known_devices())} (any case; aliases: {', '.join(_device_aliases())}); required "
+                   "unless --profile gives the machine")
     p.add_argument("--host-memory", default=None, help="host memory of the machine planned for, e.g. 128GiB "
                    "(default: this machine's): the host optimizer state and pinned activations must fit it")
     p.add_argument("--budget", required=True, help="device memory for the step: 24GiB, 24GB, 512MiB or bytes")
@@ -56,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step (the planner then "
                    "chooses micro-batch and accumulation)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 allows bf16 device weights "
-                   "with fp32 masters")
+                   "with fp32 masters (default: %(default)s)")
     p.add_argument("--compile", action="store_true", help="the blocks will run compiled as planned runs compile them "
                    "(fit(compile=True), --train.compile; pointwise results recomputed): a block kept whole is priced "
                    "at what selective recompute keeps")
@@ -114,15 +118,15 @@ def _check_out(path: str) -> None:
     traceback after the whole plan was printed)."""
     out = Path(path)
     if out.suffix not in (".toml", ".json"):
-        raise _UsageError(f"elbowroom plan: --out must end in .toml or .json, got {path!r}")
+        raise _UsageError(f"--out must end in .toml or .json, got {path!r}")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise _UsageError(f"elbowroom plan: --out {path!r}: the folder {str(parent)!r} does not exist; create it or "
+        raise _UsageError(f"--out {path!r}: the folder {str(parent)!r} does not exist; create it or "
                           "choose another path")
     if out.is_dir():
-        raise _UsageError(f"elbowroom plan: --out {path!r} is a folder; name a .toml or .json file")
+        raise _UsageError(f"--out {path!r} is a folder; name a .toml or .json file")
     if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise _UsageError(f"elbowroom plan: --out {path!r} cannot be written (no write permission); choose "
+        raise _UsageError(f"--out {path!r} cannot be written (no write permission); choose "
                           "another path")
 
 
@@ -147,9 +151,9 @@ def _parse_batch(text: str) -> tuple[int, int]:
     try:
         b, s = (int(x) for x in parts)
     except ValueError:
-        raise _UsageError(f"elbowroom plan: --batch must read SAMPLESxTOKENS such as 4x4096, got {text!r}") from None
+        raise _UsageError(f"--batch must read SAMPLESxTOKENS such as 4x4096, got {text!r}") from None
     if b < 1 or s < 1:
-        raise _UsageError(f"elbowroom plan: --batch needs positive sizes, got {text!r}")
+        raise _UsageError(f"--batch needs positive sizes, got {text!r}")
     return b, s
 
 
@@ -157,6 +161,12 @@ def _known_devices() -> list[str]:
     from elbowroom.plan.devices import DEVICES
 
     return sorted(DEVICES)
+
+
+def _device_aliases() -> list[str]:
+    from elbowroom.plan.devices import ALIASES
+
+    return list(ALIASES)
 
 
 def _hf_model(args: argparse.Namespace) -> tuple[Any, int]:
@@ -168,18 +178,18 @@ def _hf_model(args: argparse.Namespace) -> tuple[Any, int]:
     from elbowroom.train.hf import hf_max_positions, load_hf_config
 
     if args.model is not None or args.arch is not None:
-        raise _UsageError("elbowroom plan: --hf plans the model of its directory; leave out --model and --arch")
+        raise _UsageError("--hf plans the model of its directory; leave out --model and --arch")
     try:
         config = load_hf_config(args.hf)  # (it says how to install transformers where it is missing)
     except ConfigError as e:
-        raise _UsageError(f"elbowroom plan: --hf {str(e).removeprefix('model.hf ')}") from None
+        raise _UsageError(f"--hf {str(e).removeprefix('model.hf ')}") from None
     import transformers
 
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except (ValueError, KeyError) as e:
-        raise _UsageError(f"elbowroom plan: --hf {args.hf}: transformers cannot build a causal LM from its "
+        raise _UsageError(f"--hf {args.hf}: transformers cannot build a causal LM from its "
                           f"config.json ({e})") from None
     model.config.use_cache = False  # training: no KV cache
     return model.train(), hf_max_positions(config) or 0
@@ -195,22 +205,22 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
             (Path(args.model) / "config.json").is_file():
         args.hf, args.model = args.model, None  # a Hugging Face model's directory given as the model: --hf
     if args.hf is None and (args.model or "tiny") not in PRESETS:
-        raise _UsageError(f"elbowroom plan: unknown model {args.model!r}; choose one of {', '.join(PRESETS)}, or "
+        raise _UsageError(f"unknown model {args.model!r}; choose one of {', '.join(PRESETS)}, or "
                           "pass --hf DIR for a local Hugging Face model")
     if args.device is None:
-        raise _UsageError("elbowroom plan: --device is needed to profile a model (e.g. --device h100-80gb), or "
+        raise _UsageError("--device is needed to profile a model (e.g. --device h100-80gb), or "
                           "pass --profile FILE.json")
     from elbowroom.plan.devices import ALIASES, get_device
 
     try:
         get_device(args.device, host_memory=0)  # the table's names, any case, and its short aliases (h100, l4...)
     except ValueError:
-        raise _UsageError(f"elbowroom plan: unknown device {args.device!r}; known: {', '.join(_known_devices())} "
+        raise _UsageError(f"unknown device {args.device!r}; known: {', '.join(_known_devices())} "
                           f"(aliases: {', '.join(ALIASES)})") from None
     try:
         from elbowroom.plan.profiler import profile
     except ImportError:
-        raise _UsageError("elbowroom plan: the profiler (elbowroom.plan.profiler) is not in this build; pass "
+        raise _UsageError("the profiler (elbowroom.plan.profiler) is not in this build; pass "
                           "--profile FILE.json") from None
     if args.hf is not None:
         model, positions = _hf_model(args)
@@ -219,11 +229,11 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
         elif 0 < positions <= 8192:
             b, s = 1, positions
         else:
-            raise _UsageError(f"elbowroom plan: --hf {args.hf} holds sequences of up to "
+            raise _UsageError(f"--hf {args.hf} holds sequences of up to "
                               f"{positions or 'any number of'} tokens; say which with --batch SAMPLESxTOKENS, "
                               "e.g. --batch 1x4096")
         if positions and s > positions:
-            raise _UsageError(f"elbowroom plan: --batch {b}x{s}: the model's position table holds {positions} tokens; "
+            raise _UsageError(f"--batch {b}x{s}: the model's position table holds {positions} tokens; "
                               f"pass at most {b}x{positions}")
     else:
         preset = PRESETS[args.model or "tiny"]
@@ -243,7 +253,7 @@ def _profile_from_args(args: argparse.Namespace) -> Any:
             prof = as_fsdp_computes(model, sample, prof, getattr(torch, prof.compute_dtype), compiled)
         return prof
     except (KeyError, ValueError) as e:
-        raise _UsageError(f"elbowroom plan: {e}") from None
+        raise _UsageError(str(e)) from None
 
 
 def _untied(args: argparse.Namespace) -> bool:
@@ -274,24 +284,24 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
             budget = parse_budget(args.budget, name="--budget")
             args.host_bytes = parse_budget(args.host_memory, name="--host-memory") if args.host_memory else None
         except ValueError as e:
-            raise _UsageError(f"elbowroom plan: {e}") from None
+            raise _UsageError(str(e)) from None
         if args.out is not None:
             _check_out(args.out)
         if args.global_batch is not None and args.global_batch < 1:
-            raise _UsageError(f"elbowroom plan: --global-batch must be positive, got {args.global_batch}")
+            raise _UsageError(f"--global-batch must be positive, got {args.global_batch}")
         if args.dp_shard < 1:
-            raise _UsageError(f"elbowroom plan: --dp-shard must be a positive number of ranks, got {args.dp_shard}")
+            raise _UsageError(f"--dp-shard must be a positive number of ranks, got {args.dp_shard}")
         if args.dp_replicate < 1:
-            raise _UsageError(f"elbowroom plan: --dp-replicate must be a positive number of ranks, got "
+            raise _UsageError(f"--dp-replicate must be a positive number of ranks, got "
                               f"{args.dp_replicate}")
         if args.fsdp_prefetch < 0 or (args.fsdp_prefetch and args.dp_shard == 1):
-            raise _UsageError(f"elbowroom plan: --fsdp-prefetch {args.fsdp_prefetch} needs --dp-shard above 1 and a "
+            raise _UsageError(f"--fsdp-prefetch {args.fsdp_prefetch} needs --dp-shard above 1 and a "
                               "number of units >= 0")
         link = _shared_link(args.shared_link, args.dp_shard * args.dp_replicate)
         if args.profile is not None and args.hf is not None:
-            raise _UsageError("elbowroom plan: --profile plans a saved profile, --hf profiles a model; pass one")
+            raise _UsageError("--profile plans a saved profile, --hf profiles a model; pass one")
         if args.profile is not None and args.compile:  # its blocks ran as they were profiled: compiled or not
-            raise _UsageError("elbowroom plan: --compile prices the model's blocks compiled, and --profile plans a "
+            raise _UsageError("--compile prices the model's blocks compiled, and --profile plans a "
                               "saved profile as it was measured (profile it with compiled=... instead); pass one")
         if args.profile is not None:
             from elbowroom.config import file_kind
@@ -300,17 +310,17 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
             if kind in ("plan", "config"):  # a plan or a run config given as the profile
                 use = "elbowroom train --plan" if kind == "plan" else "elbowroom train --config"
                 what = "a plan file" if kind == "plan" else "a run config"
-                raise _UsageError(f"elbowroom plan: --profile {args.profile} is {what}, not a profile: it is used as "
+                raise _UsageError(f"--profile {args.profile} is {what}, not a profile: it is used as "
                                   f"`{use} {args.profile}`; --profile takes the JSON of a profile "
                                   "(elbowroom.profile(...).to_dict())")
             try:
                 prof = profile_from_dict(json.loads(Path(args.profile).read_text()))
             except KeyError as e:
-                raise _UsageError(f"elbowroom plan: {args.profile} is not a profile: it has no {e} entry; give the "
+                raise _UsageError(f"{args.profile} is not a profile: it has no {e} entry; give the "
                                   "JSON of elbowroom.profile(...).to_dict() (the bench keeps them with "
                                   "ELBOWROOM_BENCH_PROFILES=DIR)") from None
             except (OSError, ValueError, TypeError) as e:
-                raise _UsageError(f"elbowroom plan: cannot read profile {args.profile!r}: {e}") from None
+                raise _UsageError(f"cannot read profile {args.profile!r}: {e}") from None
             from elbowroom.plan.ranks import with_host_memory
 
             prof = with_host_memory(prof, args.host_bytes)  # a measured profile planned for another host's memory
@@ -319,7 +329,7 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
         device = prof.machine.device_memory_bytes
         if 0 < device < budget:
             # planning for less than was asked would print a plan "of" a budget it never had: say so instead
-            raise _UsageError(f"elbowroom plan: --budget {_size(budget)} is above the {_size(device)} of "
+            raise _UsageError(f"--budget {_size(budget)} is above the {_size(device)} of "
                               f"{prof.machine.name}; pass --budget {_at_most(device)} or less")
         sharded: dict[str, Any] = {}
         per_host = min(args.dp_shard * args.dp_replicate, 8)
@@ -353,7 +363,7 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
                 **sharded,
             )
         except BudgetError as e:
-            raise _UsageError(f"elbowroom plan: {e.reworded(_HINTS)}") from None
+            raise _UsageError(e.reworded(_HINTS)) from None
         if per_host > 1 and link is None:
             from dataclasses import replace
 
@@ -363,13 +373,13 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
 
             plan = replace(plan, notes=(*plan.notes, _HF_TIME_NOTE))
     except _UsageError as e:
-        print(str(e).replace("\n", " "), file=sys.stderr)
+        print("elbowroom plan: error: " + str(e).replace("\n", " "), file=sys.stderr)
         return 2
     if args.out is not None:
         try:
-            plan.save(args.out)
+            _save(plan, Path(args.out))
         except OSError as e:
-            print(f"elbowroom plan: cannot write --out {args.out!r}: {e.strerror or e}", file=sys.stderr)
+            print(f"elbowroom plan: error: cannot write --out {args.out!r}: {e.strerror or e}", file=sys.stderr)
             return 2
     try:
         if args.json:
@@ -384,7 +394,26 @@ def cmd_plan(argv: Sequence[str] | None = None) -> int:
         # interpreter's own flush at exit does not complain again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool that a closed pipe stopped
+    except KeyboardInterrupt:
+        if args.out is None:
+            raise  # (the command line's one line: nothing written)
+        print(f"elbowroom plan: interrupted; the plan was saved to {args.out}", file=sys.stderr)
+        return 130  # 128 + SIGINT
     return 0
+
+
+def _save(plan: Any, out: Path) -> None:
+    """Save ``plan`` at ``out`` whole or not at all: written beside it under a temporary name, then renamed over it
+    (written in place, a Ctrl-C or a full disk mid-write would leave a truncated plan at ``out``)."""
+    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}{out.suffix}")  # (Plan.save reads the format off the suffix)
+    try:
+        plan.save(tmp)
+        if out.exists():
+            shutil.copymode(out, tmp)  # a plan saved over keeps its file's permissions, as a write in place did
+        os.replace(tmp, out)
+    except BaseException:  # a Ctrl-C included: the temporary file goes, an older plan at --out stands
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 _HF_TIME_NOTE = ("times are the device table's, for efficient kernels: a Hugging Face model's own eager layers took "
@@ -401,14 +430,14 @@ def _shared_link(value: str | None, ranks: int) -> tuple[float, float, float] | 
     if value is None:
         return None
     if ranks < 2:
-        raise _UsageError("elbowroom plan: --shared-link is the link of several ranks on one host: pass it with "
+        raise _UsageError("--shared-link is the link of several ranks on one host: pass it with "
                           "--dp-shard or --dp-replicate above 1")
     try:
         rates = tuple(float(x) for x in value.split(","))
     except ValueError:
         rates = ()
     if len(rates) != 3 or not all(0 < r < float("inf") for r in rates):
-        raise _UsageError(f"elbowroom plan: --shared-link takes three positive rates in GB/s, TO,FROM,BOTH (e.g. "
+        raise _UsageError(f"--shared-link takes three positive rates in GB/s, TO,FROM,BOTH (e.g. "
                           f"37,32,19), got {value!r}")
     return rates[0] * 1e9, rates[1] * 1e9, rates[2] * 1e9
 

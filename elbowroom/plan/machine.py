@@ -156,10 +156,12 @@ def measure_machine(
 
 def describe(m: MachineProfile) -> str:
     """One line of what the planner prices with: matmul rate, link each way and both at once, host AdamW rate."""
+    threads = default_step_threads()
     return (f"{m.name}: matmul {m.matmul_flops / 1e12:.1f} TFLOP/s, memory {m.memory_bandwidth / 1e9:.0f} GB/s, "
             f"link {m.h2d_bandwidth / 1e9:.1f} GB/s to the device, {m.d2h_bandwidth / 1e9:.1f} from it, "
             f"{m.duplex_bandwidth / 1e9:.1f} each way at once; "
-            f"host AdamW {m.host_adam_params_per_s / 1e9:.2f} G params/s on {default_step_threads()} threads")
+            f"host AdamW {m.host_adam_params_per_s / 1e9:.2f} G params/s on {threads} "
+            f"thread{'' if threads == 1 else 's'}")
 
 
 def _measure_cpu(n: int, copy_bytes: int, adam_numel: int, repeats: int) -> MachineProfile:

@@ -72,7 +72,14 @@ def load_plan(path: str | Path) -> Plan:
             f"plan file {path} does not exist; pass a plan saved by `elbowroom plan --out FILE.toml` or a run's "
             "OUT/plan.toml"
         ) from None
-    except (ValueError, TypeError, OSError) as e:  # Plan.load's messages name the file and the field
+    except IsADirectoryError:
+        raise ConfigError(
+            f"plan file {path} is a folder; pass a plan file saved by `elbowroom plan --out FILE.toml` or a run's "
+            "OUT/plan.toml"
+        ) from None
+    except OSError as e:  # (no read permission, an I/O error): the OS's words without its "[Errno 13]"
+        raise ConfigError(f"plan file {path} cannot be read ({e.strerror or e}); pass a readable plan file") from None
+    except (ValueError, TypeError) as e:  # Plan.load's messages name the file and the field
         raise ConfigError(f"{e}; fix the plan file or plan again with `elbowroom plan`") from None
 
 

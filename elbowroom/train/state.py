@@ -41,7 +41,11 @@ def _restored_global_state() -> Any:
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        # (only where train() changed them: the call imports torch._inductor, which a Ctrl-C may have left
+        # half-imported)
+        if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
+                deterministic, warn_only):
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.set_rng_state(torch_rng)
         random.setstate(python_rng)
         if cuda_rng is not None:

@@ -647,11 +647,11 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
         peak = peak_flops(device) if amp_dtype != torch.float32 else None
         log.info("run directory %s", out)
         log.info(
-            "model %s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d steps of %d x %d x %d tokens",
+            "model %s: %.1fM parameters, %.2f GFLOP/token; %s, %s; %d step%s of %d x %d x %d tokens",
             f"{model_cfg.arch}/{cfg.model.preset}" if model_cfg is not None else
             f"{hf_config.model_type} from {cfg.model.hf}",
             n_params / 1e6, flops_tok / 1e9, device, amp_dtype,
-            cfg.train.steps, accum, bsz, seq_len,
+            cfg.train.steps, "" if cfg.train.steps == 1 else "s", accum, bsz, seq_len,
         )
         autocast = (
             torch.autocast(device.type, dtype=amp_dtype)
