@@ -402,3 +402,33 @@ def test_fit_s_before_apply_sees_the_plan_and_may_refuse_it() -> None:
     assert all(_wrap.get_policy(m) is None for m in model.modules())  # nothing applied
     model, _, plan = fit(model, IDS, budget=low, before_apply=seen.append, **kw)
     assert seen[-1] is plan and any(_wrap.get_policy(m) is not None for m in model.modules())
+
+
+def test_fit_plans_again_from_the_profiles_it_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fit(profiles=d) keeps what it measured (the model and its bf16 copy) in d; a later fit of the model built
+    again, given d, plans from them without profiling, to the plan a fresh profile gives; another batch shape or
+    precision is measured anew (the trainer's re-plans: elbowroom.train.planning.Try.profiles)."""
+    from elbowroom.plan import profiler
+
+    shapes = []
+    measure = profiler.profile
+
+    def counted(model, batch, **kw):
+        shapes.append(tuple(batch.shape))
+        return measure(model, batch, **kw)
+
+    monkeypatch.setattr(profiler, "profile", counted)
+    kept: dict = {}
+    kw = dict(source="analytic", machine=DEVICE, lr=1e-3, offload_config=KNOBS, precision="bf16")
+    low, high = budgets(hf_llama())
+    shapes.clear()
+    _, _, first = fit(hf_llama(), IDS, budget=high, profiles=kept, **kw)
+    assert shapes == [(4, 64), (4, 64)] and len(kept) == 1  # the model and its bf16 copy, kept as one entry
+    _, _, again = fit(hf_llama(), IDS, budget=high, profiles=kept, **kw)
+    _, _, lower = fit(hf_llama(), IDS, budget=(low + high) // 2, profiles=kept, **kw)
+    assert len(shapes) == 2 and again == first  # planned from the kept profiles
+    _, _, fresh = fit(hf_llama(), IDS, budget=(low + high) // 2, **kw)
+    assert len(shapes) == 4 and lower == fresh  # (the analytic profile is exact: a fresh one plans alike)
+    fit(hf_llama(), IDS[:2], budget=high, profiles=kept, **kw)
+    fit(hf_llama(), IDS, budget=high, profiles=kept, **{**kw, "precision": "fp32"})
+    assert shapes[4:] == [(2, 64), (2, 64), (4, 64)] and len(kept) == 3

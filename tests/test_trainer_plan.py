@@ -285,6 +285,20 @@ def test_the_tries_of_a_run_that_retried_then_ran_out_of_memory() -> None:
     assert tries[-1] == replace(Try(rewind_metrics=True, plan=first), may_replan=False)
 
 
+def _profiles_measured(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The profiles the run measures (elbowroom.plan.profiler.profile's calls), by their source."""
+    from elbowroom.plan import profiler
+
+    measure, calls = profiler.profile, []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("source", "auto"))
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(profiler, "profile", counted)
+    return calls
+
+
 def _first_try_retries(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
     """The CUDA counters the trainer logs, simulated: the first try's four rows count 5 allocator retries a step
     after the first row, the later tries' none."""
@@ -316,11 +330,13 @@ def test_early_allocator_retries_replan_lower_and_keep_one_curve(tmp_path: Path,
     _first_try_retries(monkeypatch, budget)
     built = _models_collected_before(monkeypatch, "replan_after_retries")
     caps = _caps(monkeypatch)
+    measured = _profiles_measured(monkeypatch)
     out = tmp_path / "retries"
     no_decay = ("--optimizer.weight_decay", "0")
     with caplog.at_level("WARNING"):
         assert run(out, "--steps", "6", "--budget", str(budget), "--logging.log_every", "1", *no_decay) == 0
     assert caplog.text.count("kept the allocator retrying") == 1 and len(built) == 2
+    assert len(measured) == 1  # the re-plan planned from the first try's profile
     lower = json.loads((out / "plan.json").read_text())["budget_bytes"]  # the run's plan is the lower one
     assert lower == BudgetWatch(None).lower_budget(budget) == budget - budget // 10  # (a tenth: under 5 GiB)
     assert caps == [(budget, budget), (lower, budget)]  # capped at --budget both times

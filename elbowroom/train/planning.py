@@ -23,7 +23,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -163,12 +163,13 @@ def check_plan(plan: Plan, cfg: Config, amp_dtype: torch.dtype) -> None:
 def plan_for_budget(
     model: nn.Module, sample: dict[str, Any], cfg: Config, fused_loss: bool, amp_dtype: torch.dtype,
     shared_link: tuple[float, float, float] | None = None, budget: int | None = None,
-    beat_seconds: float | None = None,
+    beat_seconds: float | None = None, profiles: dict[Any, Any] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, Plan]:
     """Profile ``model`` on ``sample`` (a training micro-batch), plan it into ``--budget`` (or ``budget`` bytes, a
     re-plan's, below it) and apply the plan. ``shared_link``: the link with every rank of the host copying
     (``DistributedRun.plan_once`` measures it). ``beat_seconds``: a plan that does not predict a shorter step is
-    refused before it is applied (:class:`NoFasterPlan`).
+    refused before it is applied (:class:`NoFasterPlan`). ``profiles``: the run's earlier tries' measurements, which
+    a re-plan plans from (``fit``'s ``profiles``).
 
     Under FSDP2 the plan is one rank's and only its first half is applied here: the optimizer is None, built after
     sharding (:func:`plan_optimizer`). The budget too small for any plan is a ConfigError whose one line names the
@@ -206,6 +207,7 @@ def plan_for_budget(
             host_memory=cfg.host_budget,
             watch=False,  # the trainer's own BudgetWatch reads its logged rows
             before_apply=None if beat_seconds is None else functools.partial(refuse_slower, beat_seconds=beat_seconds),
+            profiles=profiles,
             **_adamw_kwargs(cfg),
         )
     except BudgetError as e:
@@ -462,6 +464,9 @@ class Try:
     goes back to the plan that retried (:class:`NoFasterPlan`)."""
     plan: Plan | None = None
     """The plan to train under, as ``--plan`` gives one: the plan that retried, gone back to (no re-plan)."""
+    profiles: dict[Any, Any] = field(default_factory=dict, compare=False)
+    """The profiles the run's tries measured, one dict through them all: a re-plan plans from the first try's
+    measurement (``fit``'s ``profiles``), not measuring the model again."""
 
 
 class NoFasterPlan(ConfigError):
@@ -515,10 +520,12 @@ def with_replans(cfg: Config, train_once: Callable[[Config, Try], T]) -> T:
         try:
             return train_once(cfg, attempt)
         except EarlyOutOfMemory as e:
-            attempt = Try(plan_budget=replan_after_oom(e), rewind_metrics=attempt.rewind_metrics or e.started)
+            attempt = Try(plan_budget=replan_after_oom(e), rewind_metrics=attempt.rewind_metrics or e.started,
+                          profiles=attempt.profiles)
         except EarlyStepsRetrying as e:
             retried = e.plan
-            attempt = Try(plan_budget=replan_after_retries(e), rewind_metrics=True, beat_seconds=e.step_seconds)
+            attempt = Try(plan_budget=replan_after_retries(e), rewind_metrics=True, beat_seconds=e.step_seconds,
+                          profiles=attempt.profiles)
         except ConfigError as e:
             if retried is None or settled:
                 raise

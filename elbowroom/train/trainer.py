@@ -580,7 +580,8 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
         model, optimizer, plan = run.plan_once(plan_for_budget, apply_plan, model, first, cfg, fused_loss=fused_ok,
                                                amp_dtype=amp_dtype, shared_link=link,  # rank 0 plans; all follow
                                                # (a re-plan's budget, below --budget, and the step it must beat)
-                                               budget=attempt.plan_budget, beat_seconds=attempt.beat_seconds)
+                                               budget=attempt.plan_budget, beat_seconds=attempt.beat_seconds,
+                                               profiles=attempt.profiles)  # (a re-plan's: the first try's)
         fwd_model, optimizer = run.wrap(model, optimizer=optimizer, plan=plan)  # (FSDP2: the plan's, over shards)
         if device.type == "cuda":  # the logged peak is the training steps', not the profile's (an unplanned step)
             torch.cuda.empty_cache()
