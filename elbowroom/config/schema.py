@@ -281,7 +281,9 @@ class Config:
     taken)."""
     resume: bool = False
     """Continue from the newest valid checkpoint in OUT/checkpoints, with the run's saved OUT/config.toml; other options
-    may change only its length, evaluation, checkpoints, logging and memory layout."""
+    may change only its length, evaluation, checkpoints, logging and memory layout (by hand: [activations] and the
+    optimizer's offload; a run planned by --budget keeps its OUT/plan.toml, and one trained without a plan takes
+    neither --budget nor --plan)."""
     budget: str | None = None
     """Device memory for one training step ("24GiB", "512MiB"): the planner chooses recompute, offload, optimizer
     placement and precision with elbowroom.plan.fit before step 1 (writes OUT/plan.toml and OUT/plan.json)."""
