@@ -55,6 +55,8 @@ def test_round_trip_through_toml(tmp_path) -> None:
         (["--optimizer.offload_param_dtype", "fp8"], "offload_param_dtype must be one of float32, bfloat16"),
         (["--optimizer.offload_fraction", "0.5", "--optimizer.param_dtype", "bfloat16",
           "--optimizer.offload_param_dtype", "bfloat16"], "drop --optimizer.offload_param_dtype"),
+        (["--steps", "5", "--profile.steps", "30-40"],
+         r"--profile.steps 30-40 lies past the run's last step, 5: nothing would be recorded; pass steps from 1 to 5"),
     ],
 )
 def test_bad_values_name_the_problem(args, message) -> None:

@@ -15,7 +15,7 @@ from typing import Literal
 from elbowroom.activations.policy import ActivationConfig
 from elbowroom.distributed.config import ParallelConfig
 from elbowroom.optim.config import CPUOffloadConfig
-from elbowroom.report.config import RecordConfig
+from elbowroom.report.config import RecordConfig, parse_steps
 
 
 class ConfigError(ValueError):
@@ -319,6 +319,11 @@ class Config:
             raise ConfigError("train.fused_loss needs elbowroom's own models (it reads their head); drop "
                               "--train.fused_loss with --model.hf")
         _check_qat_and_distill(self)
+        recorded = parse_steps(self.profile.steps)
+        if recorded and min(recorded) > self.train.steps:
+            last = self.train.steps
+            raise ConfigError(f"--profile.steps {self.profile.steps} lies past the run's last step, {last}: nothing "
+                              f"would be recorded; pass steps from 1 to {last}")
         if self.budget is not None and self.plan is not None:
             raise ConfigError("--budget plans the run and --plan applies a saved plan: drop one of them")
         if self.host_budget is not None and self.budget is None:
