@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 import time
 
 import pytest
@@ -62,6 +63,12 @@ def test_impossible_budget_names_the_minimum() -> None:
     plan_for(p, low)  # the minimum itself plans
     with pytest.raises(BudgetError):
         plan_for(p, low - (64 << 20))
+    # a budget just under the minimum reads below it, with the decimals (or bytes) that tell them apart
+    for under in (low - (8 << 20), low - (64 << 10)):
+        with pytest.raises(BudgetError) as e:
+            plan_for(p, under)
+        said, minimum = re.match(r"budget (.+) is below the minimum (.+?):", str(e.value)).groups()
+        assert said != minimum, str(e.value)
     # bf16 weights lower the minimum
     assert _minimum(p, precision="bf16") < low
 

@@ -85,15 +85,24 @@ class BudgetError(ValueError):
         return " ".join(text.replace(" ()", "").split())  # (a hint mapped to "" leaves two spaces)
 
 
-def _gib(n: float) -> str:
+def _gib(n: float, digits: int = 1) -> str:
     """Bytes in the unit that shows them: GiB from 0.1 GiB, else MiB (a small model's "0.0 GiB" says nothing)."""
     if n >= 0.1 * 2**30:
-        return f"{n / 2**30:.1f} GiB"
+        return f"{n / 2**30:.{digits}f} GiB"
     if n >= 0.1 * 2**20:
-        return f"{n / 2**20:.1f} MiB"
+        return f"{n / 2**20:.{digits}f} MiB"
     if n <= 0:
         return "0 B"
-    return f"{n / 2**10:.1f} KiB"
+    return f"{n / 2**10:.{digits}f} KiB"
+
+
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` as :func:`_gib` writes them, with as many decimals as it takes to tell them apart (a budget
+    0.4% below its minimum read "budget 2.6 MiB is below the minimum 2.6 MiB"), in bytes past three."""
+    for digits in (1, 2, 3):
+        if _gib(a, digits) != _gib(b, digits):
+            return _gib(a, digits), _gib(b, digits)
+    return f"{a:,.0f} bytes", f"{b:,.0f} bytes"
 
 
 @dataclass(frozen=True)
@@ -724,10 +733,12 @@ def _budget_error(
     if global_batch is None and profile.micro_batch > 1:
         hints.append("global_batch= lets the planner split the batch into micro-batches")
     if usable is not None and usable < budget:  # planned for the device's memory (plan_for's note)
-        msg = (f"budget {_gib(budget)} is above the {_gib(usable)} of {profile.machine.name}, which is below the "
-               f"minimum {_gib(low)}: " + "; ".join(parts))
+        usable_text, low_text = _apart(usable, low)
+        msg = (f"budget {_gib(budget)} is above the {usable_text} of {profile.machine.name}, which is below the "
+               f"minimum {low_text}: " + "; ".join(parts))
     else:
-        msg = f"budget {_gib(budget)} is below the minimum {_gib(low)}: " + "; ".join(parts)
+        budget_text, low_text = _apart(budget, low)
+        msg = f"budget {budget_text} is below the minimum {low_text}: " + "; ".join(parts)
     if hints:
         msg += " (" + "; ".join(hints) + ")"
     return BudgetError(msg, low)
