@@ -451,7 +451,11 @@ def test_unknown_device_lists_known_ones() -> None:
 
 def test_measure_machine_cpu_cached(tmp_path) -> None:
     small = {"matmul_size": 128, "copy_bytes": 1 << 20, "adam_numel": 10_000, "repeats": 1}
+    torch.manual_seed(7)
     prof = measure_machine("cpu", cache_dir=tmp_path, **small)
+    drawn = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(drawn, torch.rand(4))  # measured, it drew nothing from the global RNG (a run's dropout)
     assert prof.source == "measured" and prof.name == "cpu" and prof.matmul_flops > 0
     assert prof.h2d_bandwidth == 0 and prof.host_adam_params_per_s > 0
     (path,) = tmp_path.glob("machine-*.json")

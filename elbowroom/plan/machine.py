@@ -165,8 +165,9 @@ def describe(m: MachineProfile) -> str:
 
 
 def _measure_cpu(n: int, copy_bytes: int, adam_numel: int, repeats: int) -> MachineProfile:
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
+    g = torch.Generator().manual_seed(0)  # (not the global RNG: a measurement leaves the caller's draws alone)
+    a = torch.randn(n, n, generator=g)
+    b = torch.randn(n, n, generator=g)
     t = _best_time(lambda: torch.mm(a, b), lambda: None, repeats)
     src = torch.empty(copy_bytes // 4)
     dst = torch.empty_like(src)
@@ -182,8 +183,9 @@ def _measure_cpu(n: int, copy_bytes: int, adam_numel: int, repeats: int) -> Mach
 
 
 def _cuda_matmul_rate(dev: torch.device, n: int, repeats: int, sync: Callable[[], None]) -> float:
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    g = torch.Generator(device=dev).manual_seed(0)  # (not the device's global RNG)
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16, generator=g)
     iters = 10
 
     def matmuls() -> None:

@@ -179,8 +179,8 @@ def plan_for_budget(
 
     if sharded(cfg):
         return _plan_for_rank(model, sample, cfg, fused_loss, amp_dtype, shared_link)
-    # measuring the machine draws random matrices from the global RNG (the profile itself restores it): the
-    # run's dropout stream must be the one an unplanned run with this seed draws
+    # the run's dropout stream must be the one an unplanned run with this seed draws: the profile restores the RNG
+    # and the machine's measurement draws from its own generator; this keeps it so whatever planning draws
     rng = torch.get_rng_state()
     try:
         return fit(
@@ -244,7 +244,7 @@ def _plan_for_rank(model: nn.Module, sample: dict[str, Any], cfg: Config, fused_
     from elbowroom.plan.fit import planned_compile_options
     from elbowroom.plan.ranks import as_fsdp_computes, per_rank_profile, with_host_memory
 
-    rng = torch.get_rng_state()  # as in plan_for_budget: the machine's measurement draws from the global RNG
+    rng = torch.get_rng_state()  # as in plan_for_budget: the run's dropout stream stays an unplanned run's
     try:
         # priced on the blocks as they will run (trainer.compile_model compiles a planned model so)
         compiled = planned_compile_options() if cfg.train.compile else False
