@@ -202,6 +202,21 @@ def test_state_dict_right_after_step_has_the_updated_weights() -> None:
         opt.close()
 
 
+def test_a_plan_applied_again_while_the_first_optimizer_is_open_is_refused_until_it_is_closed() -> None:
+    """A second apply to the same model, the first optimizer kept open, is refused and says why (it built, then
+    failed in the second step with "became final twice before step()", pointing at gradient accumulation); once the
+    first is closed, the plan applies again and trains like plain."""
+    model, ref = tiny(), tiny()
+    model, first = apply(model, hand_plan(4), torch.optim.AdamW, offload_config=KNOBS, lr=1e-2)
+    with pytest.raises(ValueError, match=r"already belongs to an open CPUOffloadOptimizer.*call that optimizer's "
+                                         r"close\(\).*elbowroom.apply of another plan"):
+        apply(model, hand_plan(4), torch.optim.AdamW, offload_config=KNOBS, lr=1e-2)
+    first.close()
+    model, again = apply(model, hand_plan(4), torch.optim.AdamW, offload_config=KNOBS, lr=1e-2)
+    assert run(model, again, 3) == pytest.approx(run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3), rel=1e-5)
+    again.close()
+
+
 def test_block_count_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match="the plan has 3 blocks but the model has 4: plan again"):
         apply(tiny(), hand_plan(3), offload_config=KNOBS, lr=1e-3)

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from elbowroom.optim import clipping, early_state, masters, shards
 from elbowroom.optim import state_dict as sd_mapping
@@ -74,6 +75,26 @@ from elbowroom.optim.stats import StepStats
 __all__ = ["CPUOffloadConfig", "CPUOffloadOptimizer"]
 
 logger = logging.getLogger(__name__)
+
+
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""The CPUOffloadOptimizer, weakly, whose gradient hook each hooked parameter carries."""
+
+
+def _check_unowned(optimizer: CPUOffloadOptimizer, params: list[torch.Tensor]) -> None:
+    """Refuse ``params`` where an open CPUOffloadOptimizer hooks one: its hook would still fire on this optimizer's
+    gradients (a second ``elbowroom.apply`` of a plan to the same model, the first optimizer kept, failed in its
+    second step with "became final twice before step()", which sent the user to gradient accumulation)."""
+    for i, p in enumerate(params):
+        owner = _OWNERS.get(p)
+        other = owner() if owner is not None else None
+        finalizer = getattr(other, "_finalizer", None)  # (None: its construction failed before its hooks)
+        if other is not None and other is not optimizer and finalizer is not None and finalizer.alive:
+            raise ValueError(
+                f"parameter {i} ({tuple(p.shape)}) already belongs to an open CPUOffloadOptimizer, whose gradient "
+                "hooks it carries: call that optimizer's close() (or drop every reference to it) before building "
+                "another over the same parameters, such as elbowroom.apply of another plan to the same model"
+            )
 
 
 class CPUOffloadOptimizer(Optimizer):
@@ -216,6 +237,7 @@ class CPUOffloadOptimizer(Optimizer):
         )
         super().__init__(groups, defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]
+        _check_unowned(self, all_params)
 
         self._streams = Streams(self.device, cfg.cast_chunk_bytes)
         self._host = HostMemory(pin=self._streams.cuda)
@@ -280,6 +302,7 @@ class CPUOffloadOptimizer(Optimizer):
             if hp.owner.requires_grad and self.config.overlap and not self._after_reduction:
                 self._grad_hooks.append(hp.owner.register_post_accumulate_grad_hook(grad_hook(self, hp)))
                 self._hooks.append(self._grad_hooks[-1])
+                _OWNERS[hp.owner] = weakref.ref(self)
         return new
 
     def close(self) -> None:
