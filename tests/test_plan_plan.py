@@ -139,3 +139,11 @@ def test_importing_the_planner_is_cheap() -> None:
         "assert 'elbowroom.optim.offload' not in sys.modules and 'elbowroom.activations.offload' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_the_table_says_autocast_only_where_the_step_computes_below_fp32() -> None:
+    # a CPU profile of an fp32 model computes in fp32: its plan's table said "fp32 weights under autocast"
+    for compute, says in (("bfloat16", "weights: fp32 weights under autocast"),
+                          ("float32", "weights: fp32 weights, computed in fp32")):
+        plan = plan_for(make_profile(n_layers=4, compute_dtype=compute), 80 * GiB)
+        assert plan.weight_dtype == "float32" and says in plan.table()

@@ -129,10 +129,13 @@ def fit(
       model in bf16 autocast may also go).
 
     Everything else needs nothing: gradient clipping with ``torch.nn.utils.clip_grad_norm_(model.parameters(),
-    ...)`` sees every gradient (the plan never frees device gradients early; ``optimizer.clip_grad_norm_`` works
-    too), ``optimizer.step()`` / ``zero_grad()`` / ``state_dict()`` / LR schedulers behave as torch's, and each
-    block waits for its own updated weights in forward. Weights read outside their module's forward (a tied
-    weight used functionally, evaluation that bypasses ``forward``) need ``optimizer.wait_for(weight)`` first.
+    ...)`` sees every gradient (the plan never frees device gradients early), ``optimizer.step()`` / ``zero_grad()``
+    / ``state_dict()`` / LR schedulers behave as torch's, and each block waits for its own updated weights in
+    forward. Weights read outside their module's forward (a tied weight used functionally, evaluation that bypasses
+    ``forward``) need ``optimizer.wait_for(weight)`` first. ``clip_grad_norm_``, ``accumulating`` and ``wait_for``
+    are a :class:`~elbowroom.optim.CPUOffloadOptimizer`'s; a plan that keeps every optimizer state on the device
+    returns torch's own optimizer, which needs none of them (``hasattr(optimizer, "accumulating")`` tells a loop
+    written for every budget which it has).
 
     A plan fits ``budget`` in what its steps allocate, with the allocator's overhead as the profile measured it;
     the steps of a plan that mixes recompute, host-stepped and streamed blocks can hold more (the 7B shape: 3.2-5.0

@@ -297,8 +297,9 @@ class Plan:
         ]
         if self.layout:
             lines.append(f"layout: {self.layout}")
+        autocast = p.compute_dtype != "float32"  # (a CPU profile of an fp32 model computes in fp32: no autocast)
         weights = ("bf16 weights, fp32 masters in the optimizer (no autocast)" if self.weight_dtype == "bfloat16"
-                   else "fp32 weights under autocast")
+                   else f"fp32 weights{' under autocast' if autocast else ', computed in fp32'}")
         if self.weight_dtype == "float32" and self.offload_param_dtype == "bfloat16" and self.offloads_optimizer:
             weights += "; offloaded weights bf16 on the device, fp32 masters on the host"
         lines.append(f"weights: {weights}")
