@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from dataclasses import replace as dataclasses_replace
 
 import pytest
 import torch
@@ -215,6 +216,26 @@ def test_a_plan_applied_again_while_the_first_optimizer_is_open_is_refused_until
     model, again = apply(model, hand_plan(4), torch.optim.AdamW, offload_config=KNOBS, lr=1e-2)
     assert run(model, again, 3) == pytest.approx(run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3), rel=1e-5)
     again.close()
+
+
+def test_bf16_offloaded_copies_in_a_plan_profiled_in_fp32_are_refused() -> None:
+    """A hand edit the planner never makes (it keeps offloaded weights fp32 where the step computes in fp32): bf16
+    device copies without autocast failed in the first matmul with a dtype mismatch; apply now says why first, the
+    model untouched."""
+    from elbowroom.plan.plan import ProfileSummary
+
+    model = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    edited = hand_plan(4, offload_param_dtype="bfloat16", profile=ProfileSummary(compute_dtype="float32"))
+    with pytest.raises(ValueError, match=r"offloaded weights in bf16 .* profiled computing in float32: set "
+                                         r'offload_param_dtype = "float32"'):
+        apply(model, edited, torch.optim.AdamW, offload_config=KNOBS, lr=1e-2)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    # profiled under bf16 compute, the same plan applies
+    model, opt = apply(model, dataclasses_replace(edited, profile=ProfileSummary(compute_dtype="bfloat16")),
+                       torch.optim.AdamW, offload_config=KNOBS, lr=1e-2)
+    opt.close()
 
 
 def test_block_count_mismatch_is_refused() -> None:

@@ -171,6 +171,18 @@ def install(
     return model
 
 
+def _check_offloaded_dtype(plan: Plan) -> None:
+    """Refuse bf16 device copies of offloaded fp32 weights in a plan profiled computing in fp32 (a hand edit: the
+    planner chooses them only under bf16 compute): a loop without autocast fails in its first matmul with a dtype
+    mismatch."""
+    if (plan.weight_dtype == "float32" and plan.offload_param_dtype == "bfloat16" and plan.offloads_optimizer
+            and plan.profile.compute_dtype == "float32"):
+        raise ValueError("the plan keeps its offloaded weights in bf16 on the device, which needs the step under bf16 "
+                         "autocast, but it was profiled computing in float32: set offload_param_dtype = \"float32\" "
+                         "in the plan, or profile and plan the loop as it runs (under torch.autocast, "
+                         "compute_dtype=torch.bfloat16)")
+
+
 def _check_streaming(plan: Plan, optimizer_class: type[torch.optim.Optimizer], opt_kwargs: dict[str, Any]) -> None:
     """Refuse a plan that streams blocks for an optimizer that cannot step them on the device."""
     if plan.optimizer_stream_blocks and not can_stream(optimizer_class, opt_kwargs):
@@ -312,6 +324,7 @@ def apply(
             is not Adam or AdamW (or uses AMSGrad).
     """
     _check_streaming(plan, optimizer_class, opt_kwargs)  # (before the model changes)
+    _check_offloaded_dtype(plan)
     install(model, plan, blocks=blocks, reentrant=reentrant)
     opt = build_optimizer(model, plan, optimizer_class, blocks=blocks, offload_config=offload_config,
                           param_groups=param_groups, **opt_kwargs)
