@@ -270,6 +270,11 @@ def test_a_model_returning_its_loss_or_a_triple_batch_is_told_to_pass_loss_fn() 
         _quick(model, ids, dtype=torch.float32, blocks="inner.blocks")
     with pytest.raises(TypeError, match=r"\(inputs, targets\), not 3 items; pass loss_fn="):
         _quick(model.inner, (ids, ids, ids), dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"loss_fn\(model, batch\) must return the scalar loss, not a tensor of "
+                                        r"shape \(\d+, \d+\): reduce it"):
+        _quick(model, ids, dtype=torch.float32, blocks="inner.blocks",
+               loss_fn=lambda m, batch: F.cross_entropy(m.inner(batch).transpose(1, 2).float(), batch,
+                                                        reduction="none"))
     # the fix the messages name works
     own = _quick(model, ids, dtype=torch.float32, blocks="inner.blocks", loss_fn=lambda m, batch: m(batch))
     assert len(own.blocks) == 2 and all(sum(b.saved_bytes.values()) > 0 for b in own.blocks)

@@ -167,7 +167,13 @@ class _Step:
     def __call__(self) -> torch.Tensor:
         model, batch = self.model, self.batch
         if self.loss_fn is not None:
-            return self.loss_fn(model, batch)
+            loss = self.loss_fn(model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                tensor = isinstance(loss, torch.Tensor)
+                got = f"a tensor of shape {tuple(loss.shape)}" if tensor else f"a {type(loss).__name__}"
+                raise TypeError(f"loss_fn(model, batch) must return the scalar loss, not {got}: reduce it (e.g. "
+                                ".mean()) inside loss_fn")
+            return loss
         if isinstance(batch, Mapping):
             out = model(**{**self.extra, **batch})
             loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
