@@ -115,10 +115,7 @@ def cmd_train(argv: list[str]) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one outside a save: the previous checkpoint stands
         logging.getLogger("elbowroom").warning("aborted; %s", _what_stands(cfg.out))
         return 128 + signal.SIGINT
-    if result.interrupted:
-        logging.getLogger("elbowroom").warning(
-            "interrupted at step %d; checkpoint saved in %s; continue with --resume", result.step, result.out
-        )
+    if result.interrupted:  # (the trainer said where it stopped and what it saved)
         return 128 + (result.signal or signal.SIGTERM)
     return 0
 

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -794,7 +795,13 @@ def _train(cfg: Config, run: DistributedRun, attempt: Try) -> TrainResult:
                 if stopping:
                     result.interrupted = True
                     result.signal = stop.received
-                    log.warning("stopped by signal at step %d; continue with --resume", step)
+                    name = signal.Signals(stop.received).name if stop.received else "a signal"
+                    if cfg.checkpoint.enabled:
+                        log.warning("stopped by %s at step %d, its checkpoint saved; continue with --resume --out %s",
+                                    name, step, out)
+                    else:
+                        log.warning("stopped by %s at step %d; checkpoints are off (--checkpoint.enabled false): "
+                                    "nothing to resume", name, step)
                     break
     except torch.OutOfMemoryError as e:  # leave what was live, against the plan's prediction, then fail as before
         if replannable and may_start_over(cfg, step):
