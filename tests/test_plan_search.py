@@ -12,7 +12,7 @@ import time
 import pytest
 from test_plan_support import GiB, make_profile
 
-from elbowroom.plan import BudgetError, cost, knapsack, options, plan_for, search
+from elbowroom.plan import BudgetError, budget_error, cost, knapsack, options, plan_for, search
 
 
 def _minimum(profile, **kw) -> int:
@@ -396,7 +396,7 @@ def test_budget_hints_name_fit_s_keywords() -> None:
     with pytest.raises(BudgetError) as e:
         plan_for(make_profile(), 4 * GiB)
     text = str(e.value)
-    assert search.FUSED_LOSS_HINT in text and "fused_loss_allowed" not in text
+    assert budget_error.FUSED_LOSS_HINT in text and "fused_loss_allowed" not in text
     for keyword in ("fused_loss", "precision", "global_batch"):
         assert f"{keyword}=" in text and keyword in inspect.signature(fit).parameters
     # a front end's mapping keyed by the hint as it read before still maps it (the trainer's, until it changes)

@@ -20,6 +20,7 @@ from test_plan_support import GiB, make_profile
 from elbowroom.optim import CPUOffloadConfig
 from elbowroom.plan import BudgetError, Plan, apply, cost, phases, plan_for, streaming
 from elbowroom.plan import host_pipeline as pipeline
+from elbowroom.plan.budget_error import size_text
 from elbowroom.plan.cli import cmd_plan
 from elbowroom.plan.cost import Decisions, Option
 from elbowroom.plan.host_pipeline import (
@@ -574,7 +575,7 @@ def test_a_plan_the_host_binds_says_what_more_host_memory_would_buy() -> None:
     assert free.predicted_step_seconds < (1 - search.HOST_NOTE_GAIN) * plan.predicted_step_seconds
     note = [n for n in plan.notes if "binds this plan" in n]
     assert len(note) == 1 and plan.host_bytes >= search.HOST_BINDS * host
-    assert f"with {search._gib(free.host_bytes)} of host memory" in note[0]
+    assert f"with {size_text(free.host_bytes)} of host memory" in note[0]
     assert f"would take {free.predicted_step_seconds * 1e3:.0f} ms ({plan.predicted_step_seconds * 1e3:.0f} here)" in (
         note[0])
     assert dataclasses.replace(plan, notes=()) == dataclasses.replace(

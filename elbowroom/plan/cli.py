@@ -442,7 +442,7 @@ def _shared_link(value: str | None, ranks: int) -> tuple[float, float, float] | 
     return rates[0] * 1e9, rates[1] * 1e9, rates[2] * 1e9
 
 
-_FUSED = "fused_loss=True (elbowroom.linear_cross_entropy) shrinks the head and loss"  # search.FUSED_LOSS_HINT
+_FUSED = "fused_loss=True (elbowroom.linear_cross_entropy) shrinks the head and loss"  # budget_error.FUSED_LOSS_HINT
 _HINTS = {
     "global_batch= lets the planner split the batch into micro-batches":
         "--global-batch lets the planner split the batch into micro-batches",

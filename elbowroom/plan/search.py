@@ -27,6 +27,8 @@ The bound is loose where gradients meet activations (it adds every kept byte to 
 pass (:func:`_refine`) tries larger capacities of a fixed grid for the outer choices that could still win, and
 keeps the largest whose exact peak fits. It assumes the exact peak grows with the capacity, which holds in all but
 corner cases; the monotonicity tests sweep budgets over fixed and random models to hold it to that.
+
+Where no plan fits, the search finds the minimum and its parts; :mod:`elbowroom.plan.budget_error` words the error.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from elbowroom.plan import cost, options, phases, streaming
+from elbowroom.plan.budget_error import WAITING, BudgetError, budget_error, margin_part, min_budget, size_text
 from elbowroom.plan.cost import OPTIONS, Decisions, Option
 from elbowroom.plan.host_pipeline import OPTIMIZER_LINK_BYTES_PER_PARAM, host_rate, stream_link_seconds
 from elbowroom.plan.knapsack import KEEP, Knapsack
@@ -56,53 +59,6 @@ _MAX_OFFLOAD_STEPS = 48
 """Most optimizer placements tried (every block count when the model has fewer blocks)."""
 _REFINE_GRID = 48
 """Capacities tried above the bound's, per outer choice: ``M j / _REFINE_GRID`` (never depends on the budget)."""
-
-
-FUSED_LOSS_HINT = "fused_loss=True (elbowroom.linear_cross_entropy) shrinks the head and loss"
-"""The hint a BudgetError gives where the fused head and loss was not allowed, in ``fit``'s terms (its keyword)."""
-_RENAMED_HINTS = {"fused_loss_allowed=True (elbowroom.linear_cross_entropy) shrinks the head and loss":
-                  FUSED_LOSS_HINT}
-"""Hints as they read before, which front ends' mappings may still name: :meth:`BudgetError.reworded` reads them
-as the hints that replaced them."""
-
-
-class BudgetError(ValueError):
-    """The budget is below what any plan needs; the message names the minimum and what dominates it."""
-
-    def __init__(self, message: str, minimum_bytes: int) -> None:
-        super().__init__(message)
-        self.minimum_bytes = minimum_bytes
-
-    def reworded(self, names: dict[str, str], refused: tuple[str, ...] = ()) -> str:
-        """The message on one line in a front end's terms: its hints name ``fit``'s arguments, ``names`` maps each
-        hint to the front end's wording, and the reworded hints in ``refused`` (settings that front end refuses
-        here) are left out, since they are no way out."""
-        text = " ".join(str(self).split())
-        for api, flag in names.items():
-            text = text.replace(_RENAMED_HINTS.get(api, api), flag)
-        for hint in refused:
-            text = text.replace(f"; {hint}", "").replace(f"{hint}; ", "").replace(hint, "")
-        return " ".join(text.replace(" ()", "").split())  # (a hint mapped to "" leaves two spaces)
-
-
-def _gib(n: float, digits: int = 1) -> str:
-    """Bytes in the unit that shows them: GiB from 0.1 GiB, else MiB (a small model's "0.0 GiB" says nothing)."""
-    if n >= 0.1 * 2**30:
-        return f"{n / 2**30:.{digits}f} GiB"
-    if n >= 0.1 * 2**20:
-        return f"{n / 2**20:.{digits}f} MiB"
-    if n <= 0:
-        return "0 B"
-    return f"{n / 2**10:.{digits}f} KiB"
-
-
-def _apart(a: float, b: float) -> tuple[str, str]:
-    """``a`` and ``b`` as :func:`_gib` writes them, with as many decimals as it takes to tell them apart (a budget
-    0.4% below its minimum read "budget 2.6 MiB is below the minimum 2.6 MiB"), in bytes past three."""
-    for digits in (1, 2, 3):
-        if _gib(a, digits) != _gib(b, digits):
-            return _gib(a, digits), _gib(b, digits)
-    return f"{a:,.0f} bytes", f"{b:,.0f} bytes"
 
 
 @dataclass(frozen=True)
@@ -364,7 +320,7 @@ def plan_for(
     cuda_like = allocator_allowed and m.name.lower() != "cpu"
     budget = budget_bytes
     if m.device_memory_bytes > 0 and budget > m.device_memory_bytes:
-        notes.append(f"budget {_gib(budget_bytes)} is above the device's {_gib(m.device_memory_bytes)}: "
+        notes.append(f"budget {size_text(budget_bytes)} is above the device's {size_text(m.device_memory_bytes)}: "
                      "planned for the device's memory")
         budget = int(m.device_memory_bytes)
 
@@ -477,10 +433,10 @@ def plan_for(
                                 unheld = base + least + _bound_extra(g, s, e, ks.level_off[li], li == 0,
                                                                      prefetch_window_bytes, streamed=False)
                                 if host_need <= host_mem:
-                                    streamed_least.append((_min_budget(profile, unheld, expandable), unheld, need,
+                                    streamed_least.append((min_budget(profile, unheld, expandable), unheld, need,
                                                            outer, li, w, ks, g))
                                 loose = unheld + margin <= budget
-                            need_budget = _min_budget(profile, need, expandable)
+                            need_budget = min_budget(profile, need, expandable)
                             if unhosted is None or need_budget < unhosted[0]:
                                 unhosted = (need_budget, host_need)
                             if host_need > host_mem:
@@ -489,7 +445,7 @@ def plan_for(
                                 minimum = (need_budget, outer, {
                                     **_minimum_parts(profile, d, g, s, e, ks.level_off[li], li == 0,
                                                      prefetch_window_bytes, fixed, need),
-                                    **_margin_part(profile, need, need_budget, expandable)})
+                                    **margin_part(profile, need, need_budget, expandable)})
                             cap = int(math.floor((budget - margin - fixed) / (k_in * ks.unit0 * s)))
                             if cap < ks.min_units[li]:
                                 # every capacity from the least up, at their exact phases: the fastest this choice
@@ -513,7 +469,7 @@ def plan_for(
     best = _refine(profile, best, admitted, budget, decisions, prefetch_window_bytes)
     if best is None:
         minimum = _exact_minimum(profile, minimum, streamed_least, budget, decisions, prefetch_window_bytes)
-        raise _budget_error(
+        raise budget_error(
             profile, budget_bytes, minimum, precision, layouts, opt_ok, global_batch, fused_loss_allowed,
             offload_config, unhosted=unhosted, usable=budget,
         )
@@ -557,8 +513,8 @@ def _with_host_note(profile: Profile, budget_bytes: int, plan: Plan, kw: dict[st
         return plan
     if roomy.predicted_step_seconds > (1.0 - HOST_NOTE_GAIN) * plan.predicted_step_seconds:
         return plan
-    note = (f"the host's {_gib(host)} binds this plan ({_gib(plan.host_bytes)} used): with "
-            f"{_gib(roomy.host_bytes)} of host memory the step would take "
+    note = (f"the host's {size_text(host)} binds this plan ({size_text(plan.host_bytes)} used): with "
+            f"{size_text(roomy.host_bytes)} of host memory the step would take "
             f"{roomy.predicted_step_seconds * 1e3:.0f} ms ({plan.predicted_step_seconds * 1e3:.0f} here)")
     return replace(plan, notes=(*plan.notes, note))
 
@@ -610,10 +566,10 @@ def _exact_minimum(profile: Profile, minimum: tuple | None, candidates: list, bu
             break
         d = decisions(outer, tuple(ks.picked(li, w, ks.min_units[li])))
         need = max(unheld, _exact_need(profile, d, g, budget, window))
-        need_budget = _min_budget(profile, need, outer.expandable)
+        need_budget = min_budget(profile, need, outer.expandable)
         if need < bound_need and (minimum is None or need_budget < minimum[0]):
             minimum = (need_budget, outer, {**_exact_parts(profile, d, budget, window),
-                                            **_margin_part(profile, need, need_budget, outer.expandable)})
+                                            **margin_part(profile, need, need_budget, outer.expandable)})
     return minimum
 
 
@@ -641,10 +597,6 @@ def _most_optimizer_host_bytes(profile: Profile, opt_ok: bool, gradients_out: bo
     return cost.globals_for(profile, d).host_bytes
 
 
-_WAITING = "offloaded gradients waiting for their copy"
-"""The breakdown's name for :func:`cost.gradient_backlog_bytes` (``offload_gradients``)."""
-
-
 def _minimum_parts(profile: Profile, d: Decisions, g: cost.Globals, s: float, e: float, off: float, level0: bool,
                    window: int, fixed: float, need: float) -> dict[str, int]:
     """What the smallest plan's bound consists of, for the BudgetError. The gradients of host-stepped parameters that
@@ -659,89 +611,11 @@ def _minimum_parts(profile: Profile, d: Decisions, g: cost.Globals, s: float, e:
     streamed = share(replace(g, streamed_grads=0)) if g.streamed_grads else 0
     parts = {"model states and optimizer buffers": g.states, "activations at least": int(need - fixed)}
     if waiting:
-        parts[_WAITING] = int(waiting)
+        parts[WAITING] = int(waiting)
     if streamed:
         parts[phases.STREAMED_TERM] = int(streamed)
     parts["head, loss and working memory"] = int(fixed - g.states - waiting - streamed)
     return parts
-
-
-def _margin_part(profile: Profile, need: float, minimum: int, expandable: bool | None) -> dict[str, int]:
-    """The allocator's share of the minimum (the budget above ``need``), named by where it comes from, so that the
-    BudgetError's parts add up to the minimum it names."""
-    measured = cost.measured_margin(profile, expandable) > 0
-    name = ("allocator margin (measured: reserved beyond allocated over the profile's steps)" if measured
-            else "allocator margin (a share of the budget)")
-    return {name: max(0, int(minimum - need))}
-
-
-def _min_budget(profile: Profile, need: float, expandable: bool | None) -> int:
-    """The smallest budget whose usable part (after the allocator's margin) holds ``need`` bytes."""
-    got = cost.measured_margin(profile, expandable)
-    if got > 0:
-        return int(math.ceil(need + got))
-    frac = cost.ALLOCATOR_MARGIN["expandable_segments" if expandable else "default"]
-    b = int(math.ceil(need / (1.0 - frac)))
-    while b - int(frac * b) < need:
-        b += 1
-    return b + 1
-
-
-def _budget_error(
-    profile: Profile,
-    budget: int,
-    minimum: tuple[int, _Outer, dict[str, int]] | None,
-    precision: str,
-    layouts: list[str],
-    opt_ok: bool,
-    global_batch: int | None,
-    fused_allowed: bool,
-    offload_config: Any = None,
-    *,
-    unhosted: tuple[int, int] | None = None,
-    usable: int | None = None,
-) -> BudgetError:
-    n = len(profile.blocks)
-    all_dev = Decisions(offload_config=offload_config, options=(Option(),) * n, offload_blocks=(False,) * n)
-    parts = [f"model states need {_gib(cost.state_bytes(profile, all_dev))} in fp32 AdamW"]
-    if opt_ok:
-        host = replace(all_dev, offload_blocks=(True,) * n, offload_other=True)
-        parts.append(f"with the optimizer on the host: {_gib(cost.state_bytes(profile, host))}")
-        if "bf16" in layouts:
-            parts.append(f"and bf16 device weights: {_gib(cost.state_bytes(profile, replace(host, layout='bf16')))}")
-    host = profile.machine.host_memory_bytes
-    hints = []
-    if unhosted is not None and host > 0 and unhosted[0] < (minimum[0] if minimum is not None else math.inf):
-        whole = cost.globals_for(profile, replace(all_dev, offload_blocks=(True,) * n, offload_other=True)).host_bytes
-        limit = (f"cannot hold the whole optimizer ({_gib(whole)}), which limits the offload" if opt_ok and whole > host
-                 else "limits the offload")
-        hints.append(f"the host's {_gib(host)} {limit}: a host with {_gib(unhosted[1])} of memory (elbowroom plan "
-                     f"--host-memory) lowers the minimum to {_gib(unhosted[0])}")
-    if minimum is None:
-        msg = f"no plan fits the host memory of {profile.machine.name}; " + "; ".join(parts)
-        return BudgetError(msg + (" (" + "; ".join(hints) + ")" if hints else ""), 0)
-    low, outer, comp = minimum
-    top = max(comp, key=lambda k: comp[k])
-    parts.append("the smallest plan: " + ", ".join(f"{k} {_gib(v)}" for k, v in comp.items())
-                 + f" (micro-batch {outer.micro_batch}; {top} dominate)")
-    if comp.get(_WAITING):
-        parts.append(f"the {_WAITING} grow as the micro-batch's backward shortens, which hides less of the copy")
-    if precision == "fp32" and profile.compute_dtype in ("bfloat16", "float16") and opt_ok:
-        hints.append("precision='bf16' allows bf16 device weights")
-    if not fused_allowed:
-        hints.append(FUSED_LOSS_HINT)
-    if global_batch is None and profile.micro_batch > 1:
-        hints.append("global_batch= lets the planner split the batch into micro-batches")
-    if usable is not None and usable < budget:  # planned for the device's memory (plan_for's note)
-        usable_text, low_text = _apart(usable, low)
-        msg = (f"budget {_gib(budget)} is above the {usable_text} of {profile.machine.name}, which is below the "
-               f"minimum {low_text}: " + "; ".join(parts))
-    else:
-        budget_text, low_text = _apart(budget, low)
-        msg = f"budget {budget_text} is below the minimum {low_text}: " + "; ".join(parts)
-    if hints:
-        msg += " (" + "; ".join(hints) + ")"
-    return BudgetError(msg, low)
 
 
 COMPILED_NOTE = "priced on the blocks compiled, as they run (compile_blocks)"
